@@ -1,0 +1,1 @@
+"""The one source of truth for trainmedic's events, topics and keys."""

@@ -1,0 +1,46 @@
+"""orjson serialization with typed, field-naming decode errors."""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import orjson
+from pydantic import ValidationError
+
+from schemas.events import SCHEMA_VERSION, Event
+
+E = TypeVar("E", bound=Event)
+
+
+class DecodeError(ValueError):
+    """A payload that is not a valid event; `field` names where, `problem` what."""
+
+    def __init__(self, event_type: str, field: str, problem: str) -> None:
+        self.event_type = event_type
+        self.field = field
+        self.problem = problem
+        super().__init__(f"invalid {event_type}: field '{field}': {problem}")
+
+
+def encode(event: Event) -> bytes:
+    return orjson.dumps(event.model_dump(mode="json"))
+
+
+def decode(event_type: type[E], payload: bytes | str) -> E:
+    name = event_type.type_name
+    try:
+        data = orjson.loads(payload)
+    except orjson.JSONDecodeError as exc:
+        raise DecodeError(name, "<payload>", f"not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise DecodeError(name, "<payload>", f"expected a JSON object, got {type(data).__name__}")
+    version = data.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise DecodeError(name, "schema_version", f"unsupported version {version!r} (expected {SCHEMA_VERSION})")
+    try:
+        return event_type.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or "<payload>"
+        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+        raise DecodeError(name, field, f"{err['msg']}{more}") from None

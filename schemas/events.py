@@ -1,0 +1,261 @@
+"""Every event that crosses a topic.
+
+Times are float seconds since the Unix epoch (UTC): `event_time` is when the
+thing happened (as well as the source tells), `produced_at` when our component
+published it. Latencies are differences of these.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from schemas.vocab import ActionKind, Category, Mode, ResultStatus, Role, Severity, Source
+
+SCHEMA_VERSION = 1
+
+
+def now() -> float:
+    return time.time()
+
+
+class Event(BaseModel):
+    """Fields every event carries."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    type_name: ClassVar[str] = "event"
+
+    schema_version: Literal[1] = 1  # == SCHEMA_VERSION
+    event_id: str = Field(min_length=1, max_length=200)
+    event_time: float
+    produced_at: float = Field(default_factory=now)
+
+
+# --- signals -----------------------------------------------------------------
+
+
+class GpuMetrics(BaseModel):
+    """One GPU's readings. None means "not supported or not readable", never 0."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    index: int = Field(ge=0)
+    uuid: str | None = None
+    pci_bus_id: str | None = None
+    lost: bool = False  # NVML answered GPU_IS_LOST (or similar) for this GPU
+    error: str | None = None
+    utilization_pct: float | None = None
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+    temperature_c: float | None = None
+    power_w: float | None = None
+    sm_clock_mhz: float | None = None
+    mem_clock_mhz: float | None = None
+    throttle_reasons: list[str] | None = None
+    ecc_sbe_volatile: int | None = None
+    ecc_dbe_volatile: int | None = None
+    ecc_sbe_aggregate: int | None = None
+    ecc_dbe_aggregate: int | None = None
+    retired_pages_pending: bool | None = None
+    remapped_rows_pending: bool | None = None
+    remapped_rows_failed: bool | None = None
+    pcie_replay_count: int | None = None
+    nvlink_errors: int | None = None
+    xid_events: list[int] = Field(default_factory=list)
+
+
+class GpuSample(Event):
+    """One record per node per interval, carrying every GPU of the node."""
+
+    type_name: ClassVar[str] = "gpu_sample"
+    node: str = Field(min_length=1, max_length=128)
+    gpus: list[GpuMetrics]
+    collector: Literal["nvml", "dcgm", "sim"] = "nvml"
+
+
+class LogLine(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    text: str = Field(max_length=65536)
+    ts: float  # when the line was written, or first seen by the tailer
+    rank: int | None = Field(default=None, ge=0)
+    node: str | None = None
+    lineno: int = Field(ge=0)
+
+
+class LogBatch(Event):
+    """Lines of one job's output, in file order, keyed by job id."""
+
+    type_name: ClassVar[str] = "log_batch"
+    job_id: str = Field(min_length=1, max_length=64)
+    source: str  # file path or stream name
+    job_nodes: list[str] = Field(default_factory=list)
+    partition: str | None = None
+    lines: list[LogLine]
+
+
+class KernelEvent(Event):
+    """One parsed kernel-log line of interest (Xid, SXid, fallen off the bus)."""
+
+    type_name: ClassVar[str] = "kernel_event"
+    node: str = Field(min_length=1, max_length=128)
+    kind: Literal["xid", "sxid", "fallen_off_bus", "other"]
+    xid: int | None = None
+    pci_bus_id: str | None = None
+    gpu_index: int | None = None
+    pid: int | None = None
+    process_name: str | None = None
+    text: str = Field(max_length=65536)
+
+
+class SchedEvent(Event):
+    """A change seen in the scheduler: job state transitions, node state/flags."""
+
+    type_name: ClassVar[str] = "sched_event"
+    kind: Literal["job", "node"]
+    job_id: str | None = None
+    node: str | None = None
+    state: str
+    previous_state: str | None = None
+    nodes: list[str] = Field(default_factory=list)
+    partition: str | None = None
+    reason: str | None = None
+    flags: list[str] = Field(default_factory=list)
+
+
+# --- what the streams conclude ---------------------------------------------------
+
+
+class Anomaly(Event):
+    """One detector hit: a signal that something may be wrong."""
+
+    type_name: ClassVar[str] = "anomaly"
+    detector: str
+    signature: str  # catalog entry id, e.g. "nccl_watchdog_timeout", "xid_79"
+    category: Category
+    severity: Severity
+    role: Role
+    isolate: bool = False  # the fault lives on `node`: drain it before a restart
+    source: Source
+    job_id: str | None = None
+    node: str | None = None
+    rank: int | None = None
+    partition: str | None = None
+    job_nodes: list[str] = Field(default_factory=list)
+    line: str = Field(default="", max_length=4096)
+    meaning: str = ""
+
+
+class Evidence(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    source: Source
+    signature: str
+    node: str | None = None
+    rank: int | None = None
+    time: float
+    line: str
+    role: Role
+
+
+class Incident(Event):
+    """Attribution: one job's anomalies within a window, grouped and explained."""
+
+    type_name: ClassVar[str] = "incident"
+    incident_id: str
+    job_id: str | None = None
+    partition: str | None = None
+    job_nodes: list[str] = Field(default_factory=list)
+    category: Category
+    severity: Severity
+    culprit_node: str | None = None
+    culprit_rank: int | None = None
+    confidence: float = Field(ge=0.0, le=1.0)
+    recommended_action: ActionKind
+    explanation: str
+    evidence: list[Evidence]
+    anomaly_ids: list[str]
+    first_signal_time: float  # earliest evidence: the start of detection latency
+
+
+class Decision(Event):
+    """What policy made of an incident: a recommendation, or an action to take."""
+
+    type_name: ClassVar[str] = "decision"
+    decision_id: str
+    incident_id: str
+    job_id: str | None = None
+    partition: str | None = None
+    category: Category
+    culprit_node: str | None = None
+    action: ActionKind
+    mode: Mode
+    executed: bool  # True: an action event was emitted; False: recommendation only
+    rule: str
+    reason: str
+    first_signal_time: float
+    incident_time: float
+
+
+class Action(Event):
+    """An instruction to the executor. `action_id` is stable per incident and step."""
+
+    type_name: ClassVar[str] = "action"
+    action_id: str
+    decision_id: str
+    incident_id: str
+    job_id: str | None = None
+    node: str | None = None
+    partition: str | None = None
+    action: ActionKind
+    reason: str
+    requested_by: str
+    incident_time: float
+    first_signal_time: float
+
+
+class ActionResult(Event):
+    """What the executor did and what it read back from the scheduler."""
+
+    type_name: ClassVar[str] = "action_result"
+    action_id: str
+    incident_id: str
+    job_id: str | None = None
+    node: str | None = None
+    action: ActionKind
+    status: ResultStatus
+    backend: str
+    steps: list[str]
+    error: str | None = None
+    started_at: float
+    verified_at: float | None = None
+    incident_time: float
+    first_signal_time: float
+
+
+class DeadLetter(Event):
+    """A message a component could not accept, with the reason and the original bytes."""
+
+    type_name: ClassVar[str] = "dead_letter"
+    component: str
+    original_topic: str
+    original_partition: int | None = None
+    original_offset: int | None = None
+    reason: str
+    payload_b64: str
+
+
+EVENT_TYPES: tuple[type[Event], ...] = (
+    GpuSample,
+    LogBatch,
+    KernelEvent,
+    SchedEvent,
+    Anomaly,
+    Incident,
+    Decision,
+    Action,
+    ActionResult,
+    DeadLetter,
+)

@@ -1,0 +1,74 @@
+"""Topic names and partition keys: defined here and nowhere else."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from schemas.events import (
+    Action,
+    ActionResult,
+    Anomaly,
+    DeadLetter,
+    Decision,
+    Event,
+    GpuSample,
+    Incident,
+    KernelEvent,
+    LogBatch,
+    SchedEvent,
+)
+
+
+@dataclass(frozen=True)
+class Topic:
+    name: str
+    event_type: type[Event]
+    key_doc: str
+
+
+GPU_SAMPLES = Topic("gpu.samples", GpuSample, "node")
+NODE_KERNEL = Topic("node.kernel", KernelEvent, "node")
+JOB_LOGS = Topic("job.logs", LogBatch, "job id")
+SCHED_EVENTS = Topic("sched.events", SchedEvent, "job id, else node")
+ANOMALIES = Topic("anomalies", Anomaly, "job id, else node")
+INCIDENTS = Topic("incidents", Incident, "job id, else node")
+DECISIONS = Topic("decisions", Decision, "job id, else node")
+ACTIONS = Topic("actions", Action, "job id, else node")
+ACTION_RESULTS = Topic("action.results", ActionResult, "job id, else node")
+DEADLETTER = Topic("deadletter", DeadLetter, "original topic")
+
+ALL_TOPICS: tuple[Topic, ...] = (
+    GPU_SAMPLES,
+    NODE_KERNEL,
+    JOB_LOGS,
+    SCHED_EVENTS,
+    ANOMALIES,
+    INCIDENTS,
+    DECISIONS,
+    ACTIONS,
+    ACTION_RESULTS,
+    DEADLETTER,
+)
+TOPIC_BY_NAME = {t.name: t for t in ALL_TOPICS}
+INPUT_TOPICS = (GPU_SAMPLES, NODE_KERNEL, JOB_LOGS, SCHED_EVENTS)
+DEFAULT_PARTITIONS = 4
+
+
+def partition_key(event: Event) -> bytes:
+    """The partition key of an event: job id when one is known, else node.
+
+    One job's evidence must land on one partition, in order, for attribution.
+    """
+    if isinstance(event, (GpuSample, KernelEvent)):
+        return event.node.encode()
+    if isinstance(event, LogBatch):
+        return event.job_id.encode()
+    if isinstance(event, DeadLetter):
+        return event.original_topic.encode()
+    job_id = getattr(event, "job_id", None)
+    if job_id:
+        return str(job_id).encode()
+    node = getattr(event, "node", None) or getattr(event, "culprit_node", None)
+    if node:
+        return str(node).encode()
+    return event.event_id.encode()

@@ -1,0 +1,31 @@
+"""Shared vocabularies: used verbatim by code, CLI, audit tables and docs."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+Category = Literal[
+    "gpu_hardware",
+    "interconnect",
+    "hang",
+    "user_code",
+    "oom",
+    "numerical",
+    "storage",
+    "node",
+    "healthy",
+]
+ActionKind = Literal["drain_and_requeue", "requeue", "stop", "none"]
+Mode = Literal["monitor", "autonomous"]
+Severity = Literal["info", "warning", "error", "critical"]
+# root: the signal names its own origin as the likely cause (Xid 79 on that node);
+# collateral: the signal is a symptom seen on ranks that merely waited on the culprit.
+Role = Literal["root", "collateral"]
+Source = Literal["job_log", "kernel", "scheduler", "gpu", "external"]
+ResultStatus = Literal["done", "failed", "skipped"]
+
+CATEGORIES: tuple[str, ...] = get_args(Category)
+ACTIONS: tuple[str, ...] = get_args(ActionKind)
+MODES: tuple[str, ...] = get_args(Mode)
+SEVERITIES: tuple[str, ...] = get_args(Severity)
+SEVERITY_RANK = {name: i for i, name in enumerate(SEVERITIES)}
