@@ -1,0 +1,1 @@
+"""Signal producers: node and cluster sources -> Kafka topics. Imports only schemas/."""

@@ -1,0 +1,117 @@
+"""Kernel log reader: NVRM Xid / SXid / fallen-off-the-bus lines -> node.kernel."""
+
+from __future__ import annotations
+
+import re
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from producers.follow import FileFollower
+from producers.publisher import Publisher
+from schemas.events import KernelEvent
+from schemas.ids import stable_id
+from schemas.topics import NODE_KERNEL
+
+# "Mar  3 12:00:00 gpu02 kernel: ..." or ISO "2024-03-03T12:00:00.123+00:00 gpu02 kernel: ..."
+_SYSLOG = re.compile(
+    r"^(?:[A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d|\d{4}-\d\d-\d\dT\S+)\s+(?P<host>[A-Za-z0-9._-]+)\s+kernel:\s?"
+)
+_XID = re.compile(
+    r"NVRM: Xid \(PCI:(?P<pci>[0-9A-Fa-f:.]+)\): (?P<xid>\d+),\s*(?:pid=(?P<pid>'?<?[\w]+>?'?),\s*)?"
+    r"(?:name=(?P<name>[^,]*),\s*)?"
+)
+_SXID = re.compile(r"SXid \(PCI:(?P<pci>[0-9A-Fa-f:.]+)\): (?P<xid>\d+)")
+_FALLEN = re.compile(
+    r"NVRM: GPU (?:at PCI:)?(?P<pci>[0-9A-Fa-f]{4}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}(?:\.\d)?):? .*fallen off the bus"
+)
+
+
+@dataclass(frozen=True)
+class ParsedKernelLine:
+    kind: str
+    node: str
+    text: str
+    xid: int | None = None
+    pci_bus_id: str | None = None
+    pid: int | None = None
+    process_name: str | None = None
+
+
+def parse_kernel_line(line: str, default_node: str) -> ParsedKernelLine | None:
+    """Parse one kernel log line; None when it is not an NVIDIA fault line."""
+    if "NVRM" not in line and "SXid" not in line:
+        return None
+    node = default_node
+    host = _SYSLOG.match(line)
+    if host:
+        node = host.group("host")
+    text = line.strip()
+    m = _XID.search(line)
+    if m:
+        pid_raw = (m.group("pid") or "").strip("'")
+        return ParsedKernelLine(
+            kind="xid",
+            node=node,
+            text=text,
+            xid=int(m.group("xid")),
+            pci_bus_id=m.group("pci"),
+            pid=int(pid_raw) if pid_raw.isdigit() else None,
+            process_name=(m.group("name") or None),
+        )
+    m = _SXID.search(line)
+    if m:
+        return ParsedKernelLine(kind="sxid", node=node, text=text, xid=int(m.group("xid")), pci_bus_id=m.group("pci"))
+    m = _FALLEN.search(line)
+    if m:
+        return ParsedKernelLine(kind="fallen_off_bus", node=node, text=text, pci_bus_id=m.group("pci"))
+    return None
+
+
+def to_event(parsed: ParsedKernelLine, seen_at: float, gpu_index: int | None = None) -> KernelEvent:
+    return KernelEvent(
+        # The line's own text (with its kernel timestamp) identifies it: a re-read is a duplicate.
+        event_id=stable_id("kern", parsed.node, parsed.text),
+        event_time=seen_at,
+        node=parsed.node,
+        kind=parsed.kind,  # type: ignore[arg-type]
+        xid=parsed.xid,
+        pci_bus_id=parsed.pci_bus_id,
+        gpu_index=gpu_index,
+        pid=parsed.pid,
+        process_name=parsed.process_name,
+        text=parsed.text[:65536],
+    )
+
+
+class KernelLogProducer:
+    """Follows a kernel log file and publishes each NVIDIA fault line."""
+
+    def __init__(
+        self,
+        publisher: Publisher,
+        path: Path,
+        node: str | None = None,
+        from_start: bool = False,
+        gpu_index_of: Callable[[str], int | None] | None = None,
+    ) -> None:
+        self.publisher = publisher
+        self.node = node or socket.gethostname()
+        self.follower = FileFollower(Path(path), from_start=from_start)
+        self.gpu_index_of = gpu_index_of
+        self.published = 0
+
+    def poll_once(self) -> int:
+        now = time.time()
+        count = 0
+        for line in self.follower.poll():
+            parsed = parse_kernel_line(line, self.node)
+            if parsed is None:
+                continue
+            gpu = self.gpu_index_of(parsed.pci_bus_id) if self.gpu_index_of and parsed.pci_bus_id else None
+            self.publisher.publish(NODE_KERNEL, to_event(parsed, now, gpu))
+            count += 1
+        self.published += count
+        return count

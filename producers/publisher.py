@@ -1,0 +1,71 @@
+"""Publishing events to Kafka with confluent-kafka (acks=all, batching)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+
+from confluent_kafka import KafkaError, Message, Producer
+
+from schemas.clients import producer_config
+from schemas.codec import encode
+from schemas.events import Event
+from schemas.topics import Topic, partition_key
+
+log = logging.getLogger("trainmedic.publisher")
+
+
+class Publisher:
+    """Thread-safe event publisher with delivery counters.
+
+    librdkafka buffers while the broker is away (bounded by
+    queue.buffering.max.messages); a full buffer or an expired message is
+    counted in `dropped` and logged, never silently lost.
+    """
+
+    def __init__(self, bootstrap: str, client_id: str = "trainmedic-producer") -> None:
+        self._producer = Producer(producer_config(bootstrap, client_id))
+        self._lock = threading.Lock()
+        self.sent: Counter[str] = Counter()
+        self.delivered: Counter[str] = Counter()
+        self.dropped: Counter[str] = Counter()
+
+    def _on_delivery(self, err: KafkaError | None, msg: Message) -> None:
+        topic = msg.topic() or "?"
+        with self._lock:
+            if err is None:
+                self.delivered[topic] += 1
+            else:
+                self.dropped[topic] += 1
+                log.error("dropped an event for %s: %s", topic, err)
+
+    def publish(self, topic: Topic, event: Event) -> None:
+        if not isinstance(event, topic.event_type):
+            raise TypeError(f"topic {topic.name} carries {topic.event_type.__name__}, not {type(event).__name__}")
+        payload = encode(event)
+        while True:
+            try:
+                self._producer.produce(
+                    topic.name, value=payload, key=partition_key(event), on_delivery=self._on_delivery
+                )
+                break
+            except BufferError:
+                # Local queue full: let deliveries drain before giving up.
+                if self._producer.poll(1.0) == 0 and len(self._producer) >= 100_000:
+                    with self._lock:
+                        self.dropped[topic.name] += 1
+                    log.error("producer buffer full; dropped one %s event %s", topic.name, event.event_id)
+                    return
+        with self._lock:
+            self.sent[topic.name] += 1
+        self._producer.poll(0)
+
+    def publish_raw(self, topic_name: str, payload: bytes, key: bytes | None = None) -> None:
+        """For tests and tools that must send bytes that are not a valid event."""
+        self._producer.produce(topic_name, value=payload, key=key, on_delivery=self._on_delivery)
+        self._producer.poll(0)
+
+    def flush(self, timeout: float = 10.0) -> int:
+        """Wait for outstanding deliveries; returns how many are still queued."""
+        return int(self._producer.flush(timeout))
