@@ -1,0 +1,1 @@
+"""Faust agents: detection, attribution and policy. Imports only schemas/."""

@@ -1,0 +1,182 @@
+"""The Faust app: detection, attribution and policy agents.
+
+Records travel as raw bytes and are decoded with schemas.codec, so schemas/
+stays the one source of truth for event types. Settings come from the
+environment (trainmedic's runtime sets them):
+  TRAINMEDIC_BOOTSTRAP      Kafka bootstrap servers (host:port[,host:port])
+  TRAINMEDIC_POLICY         policy YAML (default infra/policies/default.yaml)
+  TRAINMEDIC_MODE           overrides the policy's mode for every partition
+  TRAINMEDIC_SETTLE_S       attribution window once a root cause is seen (1)
+  TRAINMEDIC_COLLATERAL_S   how long collateral-only symptoms wait (5)
+  TRAINMEDIC_STREAMS_ID     Faust app id / consumer group (trainmedic-streams)
+Run: python -m streams.app worker --without-web -l info
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import faust
+
+from schemas.codec import DecodeError, decode, encode
+from schemas.events import Anomaly, DeadLetter, Event, Incident, KernelEvent, LogBatch, SchedEvent
+from schemas.ids import stable_id
+from schemas.topics import (
+    ACTIONS,
+    ANOMALIES,
+    DEADLETTER,
+    DECISIONS,
+    DEFAULT_PARTITIONS,
+    INCIDENTS,
+    JOB_LOGS,
+    NODE_KERNEL,
+    SCHED_EVENTS,
+    partition_key,
+)
+from streams.attribution import Attributor
+from streams.detectors.signatures import SignatureDetector
+from streams.detectors.xid import XidDetector
+from streams.policy_store import PolicyStore
+
+log = logging.getLogger("trainmedic.streams")
+
+BOOTSTRAP = os.environ.get("TRAINMEDIC_BOOTSTRAP", "127.0.0.1:9092")
+
+app = faust.App(
+    os.environ.get("TRAINMEDIC_STREAMS_ID", "trainmedic-streams"),
+    broker=",".join(f"kafka://{h}" for h in BOOTSTRAP.split(",")),
+    store="memory://",
+    topic_partitions=DEFAULT_PARTITIONS,
+    consumer_auto_offset_reset="earliest",
+    # Without these, a worker start takes ~32 s on the embedded broker.
+    broker_session_timeout=6,
+    broker_heartbeat_interval=1,
+    broker_rebalance_timeout=20,
+    web_enabled=False,
+)
+
+
+def _topic(*names: str) -> Any:
+    return app.topic(*names, key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
+
+
+logs_topic = _topic(JOB_LOGS.name)
+kernel_topic = _topic(NODE_KERNEL.name)
+attribution_topic = _topic(ANOMALIES.name, SCHED_EVENTS.name)
+anomalies_out = _topic(ANOMALIES.name)
+incidents_topic = _topic(INCIDENTS.name)
+decisions_out = _topic(DECISIONS.name)
+actions_out = _topic(ACTIONS.name)
+deadletter_out = _topic(DEADLETTER.name)
+
+signature_detector = SignatureDetector()
+xid_detector = XidDetector()
+attributor = Attributor(
+    settle_s=float(os.environ.get("TRAINMEDIC_SETTLE_S", "1")),
+    collateral_wait_s=float(os.environ.get("TRAINMEDIC_COLLATERAL_S", "5")),
+)
+policies = PolicyStore(os.environ.get("TRAINMEDIC_POLICY") or None, os.environ.get("TRAINMEDIC_MODE") or None)
+
+
+async def publish(topic: Any, event: Event) -> None:
+    await topic.send(key=partition_key(event), value=encode(event))
+
+
+async def dead_letter(component: str, event: Any, reason: str) -> None:
+    msg = event.message
+    payload = event.value if isinstance(event.value, bytes) else bytes(str(event.value), "utf-8")
+    log.warning("dead letter from %s@%s/%s: %s", msg.topic, msg.partition, msg.offset, reason)
+    await publish(
+        deadletter_out,
+        DeadLetter(
+            event_id=stable_id("dlq", msg.topic, msg.partition, msg.offset),
+            event_time=time.time(),
+            component=component,
+            original_topic=msg.topic,
+            original_partition=msg.partition,
+            original_offset=msg.offset,
+            reason=reason,
+            payload_b64=base64.b64encode(payload).decode(),
+        ),
+    )
+
+
+@app.agent(logs_topic)
+async def detect_logs(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
+    async for event in stream.events():
+        try:
+            batch = decode(LogBatch, event.value)
+        except DecodeError as exc:
+            await dead_letter("streams.detect_logs", event, str(exc))
+            continue
+        for anomaly in signature_detector.detect(batch):
+            await publish(anomalies_out, anomaly)
+        yield None
+
+
+@app.agent(kernel_topic)
+async def detect_kernel(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
+    async for event in stream.events():
+        try:
+            kev = decode(KernelEvent, event.value)
+        except DecodeError as exc:
+            await dead_letter("streams.detect_kernel", event, str(exc))
+            continue
+        for anomaly in xid_detector.detect(kev):
+            await publish(anomalies_out, anomaly)
+        yield None
+
+
+@app.agent(attribution_topic)
+async def attribute(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
+    async for event in stream.events():
+        topic = event.message.topic
+        try:
+            if topic == SCHED_EVENTS.name:
+                attributor.observe_sched(decode(SchedEvent, event.value), time.time())
+            else:
+                attributor.add(decode(Anomaly, event.value), time.time())
+        except DecodeError as exc:
+            await dead_letter("streams.attribute", event, str(exc))
+        yield None
+
+
+@app.timer(interval=0.2)
+async def publish_incidents() -> None:
+    for incident in attributor.flush(time.time()):
+        log.info(
+            "incident %s job=%s category=%s culprit=%s",
+            incident.incident_id,
+            incident.job_id,
+            incident.category,
+            incident.culprit_node,
+        )
+        await publish(incidents_topic, incident)
+
+
+@app.agent(incidents_topic)
+async def apply_policy(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
+    async for event in stream.events():
+        try:
+            incident = decode(Incident, event.value)
+        except DecodeError as exc:
+            await dead_letter("streams.policy", event, str(exc))
+            continue
+        decision, action = policies.decide(incident, time.time())
+        await publish(decisions_out, decision)
+        if action is not None:
+            await publish(actions_out, action)
+        yield None
+
+
+def main() -> None:
+    app.main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,270 @@
+"""Attribution: group one job's anomalies inside a window into ONE incident.
+
+Pure logic with explicit state; the Faust agent only feeds it records and a
+clock. Ranking of candidate root causes:
+  1. root-role evidence beats collateral (NCCL timeouts on ranks that merely
+     waited for the culprit);
+  2. then severity (critical > error > warning);
+  3. then the source: kernel / scheduler (hardware, node facts) over job logs;
+  4. then the earliest in time (the first failure).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from schemas.events import Anomaly, Evidence, Incident, SchedEvent
+from schemas.ids import stable_id
+from schemas.vocab import SEVERITY_RANK, ActionKind, Category
+
+_SOURCE_RANK = {"kernel": 3, "scheduler": 2, "gpu": 2, "external": 1, "job_log": 0}
+MAX_EVIDENCE = 50
+# Jobs that finished are forgotten after this long, to bound memory.
+ALLOCATION_TTL_S = 24 * 3600.0
+
+
+@dataclass
+class _Group:
+    key: str
+    job_id: str | None
+    opened_at: float
+    anomalies: list[Anomaly] = field(default_factory=list)
+
+    @property
+    def has_root(self) -> bool:
+        return any(a.role == "root" for a in self.anomalies)
+
+
+@dataclass
+class _Allocation:
+    nodes: tuple[str, ...]
+    partition: str | None
+    seen_at: float
+
+
+def _rank(a: Anomaly) -> tuple[int, int, int, float]:
+    return (
+        1 if a.role == "root" else 0,
+        SEVERITY_RANK[a.severity],
+        _SOURCE_RANK[a.source],
+        -a.event_time,
+    )
+
+
+def recommended_action(category: Category, culprit: str | None, isolate: bool) -> ActionKind:
+    if category == "healthy":
+        return "none"
+    if category in ("user_code", "oom", "numerical", "storage"):
+        # A restart would fail again the same way.
+        return "stop"
+    if isolate and culprit:
+        return "drain_and_requeue"
+    return "requeue"
+
+
+class Attributor:
+    """Groups anomalies per job (or per node when no job is known).
+
+    settle_s: how long a group with root evidence collects more before it is
+    published; collateral_wait_s: how long a group of collateral symptoms only
+    (NCCL timeouts) waits for a root cause to show up; hold_s: after an
+    incident, further anomalies of the same job are absorbed into it (the
+    cascade a fault causes is one incident) until the job runs again.
+    """
+
+    def __init__(self, settle_s: float = 1.0, collateral_wait_s: float = 5.0, hold_s: float = 600.0) -> None:
+        self.settle_s = settle_s
+        self.collateral_wait_s = collateral_wait_s
+        self.hold_s = hold_s
+        self._groups: dict[str, _Group] = {}
+        self._closed: dict[str, tuple[float, str]] = {}  # key -> (until, incident id)
+        self._alloc: dict[str, _Allocation] = {}  # job id -> allocation
+        self._node_job: dict[str, str] = {}  # node -> running job id
+        self._incident_times: dict[str, float] = {}
+        self.absorbed = 0
+
+    # -- inputs ------------------------------------------------------------------
+
+    def observe_sched(self, ev: SchedEvent, now: float) -> None:
+        if ev.kind != "job" or not ev.job_id:
+            return
+        if ev.state == "RUNNING" and ev.nodes:
+            self._set_alloc(ev.job_id, tuple(ev.nodes), ev.partition, now)
+            closed = self._closed.get(ev.job_id)
+            if closed and ev.event_time > self._incident_time(closed[1]):
+                # The job runs again after our incident: new faults are new incidents.
+                del self._closed[ev.job_id]
+        elif ev.state in (
+            "COMPLETED",
+            "CANCELLED",
+            "FAILED",
+            "TIMEOUT",
+            "NODE_FAIL",
+            "PREEMPTED",
+            "REQUEUED",
+            "PENDING",
+        ):
+            alloc = self._alloc.get(ev.job_id)
+            if alloc:
+                for n in alloc.nodes:
+                    if self._node_job.get(n) == ev.job_id:
+                        del self._node_job[n]
+
+    def add(self, anomaly: Anomaly, now: float) -> None:
+        job_id = anomaly.job_id
+        if job_id and anomaly.job_nodes:
+            self._set_alloc(job_id, tuple(anomaly.job_nodes), anomaly.partition, now)
+        if not job_id and anomaly.node:
+            job_id = self._node_job.get(anomaly.node)
+        key = job_id or f"node:{anomaly.node or '?'}"
+        closed = self._closed.get(key)
+        if closed and now < closed[0]:
+            self.absorbed += 1
+            return
+        group = self._groups.get(key)
+        if group is None:
+            group = self._groups[key] = _Group(key=key, job_id=job_id, opened_at=now)
+        if any(a.event_id == anomaly.event_id for a in group.anomalies):
+            return  # redelivered
+        group.anomalies.append(anomaly)
+        if job_id:
+            self._adopt_node_groups(group)
+
+    # -- outputs -----------------------------------------------------------------
+
+    def flush(self, now: float) -> list[Incident]:
+        """Publish every group whose window has closed."""
+        ready = [
+            g
+            for g in self._groups.values()
+            if now - g.opened_at >= (self.settle_s if g.has_root else self.collateral_wait_s)
+        ]
+        incidents = []
+        for g in ready:
+            del self._groups[g.key]
+            if g.job_id is None and g.anomalies[0].node and g.anomalies[0].node in self._node_job:
+                # A job became known on this node meanwhile: let its group take this evidence.
+                job_group = self._groups.get(self._node_job[g.anomalies[0].node])
+                if job_group is not None:
+                    job_group.anomalies.extend(g.anomalies)
+                    continue
+            inc = self._incident(g, now)
+            self._closed[g.key] = (now + self.hold_s, inc.incident_id)
+            self._incident_times[inc.incident_id] = inc.event_time
+            incidents.append(inc)
+        self._expire(now)
+        return incidents
+
+    def pending(self) -> int:
+        return len(self._groups)
+
+    # -- internals -----------------------------------------------------------------
+
+    def _incident_time(self, incident_id: str) -> float:
+        return self._incident_times.get(incident_id, 0.0)
+
+    def _set_alloc(self, job_id: str, nodes: tuple[str, ...], partition: str | None, now: float) -> None:
+        self._alloc[job_id] = _Allocation(nodes, partition, now)
+        for n in nodes:
+            self._node_job[n] = job_id
+
+    def _adopt_node_groups(self, group: _Group) -> None:
+        alloc = self._alloc.get(group.key)
+        if not alloc:
+            return
+        for n in alloc.nodes:
+            node_group = self._groups.pop(f"node:{n}", None)
+            if node_group is not None:
+                group.anomalies.extend(node_group.anomalies)
+                group.opened_at = min(group.opened_at, node_group.opened_at)
+
+    def _expire(self, now: float) -> None:
+        for key in [k for k, (until, _) in self._closed.items() if until <= now]:
+            self._incident_times.pop(self._closed.pop(key)[1], None)
+        for job_id in [j for j, a in self._alloc.items() if now - a.seen_at > ALLOCATION_TTL_S]:
+            del self._alloc[job_id]
+
+    def _incident(self, g: _Group, now: float) -> Incident:
+        ranked = sorted(g.anomalies, key=_rank, reverse=True)
+        top = ranked[0]
+        alloc = self._alloc.get(g.job_id) if g.job_id else None
+        job_nodes = list(alloc.nodes) if alloc else list(top.job_nodes)
+        partition = top.partition or (alloc.partition if alloc else None)
+        category: Category = top.category
+        culprit_node = top.node if top.role == "root" else None
+        culprit_rank = top.rank if top.role == "root" else None
+        isolate = top.isolate and top.role == "root"
+        confidence, explanation = self._explain(g, top, ranked, job_nodes)
+        if top.role == "collateral":
+            silent = self._silent_node(g, job_nodes)
+            if silent:
+                explanation += f"; {silent} is the only node of the job that reported nothing: suspect it"
+        action = recommended_action(category, culprit_node, isolate)
+        first = min(a.event_time for a in g.anomalies)
+        incident_id = stable_id("inc", g.key, min(a.event_id for a in g.anomalies))
+        return Incident(
+            event_id=incident_id,
+            incident_id=incident_id,
+            event_time=now,
+            job_id=g.job_id,
+            partition=partition,
+            job_nodes=job_nodes,
+            category=category,
+            severity=top.severity,
+            culprit_node=culprit_node,
+            culprit_rank=culprit_rank,
+            confidence=confidence,
+            recommended_action=action,
+            explanation=explanation,
+            evidence=[
+                Evidence(
+                    source=a.source,
+                    signature=a.signature,
+                    node=a.node,
+                    rank=a.rank,
+                    time=a.event_time,
+                    line=a.line,
+                    role=a.role,
+                )
+                for a in ranked[:MAX_EVIDENCE]
+            ],
+            anomaly_ids=sorted(a.event_id for a in g.anomalies),
+            first_signal_time=first,
+        )
+
+    @staticmethod
+    def _explain(g: _Group, top: Anomaly, ranked: list[Anomaly], job_nodes: list[str]) -> tuple[float, str]:
+        roots = [a for a in ranked if a.role == "root"]
+        collateral = [a for a in ranked if a.role == "collateral"]
+        where = top.node or "an unknown node"
+        rank = f" rank {top.rank}" if top.rank is not None else ""
+        parts = [f"{top.signature} on {where}{rank}: {top.meaning}"]
+        if top.role == "root":
+            confidence = {"critical": 0.9, "error": 0.75, "warning": 0.5, "info": 0.3}[top.severity]
+            other_root_nodes = {a.node for a in roots if a.node != top.node and a.severity == top.severity}
+            if other_root_nodes:
+                confidence -= 0.25
+                parts.append(
+                    f"equally severe root signals also on {', '.join(sorted(n or '?' for n in other_root_nodes))}"
+                )
+            if collateral:
+                peers = sorted({a.node or "?" for a in collateral if a.node != top.node})
+                counts = Counter(a.signature for a in collateral)
+                desc = ", ".join(f"{n} x {s}" for s, n in counts.most_common())
+                if peers:
+                    confidence += 0.05
+                    parts.append(f"collateral on {', '.join(peers)} ({desc}) explained by it")
+                else:
+                    parts.append(f"also seen: {desc}")
+        else:
+            confidence = 0.4
+            nodes = sorted({a.node or "?" for a in collateral})
+            parts.append(f"only collateral symptoms, from {', '.join(nodes)}; no root cause identified")
+        return round(max(0.05, min(confidence, 0.99)), 2), "; ".join(parts)
+
+    @staticmethod
+    def _silent_node(g: _Group, job_nodes: list[str]) -> str | None:
+        reporting = {a.node for a in g.anomalies if a.node}
+        silent = [n for n in job_nodes if n not in reporting]
+        return silent[0] if len(job_nodes) > 2 and len(silent) == 1 else None

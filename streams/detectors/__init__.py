@@ -1,0 +1,1 @@
+"""Detectors: pure functions from records to anomalies, tested without a broker."""

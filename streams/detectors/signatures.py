@@ -1,0 +1,66 @@
+"""Log-signature detector: catalog patterns over a job's log lines."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from schemas.events import Anomaly, LogBatch, LogLine
+from schemas.ids import stable_id
+from streams.catalog import Signature, default_signatures
+
+MAX_LINE_IN_ANOMALY = 2000
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    sig: Signature
+    regex: re.Pattern[str]
+
+
+class SignatureDetector:
+    name = "signatures"
+
+    def __init__(self, signatures: Sequence[Signature] | None = None) -> None:
+        sigs = default_signatures() if signatures is None else signatures
+        self._compiled = [_Compiled(s, re.compile(s.pattern)) for s in sigs]
+
+    def match_line(self, text: str) -> tuple[Signature, re.Match[str]] | None:
+        """The first catalog entry matching the line (catalog order is priority)."""
+        for c in self._compiled:
+            m = c.regex.search(text)
+            if m:
+                return c.sig, m
+        return None
+
+    def detect(self, batch: LogBatch) -> list[Anomaly]:
+        return list(self._detect_lines(batch, batch.lines))
+
+    def _detect_lines(self, batch: LogBatch, lines: Iterable[LogLine]) -> Iterable[Anomaly]:
+        for line in lines:
+            hit = self.match_line(line.text)
+            if hit is None:
+                continue
+            sig, m = hit
+            groups = m.groupdict()
+            node = groups.get("node") or line.node
+            rank = int(groups["rank"]) if groups.get("rank") else line.rank
+            yield Anomaly(
+                event_id=stable_id("anm", batch.job_id, batch.source, line.lineno, sig.id),
+                event_time=line.ts,
+                detector=self.name,
+                signature=sig.id,
+                category=sig.category,
+                severity=sig.severity,
+                role=sig.role,
+                isolate=sig.isolate,
+                source="job_log",
+                job_id=batch.job_id,
+                node=node,
+                rank=rank,
+                partition=batch.partition,
+                job_nodes=list(batch.job_nodes),
+                line=line.text[:MAX_LINE_IN_ANOMALY],
+                meaning=sig.meaning,
+            )

@@ -1,0 +1,170 @@
+"""Policy: what to do about an incident, and whether to do it or only recommend.
+
+The policy is a YAML file (default: infra/policies/default.yaml) validated at
+load; errors name the file, the line and the field.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from schemas.events import Action, Decision, Incident
+from schemas.ids import stable_id
+from schemas.vocab import CATEGORIES, ActionKind, Category, Mode
+
+DEFAULT_POLICY = Path(__file__).resolve().parent.parent / "infra" / "policies" / "default.yaml"
+
+
+class PolicyError(ValueError):
+    pass
+
+
+class PartitionPolicy(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    mode: Mode
+
+
+class Policy(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = Field(1, ge=1, le=1)
+    mode: Mode = "monitor"
+    partitions: dict[str, PartitionPolicy] = Field(default_factory=dict)
+    actions: dict[Category, ActionKind]
+    min_confidence: float = Field(0.6, ge=0.0, le=1.0)
+
+    def mode_for(self, partition: str | None) -> Mode:
+        override = self.partitions.get(partition or "")
+        return override.mode if override else self.mode
+
+    def with_mode(self, mode: Mode) -> Policy:
+        return self.model_copy(update={"mode": mode, "partitions": {}})
+
+
+def _line_of(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
+    """1-based line of the YAML node at `loc`, or of its deepest existing parent."""
+    if node is None:
+        return None
+    line = node.start_mark.line + 1
+    for part in loc:
+        child = None
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                if str(k.value) == str(part):
+                    child = v
+                    line = k.start_mark.line + 1
+                    break
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            child = node.value[part]
+            line = child.start_mark.line + 1
+        if child is None:
+            break
+        node = child
+    return line
+
+
+def parse_policy(text: str, origin: str = "<policy>") -> Policy:
+    try:
+        root = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise PolicyError(f"{origin}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise PolicyError(f"{origin}: line 1: expected a mapping with 'mode' and 'actions'")
+    try:
+        policy = Policy.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        is_key = "[key]" in err["loc"]
+        loc = tuple(p for p in err["loc"] if p != "[key]")
+        field = ".".join(str(p) for p in loc) or "<root>"
+        line = _line_of(root, loc)
+        msg = (
+            f"unknown category (categories: {', '.join(CATEGORIES)})"
+            if is_key and loc[:1] == ("actions",)
+            else err["msg"]
+        )
+        raise PolicyError(f"{origin}: line {line}: field '{field}': {msg}") from None
+    missing = [c for c in CATEGORIES if c not in policy.actions]
+    if missing:
+        raise PolicyError(
+            f"{origin}: line {_line_of(root, ('actions',))}: field 'actions': no action for {', '.join(missing)}"
+        )
+    return policy
+
+
+def load_policy(path: Path | str | None = None) -> Policy:
+    p = Path(path) if path else DEFAULT_POLICY
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise PolicyError(f"{p}: cannot read policy file: {exc.strerror}") from None
+    return parse_policy(text, str(p))
+
+
+def decide(policy: Policy, incident: Incident, now: float) -> tuple[Decision, Action | None]:
+    """Turn an incident into a decision, and an action when autonomy allows it."""
+    configured = policy.actions[incident.category]
+    action: ActionKind = configured
+    rule = f"actions.{incident.category}={configured}"
+    if configured == "drain_and_requeue" and incident.recommended_action != "drain_and_requeue":
+        # Isolation needs a culprit node whose fault lives on it; without one a
+        # drain would hit an innocent node.
+        action = "requeue"
+        rule += " (no isolatable culprit: requeue)"
+    if not incident.job_id and action in ("requeue", "stop"):
+        action = "none"
+        rule += " (no job known: nothing to restart or stop)"
+    mode = policy.mode_for(incident.partition)
+    reasons = [f"{incident.category} with confidence {incident.confidence:.2f}"]
+    executed = mode == "autonomous" and action != "none"
+    if executed and incident.confidence < policy.min_confidence:
+        executed = False
+        reasons.append(f"below min_confidence {policy.min_confidence:.2f}: recommendation only")
+    if mode == "monitor":
+        reasons.append(f"mode monitor for partition {incident.partition or '(default)'}: recommendation only")
+    decision_id = stable_id("dec", incident.incident_id)
+    decision = Decision(
+        event_id=decision_id,
+        event_time=now,
+        decision_id=decision_id,
+        incident_id=incident.incident_id,
+        job_id=incident.job_id,
+        partition=incident.partition,
+        category=incident.category,
+        culprit_node=incident.culprit_node,
+        action=action,
+        mode=mode,
+        executed=executed,
+        rule=rule,
+        reason="; ".join(reasons),
+        first_signal_time=incident.first_signal_time,
+        incident_time=incident.event_time,
+    )
+    if not executed:
+        return decision, None
+    return decision, make_action(decision, incident.incident_id, requested_by="policy", now=now)
+
+
+def make_action(decision: Decision, incident_id: str, requested_by: str, now: float) -> Action:
+    # Stable per incident and step, so a redelivered or re-approved action is recognised.
+    action_id = stable_id("act", incident_id, decision.action)
+    return Action(
+        event_id=action_id,
+        event_time=now,
+        action_id=action_id,
+        decision_id=decision.decision_id,
+        incident_id=incident_id,
+        job_id=decision.job_id,
+        node=decision.culprit_node,
+        partition=decision.partition,
+        action=decision.action,
+        reason=f"trainmedic {incident_id}: {decision.category}",
+        requested_by=requested_by,
+        incident_time=decision.incident_time,
+        first_signal_time=decision.first_signal_time,
+    )
