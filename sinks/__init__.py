@@ -1,0 +1,1 @@
+"""Consumers of trainmedic topics: the executor and the audit sink."""

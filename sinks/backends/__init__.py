@@ -1,0 +1,1 @@
+"""Scheduler backends behind one interface (see base.SchedulerBackend)."""
