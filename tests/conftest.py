@@ -1,0 +1,99 @@
+"""Shared fixtures: the real embedded broker, one chDB folder per test session
+(chDB allows one folder per process: tests use separate databases inside it),
+and the real local Slurm cluster from infra/slurm."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shlex
+import shutil
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from trainmedic.broker import EmbeddedBroker, ensure_topics
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "tests" / "fixtures"
+START = REPO / "infra" / "slurm" / "start.sh"
+STOP = REPO / "infra" / "slurm" / "stop.sh"
+_db_counter = itertools.count(1)
+
+
+def wait_for(what: str, probe: Callable[[], Any], timeout: float = 60.0, interval: float = 0.2) -> Any:
+    """Poll until probe returns something truthy; fail the test naming `what` otherwise."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+@pytest.fixture
+def broker() -> Iterator[EmbeddedBroker]:
+    """A fresh Tansu broker per test: memory-only, so tests cannot see each other's events."""
+    b = EmbeddedBroker().start()
+    ensure_topics(b.bootstrap)
+    yield b
+    b.stop()
+
+
+@pytest.fixture(scope="session")
+def chdb_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return f"chdb://{tmp_path_factory.mktemp('chdb')}"
+
+
+@pytest.fixture
+def database() -> str:
+    return f"t{os.getpid()}_{next(_db_counter)}"
+
+
+@dataclass(frozen=True)
+class Cluster:
+    slurm_conf: str
+    state_dir: Path
+
+    def env(self) -> dict[str, str]:
+        return {
+            "PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
+            "LC_ALL": "C",
+            "SLURM_CONF": self.slurm_conf,
+        }
+
+
+def _slurm_installed() -> bool:
+    return all(shutil.which(b) or Path("/usr/sbin", b).exists() for b in ("slurmctld", "slurmd", "sbatch", "munged"))
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[Cluster]:
+    if os.geteuid() != 0:
+        reason = "needs root to run a local Slurm cluster (SlurmUser=root, mknod)"
+        if not _slurm_installed():
+            reason += "; slurmctld/slurmd/slurm-client/munge are not installed either"
+        pytest.skip(reason)
+    state_dir = Path(os.environ.get("TRAINMEDIC_SLURM_DIR", "/tmp/trainmedic-slurm"))
+    t0 = time.monotonic()
+    proc = subprocess.run(["bash", str(START)], capture_output=True, text=True, timeout=600, check=False)
+    startup_s = time.monotonic() - t0
+    if proc.returncode != 0:
+        pytest.fail(f"infra/slurm/start.sh failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    print(f"\n[slurm] {proc.stdout.strip()} (start.sh took {startup_s:.2f}s)")
+    started_here = "already up" not in proc.stdout
+    slurm_conf = ""
+    for token in shlex.split((state_dir / "env.sh").read_text()):
+        if token.startswith("SLURM_CONF="):
+            slurm_conf = token.split("=", 1)[1]
+    assert slurm_conf and Path(slurm_conf).is_file(), "env.sh has no SLURM_CONF"
+    yield Cluster(slurm_conf=slurm_conf, state_dir=state_dir)
+    if started_here and not os.environ.get("TRAINMEDIC_SLURM_KEEP"):
+        subprocess.run(["bash", str(STOP)], capture_output=True, timeout=120, check=False)

@@ -1,0 +1,87 @@
+"""The README's commands as an operator runs them: real processes, real output."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+TRAINMEDIC = [sys.executable, "-m", "trainmedic.cli"]
+
+
+def test_demo_json_names_the_injected_culprit(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [*TRAINMEDIC, "demo", "--json", "--data-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["incident"]["culprit"] == report["injected"]["node"]
+    assert report["incident"]["category"] == "gpu_hardware"
+    assert report["decision"] == report["decision"] | {"action": "drain_and_requeue", "kind": "action"}
+    assert report["action_result"]["status"] == "done"
+    assert report["injected"]["node"] not in report["job_after"]["nodes"]
+    assert report["job_after"]["state"] == "RUNNING"
+    assert report["healthy_job"]["incidents"] == 0
+    assert report["incidents_per_job"] == {report["injected"]["job_id"]: 1}
+
+
+def test_demo_monitor_mode_only_recommends(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [*TRAINMEDIC, "demo", "--mode", "monitor", "--data-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "recommendation" in proc.stdout and "the scheduler was not called" in proc.stdout
+    assert "scheduler    no calls" in proc.stdout
+
+
+def test_up_starts_and_ctrl_c_stops_cleanly(tmp_path: Path) -> None:
+    log = tmp_path / "up.out"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(
+            [*TRAINMEDIC, "up", "--backend", "simulated", "--data-dir", str(tmp_path)],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    deadline = time.monotonic() + 120
+    while "trainmedic is up" not in log.read_text() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert "trainmedic is up" in log.read_text(), log.read_text()[-3000:]
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=60)
+    out = log.read_text()
+    assert proc.returncode == 0, out[-3000:]
+    assert "trainmedic stopped cleanly." in out
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["up", "--mode", "sometimes"], "--mode 'sometimes'"),
+        (["up", "--bootstrap", "nohost"], "--bootstrap 'nohost': expected HOST:PORT"),
+        (["up", "--policy", "/nonexistent.yaml"], "/nonexistent.yaml: cannot read policy file"),
+    ],
+)
+def test_bad_settings_fail_fast_naming_the_setting(tmp_path: Path, args: list[str], needle: str) -> None:
+    proc = subprocess.run(
+        [*TRAINMEDIC, *args, "--backend", "simulated", "--data-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert needle in proc.stderr

@@ -1,0 +1,120 @@
+from __future__ import annotations
+
+from schemas.events import Anomaly, SchedEvent
+from streams.attribution import Attributor
+from streams.catalog import default_xids
+
+JOB_NODES = ["gpu01", "gpu02", "gpu03", "gpu04"]
+
+
+def nccl(node: str, rank: int, t: float) -> Anomaly:
+    return Anomaly(
+        event_id=f"n-{node}-{rank}",
+        event_time=t,
+        detector="signatures",
+        signature="nccl_watchdog_timeout",
+        category="interconnect",
+        severity="error",
+        role="collateral",
+        source="job_log",
+        job_id="100",
+        node=node,
+        rank=rank,
+        job_nodes=JOB_NODES,
+        partition="gpu",
+        line=f"[Rank {rank}] Watchdog caught collective operation timeout",
+    )
+
+
+def xid(node: str, code: int, t: float) -> Anomaly:
+    e = default_xids()[code]
+    return Anomaly(
+        event_id=f"x-{node}-{code}",
+        event_time=t,
+        detector="xid",
+        signature=f"xid_{code}",
+        category=e.category,
+        severity=e.severity,
+        role=e.role,
+        isolate=e.isolate,
+        source="kernel",
+        node=node,
+        line=f"NVRM: Xid (PCI:0000:07:00): {code}, pid=0",
+        meaning=e.meaning,
+    )
+
+
+def running(job: str, nodes: list[str], t: float) -> SchedEvent:
+    return SchedEvent(
+        event_id=f"s{job}{t}", event_time=t, kind="job", job_id=job, state="RUNNING", nodes=nodes, partition="gpu"
+    )
+
+
+def test_xid_beats_nccl_cascade_one_incident() -> None:
+    a = Attributor(settle_s=1.0, collateral_wait_s=5.0)
+    # The cascade arrives first (ranks time out), the kernel line a moment later.
+    for i, n in enumerate(["gpu01", "gpu03", "gpu04"]):
+        a.add(nccl(n, i * 8, 10.0), now=10.0)
+    a.add(xid("gpu02", 79, 9.5), now=10.2)
+    assert a.flush(10.5) == []  # still collecting
+    (inc,) = a.flush(15.1)
+    assert (inc.job_id, inc.culprit_node, inc.category, inc.recommended_action) == (
+        "100",
+        "gpu02",
+        "gpu_hardware",
+        "drain_and_requeue",
+    )
+    assert {e.signature for e in inc.evidence} == {"xid_79", "nccl_watchdog_timeout"}
+    assert inc.confidence >= 0.9 and inc.first_signal_time == 9.5
+    assert "gpu01" in inc.explanation and "explained by it" in inc.explanation
+    assert a.pending() == 0
+
+
+def test_late_cascade_is_absorbed_not_a_new_incident() -> None:
+    a = Attributor(settle_s=1.0)
+    a.observe_sched(running("100", JOB_NODES, 1.0), now=1.0)
+    a.add(xid("gpu02", 79, 5.0), now=5.0)  # node-keyed kernel anomaly: job found by allocation
+    (inc,) = a.flush(6.1)
+    assert inc.job_id == "100" and inc.culprit_node == "gpu02"
+    for i, n in enumerate(["gpu01", "gpu03"]):
+        a.add(nccl(n, i, 600.0), now=600.0)
+    assert a.flush(700.0) == [] and a.absorbed == 2
+
+
+def test_job_running_again_reopens() -> None:
+    a = Attributor(settle_s=1.0)
+    a.add(xid("gpu02", 79, 5.0), now=5.0)
+    a.add(nccl("gpu01", 0, 5.0), now=5.0)
+    assert len(a.flush(6.5)) == 1
+    a.observe_sched(running("100", ["gpu01", "gpu03", "gpu04", "gpu05"], 20.0), now=20.0)
+    a.add(nccl("gpu05", 24, 30.0), now=30.0)
+    assert len(a.flush(40.0)) == 1
+
+
+def test_collateral_only_waits_then_names_no_culprit() -> None:
+    a = Attributor(settle_s=1.0, collateral_wait_s=5.0)
+    for i, n in enumerate(["gpu01", "gpu03", "gpu04"]):
+        a.add(nccl(n, i, 10.0), now=10.0)
+    assert a.flush(12.0) == []
+    (inc,) = a.flush(15.0)
+    assert inc.culprit_node is None and inc.category == "interconnect" and inc.recommended_action == "requeue"
+    assert "gpu02 is the only node" in inc.explanation and inc.confidence < 0.6
+
+
+def test_node_without_job_gives_node_incident() -> None:
+    a = Attributor(settle_s=1.0)
+    a.add(xid("gpu07", 48, 1.0), now=1.0)
+    (inc,) = a.flush(2.5)
+    assert inc.job_id is None and inc.culprit_node == "gpu07" and inc.recommended_action == "drain_and_requeue"
+
+
+def test_redelivered_anomaly_counts_once_and_ids_are_stable() -> None:
+    def run() -> str:
+        a = Attributor(settle_s=1.0)
+        a.add(xid("gpu02", 79, 5.0), now=5.0)
+        a.add(xid("gpu02", 79, 5.0), now=5.1)
+        (inc,) = a.flush(7.0)
+        assert len(inc.anomaly_ids) == 1
+        return inc.incident_id
+
+    assert run() == run()

@@ -1,0 +1,72 @@
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from producers.follow import FileFollower
+from producers.joblogs import JobLayout, split_rank_prefix
+from producers.kernel import parse_kernel_line
+from tests.conftest import FIXTURES
+
+LOGS = FIXTURES / "logs"
+
+
+def test_srun_label_and_torchrun_prefixes() -> None:
+    assert split_rank_prefix("3: hello") == split_rank_prefix("[rank3]:hello")
+    r = split_rank_prefix("12: [rank7]:[E1206 18:44:12.715] boom")
+    assert r.rank == 7 and r.text == "[E1206 18:44:12.715] boom"
+    r = split_rank_prefix(" iteration      100/    5000 | lm loss: 9.67")
+    assert r.rank is None and r.text.startswith(" iteration")
+
+
+def test_block_layout_maps_ranks_to_nodes() -> None:
+    layout = JobLayout(("gpu01", "gpu02"), ranks_per_node=8)
+    assert layout.node_of(0) == "gpu01" and layout.node_of(15) == "gpu02"
+    assert layout.node_of(16) is None and layout.node_of(None) is None
+
+
+def test_xid79_fixture() -> None:
+    parsed = [p for line in (LOGS / "xid79_kern.log").read_text().splitlines() if (p := parse_kernel_line(line, "x"))]
+    xids = [p for p in parsed if p.kind == "xid"]
+    assert [(p.xid, p.node, p.pci_bus_id, p.pid) for p in xids] == [(79, "gpu01", "0000:10:00", 0)]
+    assert any(p.kind == "fallen_off_bus" and p.pci_bus_id == "0000:10:00.0" for p in parsed)
+
+
+def test_xid48_fixture_with_unknown_pid() -> None:
+    parsed = [p for line in (LOGS / "xid48_kern.log").read_text().splitlines() if (p := parse_kernel_line(line, "x"))]
+    xids = [(p.xid, p.node, p.pid, p.process_name) for p in parsed if p.kind == "xid"]
+    assert xids == [(48, "gpu02", None, "<unknown>"), (64, "gpu02", None, "<unknown>")]
+
+
+def test_plain_dmesg_line_uses_the_default_node() -> None:
+    p = parse_kernel_line(
+        "[  219.470994] NVRM: Xid (PCI:0000:07:00): 79, pid=1234, name=python, GPU has fallen off the bus.", "gpu09"
+    )
+    assert p is not None and (p.node, p.xid, p.pid, p.process_name) == ("gpu09", 79, 1234, "python")
+    assert parse_kernel_line("usb 1-1: new high-speed USB device", "gpu09") is None
+
+
+def test_follower_handles_partial_lines_truncation_and_rotation(tmp_path: Path) -> None:
+    path = tmp_path / "out.log"
+    path.write_text("one\ntw")
+    f = FileFollower(path)
+    assert f.poll() == ["one"]
+    with open(path, "a") as fh:
+        fh.write("o\nthree\n")
+    assert f.poll() == ["two", "three"]
+    path.write_text("fresh\n")  # truncated in place (copytruncate)
+    assert f.poll() == ["fresh"]
+    with open(path, "a") as fh:
+        fh.write("last words\n")
+    os.rename(path, tmp_path / "out.log.1")
+    path.write_text("new file\n")
+    assert f.poll() == ["last words", "new file"]
+
+
+def test_follower_cuts_huge_lines(tmp_path: Path) -> None:
+    path = tmp_path / "big.log"
+    path.write_bytes(b"x" * (2 * 1024 * 1024) + b"\nok\n")
+    f = FileFollower(path)
+    lines = f.poll()
+    assert lines[-1] == "ok" and all(len(line) <= 64 * 1024 for line in lines)
+    assert f.truncated_lines >= 1

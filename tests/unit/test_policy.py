@@ -1,0 +1,105 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from schemas.events import Evidence, Incident
+from schemas.vocab import ActionKind, Category
+from streams.policy import PolicyError, decide, load_policy, parse_policy
+from streams.policy_store import PolicyStore
+
+
+def incident(
+    category: Category = "gpu_hardware",
+    culprit: str | None = "gpu02",
+    action: ActionKind = "drain_and_requeue",
+    confidence: float = 0.95,
+    job: str | None = "100",
+    partition: str = "gpu",
+) -> Incident:
+    return Incident(
+        event_id="inc-1",
+        incident_id="inc-1",
+        event_time=10.0,
+        job_id=job,
+        partition=partition,
+        category=category,
+        severity="critical",
+        culprit_node=culprit,
+        confidence=confidence,
+        recommended_action=action,
+        explanation="x",
+        anomaly_ids=["a"],
+        first_signal_time=9.0,  # type: ignore[arg-type]
+        evidence=[Evidence(source="kernel", signature="xid_79", node=culprit, time=9.0, line="l", role="root")],
+    )
+
+
+def test_default_policy_is_monitor_mode() -> None:
+    policy = load_policy()
+    assert policy.mode == "monitor"
+    decision, action = decide(policy, incident(), 11.0)
+    assert action is None and not decision.executed and decision.action == "drain_and_requeue"
+    assert "recommendation only" in decision.reason
+
+
+def test_autonomous_partition_acts_with_stable_action_id() -> None:
+    policy = parse_policy("mode: monitor\npartitions: {gpu: {mode: autonomous}}\n" + _actions())
+    d1, a1 = decide(policy, incident(), 11.0)
+    d2, a2 = decide(policy, incident(), 99.0)
+    assert d1.executed and a1 is not None and a2 is not None and a1.action_id == a2.action_id
+    assert (a1.action, a1.node, a1.job_id) == ("drain_and_requeue", "gpu02", "100")
+    assert "inc-1" in a1.reason
+    _, other = decide(policy, incident(partition="batch"), 11.0)
+    assert other is None
+
+
+def test_no_isolatable_culprit_downgrades_to_requeue() -> None:
+    policy = parse_policy("mode: autonomous\n" + _actions())
+    d, a = decide(policy, incident(category="gpu_hardware", culprit=None, action="requeue"), 11.0)
+    assert d.action == "requeue" and a is not None and a.node is None
+
+
+def test_low_confidence_only_recommends() -> None:
+    policy = parse_policy("mode: autonomous\n" + _actions())
+    d, a = decide(policy, incident(confidence=0.4), 11.0)
+    assert a is None and "min_confidence" in d.reason
+
+
+def _actions() -> str:
+    return (
+        "actions:\n  gpu_hardware: drain_and_requeue\n  node: drain_and_requeue\n  interconnect: requeue\n"
+        "  hang: requeue\n  user_code: stop\n  oom: stop\n  numerical: stop\n  storage: stop\n  healthy: none\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("mode: sometimes\n" + _actions(), "line 1: field 'mode'"),
+        ("mode: monitor\nactions:\n  gpu_hardware: reboot\n", "line 3: field 'actions.gpu_hardware'"),
+        ("mode: monitor\nactions:\n  gpu_hardwre: stop\n", "line 3: field 'actions.gpu_hardwre'"),
+        ("mode: monitor\nactions:\n  gpu_hardware: stop\n", "no action for"),
+        ("mode: [\n", "not valid YAML"),
+    ],
+)
+def test_invalid_policy_names_line_and_field(text: str, needle: str) -> None:
+    with pytest.raises(PolicyError) as err:
+        parse_policy(text, "p.yaml")
+    assert needle in str(err.value) and str(err.value).startswith("p.yaml")
+
+
+def test_store_reloads_and_keeps_last_good(tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text("mode: monitor\n" + _actions())
+    store = PolicyStore(path)
+    assert store.policy.mode == "monitor"
+    path.write_text("mode: autonomous\n" + _actions())
+    import os
+
+    os.utime(path, (1, 1))
+    assert store.policy.mode == "autonomous"
+    path.write_text("mode: bogus\n")
+    os.utime(path, (2, 2))
+    assert store.policy.mode == "autonomous"
