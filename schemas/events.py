@@ -125,6 +125,53 @@ class SchedEvent(Event):
     flags: list[str] = Field(default_factory=list)
 
 
+class ProgressSample(BaseModel):
+    """One training-progress report parsed from a log line."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ts: float  # when the line was written (or first seen)
+    rank: int | None = Field(default=None, ge=0)
+    node: str | None = None
+    step: int | None = Field(default=None, ge=0)
+    step_time_s: float | None = Field(default=None, ge=0)
+    loss: float | None = None  # NaN/inf are kept: a diverged loss is a signal
+    grad_norm: float | None = None
+    tokens_per_s: float | None = Field(default=None, ge=0)
+    # "train" for an ordinary step, "checkpoint" while a checkpoint is being saved
+    # (a hang detector must not fire then), "eval" for evaluation passes.
+    phase: Literal["train", "checkpoint", "eval"] = "train"
+    format: str  # which parser recognised it: megatron, lightning, hf, torchtitan, deepspeed, custom
+
+
+class ProgressBatch(Event):
+    """Progress reports of one job, in log order, keyed by job id."""
+
+    type_name: ClassVar[str] = "progress_batch"
+    job_id: str = Field(min_length=1, max_length=64)
+    job_nodes: list[str] = Field(default_factory=list)
+    partition: str | None = None
+    samples: list[ProgressSample]
+
+
+class HealthEvent(Event):
+    """A health verdict from another monitor (NVSentinel HealthEvent, NVRx report)."""
+
+    type_name: ClassVar[str] = "health_event"
+    origin: Literal["nvsentinel", "nvrx"]
+    node: str = Field(min_length=1, max_length=128)
+    check_name: str
+    component: str | None = None  # e.g. GPU, NVSwitch, NIC
+    component_ids: list[str] = Field(default_factory=list)
+    error_codes: list[str] = Field(default_factory=list)
+    is_fatal: bool = False
+    is_healthy: bool = False
+    recommended_action: str | None = None
+    message: str = Field(default="", max_length=65536)
+    job_id: str | None = None
+    rank: int | None = None
+
+
 # --- what the streams conclude ---------------------------------------------------
 
 
@@ -250,6 +297,8 @@ class DeadLetter(Event):
 EVENT_TYPES: tuple[type[Event], ...] = (
     GpuSample,
     LogBatch,
+    ProgressBatch,
+    HealthEvent,
     KernelEvent,
     SchedEvent,
     Anomaly,

@@ -12,9 +12,11 @@ from schemas.events import (
     Decision,
     Event,
     GpuSample,
+    HealthEvent,
     Incident,
     KernelEvent,
     LogBatch,
+    ProgressBatch,
     SchedEvent,
 )
 
@@ -29,6 +31,8 @@ class Topic:
 GPU_SAMPLES = Topic("gpu.samples", GpuSample, "node")
 NODE_KERNEL = Topic("node.kernel", KernelEvent, "node")
 JOB_LOGS = Topic("job.logs", LogBatch, "job id")
+JOB_PROGRESS = Topic("job.progress", ProgressBatch, "job id")
+HEALTH_EXTERNAL = Topic("health.external", HealthEvent, "node")
 SCHED_EVENTS = Topic("sched.events", SchedEvent, "job id, else node")
 ANOMALIES = Topic("anomalies", Anomaly, "job id, else node")
 INCIDENTS = Topic("incidents", Incident, "job id, else node")
@@ -41,7 +45,9 @@ ALL_TOPICS: tuple[Topic, ...] = (
     GPU_SAMPLES,
     NODE_KERNEL,
     JOB_LOGS,
+    JOB_PROGRESS,
     SCHED_EVENTS,
+    HEALTH_EXTERNAL,
     ANOMALIES,
     INCIDENTS,
     DECISIONS,
@@ -50,7 +56,7 @@ ALL_TOPICS: tuple[Topic, ...] = (
     DEADLETTER,
 )
 TOPIC_BY_NAME = {t.name: t for t in ALL_TOPICS}
-INPUT_TOPICS = (GPU_SAMPLES, NODE_KERNEL, JOB_LOGS, SCHED_EVENTS)
+INPUT_TOPICS = (GPU_SAMPLES, NODE_KERNEL, JOB_LOGS, JOB_PROGRESS, SCHED_EVENTS, HEALTH_EXTERNAL)
 DEFAULT_PARTITIONS = 4
 
 
@@ -59,9 +65,9 @@ def partition_key(event: Event) -> bytes:
 
     One job's evidence must land on one partition, in order, for attribution.
     """
-    if isinstance(event, (GpuSample, KernelEvent)):
+    if isinstance(event, (GpuSample, KernelEvent, HealthEvent)):
         return event.node.encode()
-    if isinstance(event, LogBatch):
+    if isinstance(event, (LogBatch, ProgressBatch)):
         return event.job_id.encode()
     if isinstance(event, DeadLetter):
         return event.original_topic.encode()

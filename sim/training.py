@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from sinks.backends.simulated import SimulatedScheduler
+from sinks.backends.base import SchedulerBackend
 
 NCCL_TIMEOUT_MS = 600_000
 
@@ -42,14 +42,14 @@ def _pci(gpu: int) -> str:
 
 @dataclass
 class SimJob:
-    sched: SimulatedScheduler
+    sched: SchedulerBackend
     job_id: str
     jobs_dir: Path
     nodes_dir: Path
     ranks_per_node: int = 8
     step_s: float = 0.5
     seed: int = 0
-    collective_timeout_s: float = 3.0  # stands in for NCCL's 600 s watchdog
+    collective_timeout_s: float = 1.0  # stands in for NCCL's 600 s watchdog
     iteration: int = 0
     dead_nodes: set[str] = field(default_factory=set)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -80,6 +80,13 @@ class SimJob:
         i = nodes.index(node)
         return [
             f"[rank{r}]:{text.format(rank=r)}" for r in range(i * self.ranks_per_node, (i + 1) * self.ranks_per_node)
+        ]
+
+    def _peer_rank_lines(self, index: int, text: str) -> list[str]:
+        # Ranks of the allocation at fault time, even if the scheduler has moved on since.
+        return [
+            f"[rank{r}]:{text.format(rank=r)}"
+            for r in range(index * self.ranks_per_node, (index + 1) * self.ranks_per_node)
         ]
 
     def start(self) -> None:
@@ -151,21 +158,23 @@ class SimJob:
                 f"{_stamp()} {node} kernel: NVRM: GPU {_pci(gpu)}.0: GPU has fallen off the bus.",
             ],
         )
-        threading.Thread(target=self._cascade, args=(node, seq), daemon=True).start()
+        peers = [(i, n) for i, n in enumerate(self.nodes()) if n != node]
+        restarts = self.sched.job_state(self.job_id).restart_count
+        threading.Thread(target=self._cascade, args=(peers, seq, restarts), daemon=True).start()
         return GroundTruth("xid79", self.job_id, node, "gpu_hardware", "drain_and_requeue", written)
 
-    def _cascade(self, dead: str, seq: int) -> None:
+    def _cascade(self, peers: list[tuple[int, str]], seq: int, restarts: int) -> None:
         # Format as in tests/fixtures/logs/nccl_watchdog_timeout.log (PyTorch ProcessGroupNCCL).
         if self._stop.wait(self.collective_timeout_s):
             return
+        if self.sched.job_state(self.job_id).restart_count != restarts:
+            return  # requeued before the watchdog fired: Slurm killed the waiting ranks
         now = datetime.now().strftime("%m%d %H:%M:%S.%f")
-        for n in self.nodes():
-            if n == dead:
-                continue
+        for i, n in peers:
             self._write(
                 self.log_path(n),
-                self._rank_lines(
-                    n,
+                self._peer_rank_lines(
+                    i,
                     f"[E{now} ProcessGroupNCCL.cpp:607] [Rank {{rank}}] Watchdog caught collective operation timeout: "
                     f"WorkNCCL(SeqNum={seq}, OpType=ALLREDUCE, NumelIn=544997376, NumelOut=544997376, "
                     f"Timeout(ms)={NCCL_TIMEOUT_MS}) ran for {NCCL_TIMEOUT_MS + 61} milliseconds before timing out.",

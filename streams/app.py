@@ -21,6 +21,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import aiokafka  # type: ignore[import-untyped]
 import faust
 
 from schemas.codec import DecodeError, decode, encode
@@ -46,6 +47,23 @@ from streams.policy_store import PolicyStore
 log = logging.getLogger("trainmedic.streams")
 
 BOOTSTRAP = os.environ.get("TRAINMEDIC_BOOTSTRAP", "127.0.0.1:9092")
+FETCH_MAX_WAIT_MS = int(os.environ.get("TRAINMEDIC_FETCH_MAX_WAIT_MS", "100"))
+
+
+def _short_fetch_wait() -> None:
+    """Faust hard-codes aiokafka's fetch_max_wait_ms=1500. A broker that does not
+    answer a fetch as soon as data arrives then adds up to 1.5 s per hop, and a fault
+    crosses three hops (signal -> anomaly -> incident -> decision). Cap it."""
+    original = aiokafka.AIOKafkaConsumer.__init__
+
+    def init(self: aiokafka.AIOKafkaConsumer, *args: Any, **kwargs: Any) -> None:
+        kwargs["fetch_max_wait_ms"] = min(int(kwargs.get("fetch_max_wait_ms", 500)), FETCH_MAX_WAIT_MS)
+        original(self, *args, **kwargs)
+
+    aiokafka.AIOKafkaConsumer.__init__ = init  # type: ignore[method-assign]
+
+
+_short_fetch_wait()
 
 app = faust.App(
     os.environ.get("TRAINMEDIC_STREAMS_ID", "trainmedic-streams"),

@@ -88,8 +88,11 @@ def demo(
     data_dir: DataDir = Path("var"),
     mode: Annotated[str, typer.Option(help="monitor (recommend only) or autonomous (act).")] = "autonomous",
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,
+    slurm: Annotated[
+        bool, typer.Option("--slurm", help="Act on the local Slurm cluster instead of the simulator.")
+    ] = False,
 ) -> None:
-    """Run the whole loop on a simulated cluster: inject Xid 79, watch trainmedic find and fix it."""
+    """Run the whole loop: a simulated training job, a Xid 79, and trainmedic finding and fixing it."""
     from trainmedic.demo import DemoError, run_demo
     from trainmedic.runtime import StackError
 
@@ -97,8 +100,17 @@ def demo(
         _fail(f"--mode {mode!r}: expected monitor or autonomous")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     say = (lambda _m: None) if as_json else typer.echo
+    if not as_json:
+        typer.echo(
+            f"demo: mode {mode}"
+            + (
+                " (the default for the demo, so that the whole loop is visible; deployments default to monitor)"
+                if mode == "autonomous"
+                else ""
+            )
+        )
     try:
-        report = run_demo(data_dir, mode=mode, say=say)
+        report = run_demo(data_dir, mode=mode, slurm=slurm, say=say)
     except (DemoError, StackError) as exc:
         _fail(str(exc))
     if as_json:
@@ -109,6 +121,35 @@ def demo(
         raise typer.Exit(1)
 
 
+@app.command()
+def diagnose(
+    paths: Annotated[list[Path], typer.Argument(help="Job logs and kernel logs (kern.log*, dmesg*, syslog*).")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Post-mortem: run the detectors and attribution offline over log files (no broker needed)."""
+    from trainmedic.diagnose import DiagnoseError, diagnose_paths
+
+    try:
+        report = diagnose_paths(paths)
+    except DiagnoseError as exc:
+        _fail(str(exc))
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+        return
+    culprit = report["culprit"] or "no single node"
+    if report["culprit_rank"] is not None:
+        culprit += f" (rank {report['culprit_rank']})"
+    typer.echo(
+        f"category    {report['category']}\nculprit     {culprit}\naction      {report['action']}\n"
+        f"confidence  {report['confidence']}\nwhy         {report['explanation']}"
+    )
+    for e in report["evidence"][:20]:
+        where = e["node"] or "?"
+        if e["rank"] is not None:
+            where += f" rank {e['rank']}"
+        typer.echo(f"  [{e['role']:10}] {e['signature']:28} {where:16} {e['line'][:160]}")
+
+
 def _print_report(r: dict[str, Any]) -> None:
     inc, dec, res = r["incident"], r["decision"], r["action_result"]
     lines = [
@@ -116,8 +157,7 @@ def _print_report(r: dict[str, Any]) -> None:
         f"incident     {inc['incident_id']}  job {inc['job_id']}",
         f"  category   {inc['category']}   culprit {inc['culprit']}   confidence {inc['confidence']}",
         f"  why        {inc['explanation']}",
-        f"  evidence   {inc['evidence_lines']} signals grouped into this one incident; "
-        f"{max(0, inc['anomalies_seen'] - inc['evidence_lines'])} later ones (the NCCL timeout cascade) absorbed into it",
+        f"  evidence   {inc['evidence_lines']} signals in this one incident: {'; '.join(inc['evidence_summary'])}",
         f"decision     {dec['action']} ({dec['kind']}, mode {dec['mode']}; rule {dec['rule']})",
     ]
     if res:
@@ -136,7 +176,7 @@ def _print_report(r: dict[str, Any]) -> None:
             else ""
         ),
         "             (NVIDIA's published means: detection 69 s, recovery action 94 s)",
-        f"healthy job  {r['healthy_job']['job_id']}: {r['healthy_job']['incidents']} incidents",
+        f"healthy job  {r['healthy_job']['job_id'] or '(none on this cluster)'}: {r['healthy_job']['incidents']} incidents",
         f"scheduler    {', '.join(r['scheduler_calls']) or 'no calls'}; job now {r['job_after']['state']} on "
         f"{','.join(r['job_after']['nodes']) or '-'}",
         f"verdict      {'culprit and category correct' if r['correct'] else 'WRONG attribution'}",

@@ -9,12 +9,17 @@ and did, with detection and action latency.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import orjson
 
 from producers.joblogs import JobLayout, JobLogProducer
 from producers.kernel import KernelLogProducer
@@ -23,12 +28,14 @@ from schemas.events import SchedEvent
 from schemas.ids import stable_id
 from schemas.topics import SCHED_EVENTS
 from sim.training import GroundTruth, SimJob
-from sinks.backends.base import JobState, NodeState
+from sinks.backends.base import BackendError, JobState, NodeState, SchedulerBackend
 from sinks.backends.simulated import SimulatedScheduler
+from sinks.backends.slurm_cli import SlurmCliBackend
 from trainmedic.runtime import Stack, StackConfig
 
 NODES = [f"gpu{i:02d}" for i in range(1, 9)]
 PARTITION = "gpu"
+LOCAL_SLURM_CONF = Path("/tmp/trainmedic-slurm/etc/slurm.conf")
 
 
 class DemoError(RuntimeError):
@@ -37,17 +44,19 @@ class DemoError(RuntimeError):
 
 @dataclass
 class DemoWorld:
-    """The simulated cluster and the node-side producers that watch it."""
+    """The simulated training jobs and the node-side producers that watch them."""
 
     root: Path
     publisher: Publisher
-    sched: SimulatedScheduler
+    sched: SchedulerBackend
+    partition: str = PARTITION
     jobs: dict[str, SimJob] = field(default_factory=dict)
     tailers: dict[str, JobLogProducer] = field(default_factory=dict)
     kernels: list[KernelLogProducer] = field(default_factory=list)
+    restarts: dict[str, int] = field(default_factory=dict)
     stop_event: threading.Event = field(default_factory=threading.Event)
 
-    def on_change(self, kind: str, change: str, state: JobState | NodeState) -> None:
+    def publish_sched(self, kind: str, change: str, state: JobState | NodeState) -> None:
         # The simulated scheduler plays the Slurm producer's part: state changes -> sched.events.
         if not isinstance(state, JobState):
             return
@@ -63,9 +72,32 @@ class DemoWorld:
                 partition=state.partition,
             ),
         )
-        job = self.jobs.get(state.job_id)
-        if job is not None and change == "RUNNING" and state.restart_count > 0:
-            tailer = self.tailers[state.job_id]
+
+    def watch(self, job_id: str) -> SimJob:
+        """Start the simulated training processes of a job the scheduler placed."""
+        job = SimJob(self.sched, job_id, self.root / "jobs", self.root / "nodes", seed=len(self.jobs) + 1)
+        nodes = job.nodes()
+        self.jobs[job_id] = job
+        self.restarts[job_id] = self.sched.job_state(job_id).restart_count
+        self.tailers[job_id] = JobLogProducer(
+            self.publisher,
+            job_id,
+            [job.log_path(n) for n in nodes],
+            JobLayout(nodes, job.ranks_per_node),
+            partition=self.partition,
+            node_of_path={job.log_path(n): n for n in nodes},
+        )
+        job.start()
+        return job
+
+    def _follow_restarts(self) -> None:
+        # A requeued job that runs again restarts its processes on its new nodes.
+        for job_id, job in self.jobs.items():
+            state = self.sched.job_state(job_id)
+            if state.state != "RUNNING" or state.restart_count <= self.restarts[job_id]:
+                continue
+            self.restarts[job_id] = state.restart_count
+            tailer = self.tailers[job_id]
             tailer.layout = JobLayout(state.nodes, job.ranks_per_node)
             known = {f.path for f in tailer.followers}
             for n in state.nodes:
@@ -73,29 +105,16 @@ class DemoWorld:
                     tailer.add_path(job.log_path(n), n)
             job.restart()
 
-    def add_job(self, name: str, num_nodes: int, seed: int) -> SimJob:
-        job_id = self.sched.submit(name, num_nodes, PARTITION)
-        job = SimJob(self.sched, job_id, self.root / "jobs", self.root / "nodes", seed=seed)
-        nodes = job.nodes()
-        self.jobs[job_id] = job
-        self.tailers[job_id] = JobLogProducer(
-            self.publisher,
-            job_id,
-            [job.log_path(n) for n in nodes],
-            JobLayout(nodes, job.ranks_per_node),
-            partition=PARTITION,
-            node_of_path={job.log_path(n): n for n in nodes},
-        )
-        job.start()
-        return job
-
     def pump(self) -> None:
+        ticks = 0
         while not self.stop_event.wait(0.1):
             for t in list(self.tailers.values()):
                 t.poll_once()
             for k in self.kernels:
                 k.poll_once()
-            self.sched.tick()
+            ticks += 1
+            if ticks % 5 == 0:
+                self._follow_restarts()
 
 
 def _wait(what: str, check: Any, timeout: float, stack: Stack | None = None) -> Any:
@@ -110,22 +129,90 @@ def _wait(what: str, check: Any, timeout: float, stack: Stack | None = None) -> 
     raise DemoError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+def _slurm_conf() -> str | None:
+    return os.environ.get("SLURM_CONF") or (str(LOCAL_SLURM_CONF) if LOCAL_SLURM_CONF.exists() else None)
+
+
+def _slurm_backend() -> SlurmCliBackend:
+    backend = SlurmCliBackend(slurm_conf=_slurm_conf())
+    try:
+        backend.node_state("gpu01")
+    except BackendError as exc:
+        raise DemoError(
+            f"--slurm needs the local Slurm cluster (nodes gpu01..gpu04): run `infra/slurm/start.sh` as root first ({exc})"
+        ) from None
+    return backend
+
+
+def _sbatch(name: str) -> str:
+    env = dict(os.environ)
+    conf = _slurm_conf()
+    if conf:
+        env["SLURM_CONF"] = conf
+    # 3-4 nodes: it gets all four now and can run on three once the culprit is excluded.
+    proc = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            "--nodes=3-4",
+            "--requeue",
+            f"--job-name={name}",
+            "--output=/dev/null",
+            "--wrap",
+            "sleep 3600",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=30,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise DemoError(f"sbatch failed: {proc.stderr.strip()}")
+    return proc.stdout.strip().split(";")[0]
+
+
 def run_demo(
-    data_dir: Path, mode: str = "autonomous", warmup_s: float = 3.0, timeout_s: float = 120.0, say: Any = print
+    data_dir: Path,
+    mode: str = "autonomous",
+    slurm: bool = False,
+    warmup_s: float = 3.0,
+    timeout_s: float = 120.0,
+    say: Any = print,
 ) -> dict[str, Any]:
     root = data_dir / "demo"
     shutil.rmtree(root, ignore_errors=True)
-    sched = SimulatedScheduler(NODES, PARTITION, requeue_delay_s=1.0)
+    sim: SimulatedScheduler | None = None
+    backend: SchedulerBackend
+    if slurm:
+        backend = _slurm_backend()
+    else:
+        backend = sim = SimulatedScheduler(NODES, PARTITION, requeue_delay_s=1.0)
     say(f"starting the stack (embedded broker, streams worker, executor, chDB audit in {root / 'chdb'}) ...")
-    stack = Stack(StackConfig(data_dir=root, mode=mode), sched).start()
+    stack = Stack(StackConfig(data_dir=root, mode=mode), backend).start()
     publisher = Publisher(stack.bootstrap, "trainmedic-demo")
-    world = DemoWorld(root, publisher, sched)
-    sched.subscribe(world.on_change)
+    world = DemoWorld(root, publisher, backend)
     pump = threading.Thread(target=world.pump, daemon=True)
+    slurm_job: str | None = None
     try:
-        victim = world.add_job("llama-70b-pretrain", 4, seed=1)
-        healthy = world.add_job("vit-finetune", 2, seed=2)
-        for n in NODES:
+        if sim is not None:
+            sim.subscribe(world.publish_sched)
+            victim = world.watch(sim.submit("llama-70b-pretrain", 4, PARTITION))
+            healthy: SimJob | None = world.watch(sim.submit("vit-finetune", 2, PARTITION))
+        else:
+            assert isinstance(backend, SlurmCliBackend)
+            slurm_job = _sbatch("llama-70b-pretrain")
+            _wait(
+                f"Slurm job {slurm_job} RUNNING on 4 nodes",
+                lambda: (
+                    backend.job_state(slurm_job or "").state == "RUNNING"
+                    and len(backend.job_state(slurm_job or "").nodes) == 4
+                ),
+                60,
+                stack,
+            )
+            victim, healthy = world.watch(slurm_job), None
+        for n in NODES if sim is not None else victim.nodes():
             kern = victim.kern_path(n)
             kern.parent.mkdir(parents=True, exist_ok=True)
             kern.touch()
@@ -133,8 +220,9 @@ def run_demo(
         pump.start()
         victim_nodes = victim.nodes()
         say(
-            f"job {victim.job_id} (llama-70b-pretrain) running on {','.join(victim_nodes)}; "
-            f"job {healthy.job_id} (vit-finetune) on {','.join(healthy.nodes())}; mode {mode}"
+            f"job {victim.job_id} (llama-70b-pretrain) running on {','.join(victim_nodes)}"
+            + (f"; job {healthy.job_id} (vit-finetune) on {','.join(healthy.nodes())}" if healthy else "")
+            + f"; scheduler {backend.name}; mode {mode}"
         )
         time.sleep(warmup_s)
         culprit = victim_nodes[1]
@@ -143,9 +231,10 @@ def run_demo(
             f"injected: Xid 79 (GPU fallen off the bus) on {culprit}; NCCL watchdog timeouts follow on the other "
             f"nodes after {victim.collective_timeout_s:.0f} s (compressed from the 600 s default)"
         )
-        report = _collect(stack, sched, truth, victim.job_id, healthy.job_id, mode, timeout_s)
-        report["scheduler_calls"] = list(sched.calls)
-        report["job_after"] = _job_dict(sched.job_state(victim.job_id))
+        report = _collect(stack, truth, victim.job_id, healthy.job_id if healthy else None, mode, timeout_s)
+        report["scheduler"] = backend.name
+        report["scheduler_calls"] = list(sim.calls) if sim is not None else _slurm_calls(report)
+        report["job_after"] = _job_dict(backend.job_state(victim.job_id))
         return report
     finally:
         world.stop_event.set()
@@ -153,6 +242,34 @@ def run_demo(
             j.stop()
         publisher.flush(5)
         stack.stop()
+        if slurm_job is not None and isinstance(backend, SlurmCliBackend):
+            _cleanup_slurm(backend, slurm_job, say)
+
+
+def _slurm_calls(report: dict[str, Any]) -> list[str]:
+    res = report.get("action_result")
+    return [step.split(":")[0] for step in res["steps"]] if res else []
+
+
+def _cleanup_slurm(backend: SlurmCliBackend, job_id: str, say: Any) -> None:
+    """Leave the local cluster as we found it: cancel the demo job, undrain what the demo drained."""
+    with contextlib.suppress(BackendError):
+        backend.cancel_job(job_id)
+    for n in ("gpu01", "gpu02", "gpu03", "gpu04"):
+        with contextlib.suppress(BackendError):
+            state = backend.node_state(n)
+            if state.drained and state.reason and state.reason.startswith("trainmedic "):
+                backend.resume_node(n)
+                say(f"cleanup: cancelled demo job {job_id}, resumed {n}")
+
+
+def _evidence_summary(evidence_json: str) -> list[str]:
+    by_sig: dict[str, tuple[int, set[str]]] = {}
+    for e in orjson.loads(evidence_json):
+        n, nodes = by_sig.get(e["signature"], (0, set()))
+        nodes.add(e["node"] or "?")
+        by_sig[e["signature"]] = (n + 1, nodes)
+    return [f"{sig} x{n} ({','.join(sorted(nodes))})" for sig, (n, nodes) in by_sig.items()]
 
 
 def _job_dict(s: JobState) -> dict[str, Any]:
@@ -167,10 +284,9 @@ def _job_dict(s: JobState) -> dict[str, Any]:
 
 def _collect(
     stack: Stack,
-    sched: SimulatedScheduler,
     truth: GroundTruth,
     job_id: str,
-    healthy_job: str,
+    healthy_job: str | None,
     mode: str,
     timeout_s: float,
 ) -> dict[str, Any]:
@@ -226,6 +342,7 @@ def _collect(
             "confidence": round(float(incident["confidence"]), 2),
             "explanation": incident["explanation"],
             "evidence_lines": len(incident["anomaly_ids"]),
+            "evidence_summary": _evidence_summary(incident["evidence"]),
             "anomalies_seen": int(anomalies),
         },
         "decision": {
