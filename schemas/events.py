@@ -12,7 +12,7 @@ from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from schemas.vocab import ActionKind, Category, Mode, ResultStatus, Role, Severity, Source
+from schemas.vocab import ActionKind, Category, Guardrail, Mode, RejectReason, ResultStatus, Role, Severity, Source
 
 SCHEMA_VERSION = 1
 
@@ -282,6 +282,50 @@ class ActionResult(Event):
     first_signal_time: float
 
 
+class Approval(Event):
+    """An operator's verdict on a recommendation (monitor mode)."""
+
+    type_name: ClassVar[str] = "approval"
+    approval_id: str
+    decision_id: str
+    incident_id: str
+    job_id: str | None = None
+    partition: str | None = None
+    category: Category
+    action: ActionKind
+    verdict: Literal["approved", "rejected"]
+    reason: RejectReason | None = None  # required when rejected
+    comment: str = Field(default="", max_length=4096)
+    operator: str = Field(min_length=1, max_length=128)
+
+
+class ModeChange(Event):
+    """Autonomy switched for a partition (and optionally one category)."""
+
+    type_name: ClassVar[str] = "mode_change"
+    partition: str | None = None  # None: the default for every partition
+    category: Category | None = None  # None: every category
+    old_mode: Mode | None = None
+    new_mode: Mode
+    operator: str = Field(min_length=1, max_length=128)
+    reason: str = Field(default="", max_length=4096)
+    forced: bool = False
+
+
+class GuardrailTrip(Event):
+    """The executor refused an action because a guardrail stopped it."""
+
+    type_name: ClassVar[str] = "guardrail_trip"
+    guardrail: Guardrail
+    action_id: str
+    incident_id: str
+    job_id: str | None = None
+    node: str | None = None
+    partition: str | None = None
+    action: ActionKind
+    detail: str
+
+
 class DeadLetter(Event):
     """A message a component could not accept, with the reason and the original bytes."""
 
@@ -306,5 +350,8 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     Decision,
     Action,
     ActionResult,
+    Approval,
+    ModeChange,
+    GuardrailTrip,
     DeadLetter,
 )

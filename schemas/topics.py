@@ -8,6 +8,9 @@ from schemas.events import (
     Action,
     ActionResult,
     Anomaly,
+    Approval,
+    GuardrailTrip,
+    ModeChange,
     DeadLetter,
     Decision,
     Event,
@@ -39,6 +42,9 @@ INCIDENTS = Topic("incidents", Incident, "job id, else node")
 DECISIONS = Topic("decisions", Decision, "job id, else node")
 ACTIONS = Topic("actions", Action, "job id, else node")
 ACTION_RESULTS = Topic("action.results", ActionResult, "job id, else node")
+APPROVALS = Topic("approvals", Approval, "job id, else node")
+MODE_CHANGES = Topic("mode.changes", ModeChange, "partition")
+GUARDRAIL_TRIPS = Topic("guardrail.trips", GuardrailTrip, "job id, else node")
 DEADLETTER = Topic("deadletter", DeadLetter, "original topic")
 
 ALL_TOPICS: tuple[Topic, ...] = (
@@ -53,6 +59,9 @@ ALL_TOPICS: tuple[Topic, ...] = (
     DECISIONS,
     ACTIONS,
     ACTION_RESULTS,
+    APPROVALS,
+    MODE_CHANGES,
+    GUARDRAIL_TRIPS,
     DEADLETTER,
 )
 TOPIC_BY_NAME = {t.name: t for t in ALL_TOPICS}
@@ -71,6 +80,8 @@ def partition_key(event: Event) -> bytes:
         return event.job_id.encode()
     if isinstance(event, DeadLetter):
         return event.original_topic.encode()
+    if isinstance(event, ModeChange):
+        return (event.partition or "*").encode()
     job_id = getattr(event, "job_id", None)
     if job_id:
         return str(job_id).encode()

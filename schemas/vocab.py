@@ -23,9 +23,14 @@ Severity = Literal["info", "warning", "error", "critical"]
 Role = Literal["root", "collateral"]
 Source = Literal["job_log", "kernel", "scheduler", "gpu", "external"]
 ResultStatus = Literal["done", "failed", "skipped"]
+# Why an operator rejected a recommendation: a short fixed list, so it can be scored.
+RejectReason = Literal["wrong_node", "wrong_category", "not_a_fault", "not_worth_acting", "other"]
+Guardrail = Literal["kill_switch", "partition_not_allowed", "blast_radius", "restart_budget", "node_cooldown"]
 
 CATEGORIES: tuple[str, ...] = get_args(Category)
 ACTIONS: tuple[str, ...] = get_args(ActionKind)
 MODES: tuple[str, ...] = get_args(Mode)
+REJECT_REASONS: tuple[str, ...] = get_args(RejectReason)
+GUARDRAILS: tuple[str, ...] = get_args(Guardrail)
 SEVERITIES: tuple[str, ...] = get_args(Severity)
 SEVERITY_RANK = {name: i for i, name in enumerate(SEVERITIES)}
