@@ -312,6 +312,17 @@ class ModeChange(Event):
     forced: bool = False
 
 
+class NodeReturn(Event):
+    """An operator returned a node that trainmedic drained to service."""
+
+    type_name: ClassVar[str] = "node_return"
+    node: str = Field(min_length=1, max_length=128)
+    incident_id: str | None = None  # the incident named in the drain reason
+    drain_reason: str
+    operator: str = Field(min_length=1, max_length=128)
+    comment: str = Field(default="", max_length=4096)
+
+
 class GuardrailTrip(Event):
     """The executor refused an action because a guardrail stopped it."""
 
@@ -352,6 +363,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     ActionResult,
     Approval,
     ModeChange,
+    NodeReturn,
     GuardrailTrip,
     DeadLetter,
 )

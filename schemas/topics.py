@@ -9,16 +9,17 @@ from schemas.events import (
     ActionResult,
     Anomaly,
     Approval,
-    GuardrailTrip,
-    ModeChange,
     DeadLetter,
     Decision,
     Event,
     GpuSample,
+    GuardrailTrip,
     HealthEvent,
     Incident,
     KernelEvent,
     LogBatch,
+    ModeChange,
+    NodeReturn,
     ProgressBatch,
     SchedEvent,
 )
@@ -44,6 +45,7 @@ ACTIONS = Topic("actions", Action, "job id, else node")
 ACTION_RESULTS = Topic("action.results", ActionResult, "job id, else node")
 APPROVALS = Topic("approvals", Approval, "job id, else node")
 MODE_CHANGES = Topic("mode.changes", ModeChange, "partition")
+NODE_RETURNS = Topic("node.returns", NodeReturn, "node")
 GUARDRAIL_TRIPS = Topic("guardrail.trips", GuardrailTrip, "job id, else node")
 DEADLETTER = Topic("deadletter", DeadLetter, "original topic")
 
@@ -61,6 +63,7 @@ ALL_TOPICS: tuple[Topic, ...] = (
     ACTION_RESULTS,
     APPROVALS,
     MODE_CHANGES,
+    NODE_RETURNS,
     GUARDRAIL_TRIPS,
     DEADLETTER,
 )
@@ -74,7 +77,7 @@ def partition_key(event: Event) -> bytes:
 
     One job's evidence must land on one partition, in order, for attribution.
     """
-    if isinstance(event, (GpuSample, KernelEvent, HealthEvent)):
+    if isinstance(event, (GpuSample, KernelEvent, HealthEvent, NodeReturn)):
         return event.node.encode()
     if isinstance(event, (LogBatch, ProgressBatch)):
         return event.job_id.encode()

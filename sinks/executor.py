@@ -9,6 +9,7 @@ so a redelivered action is not performed twice.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -18,9 +19,10 @@ from confluent_kafka import Consumer, KafkaError, Producer
 
 from schemas.clients import consumer_config, producer_config
 from schemas.codec import DecodeError, decode, encode
-from schemas.events import Action, ActionResult
-from schemas.topics import ACTION_RESULTS, ACTIONS, partition_key
+from schemas.events import Action, ActionResult, GuardrailTrip
+from schemas.topics import ACTION_RESULTS, ACTIONS, GUARDRAIL_TRIPS, partition_key
 from sinks.backends.base import BackendError, JobState, SchedulerBackend
+from sinks.guardrails import GuardrailFile, Guardrails
 
 log = logging.getLogger("trainmedic.executor")
 
@@ -29,6 +31,12 @@ _GONE = ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEM
 
 class VerifyTimeout(RuntimeError):
     pass
+
+
+def _marked_restarts(comment: str | None, action_id: str) -> int | None:
+    """The restart count our mark recorded before requeueing, if the mark is this action's."""
+    m = re.search(rf"trainmedic {re.escape(action_id)} restarts=(\d+)", comment or "")
+    return int(m.group(1)) if m else None
 
 
 @dataclass
@@ -76,6 +84,11 @@ class Executor:
             log.error("action %s failed: %s", action.action_id, exc)
             return self._result(run, "failed", str(exc), verified=False)
 
+    def refused(self, action: Action, why: str) -> ActionResult:
+        run = _Run(action, time.time())
+        run.steps.append("refused: " + why)
+        return self._result(run, "skipped", why, verified=False)
+
     def _wait(self, what: str, check: Callable[[], bool]) -> None:
         deadline = time.monotonic() + self.settings.verify_timeout_s
         while True:
@@ -109,11 +122,17 @@ class Executor:
         a = run.action
         assert a.job_id
         before = self.backend.job_state(a.job_id)
-        if self._requeue_done(before, exclude) and before.restart_count > 0:
-            run.steps.append(f"requeue {a.job_id}: already requeued away from {','.join(exclude)}")
+        marked = _marked_restarts(before.comment, a.action_id)
+        if marked is not None and before.restart_count > marked:
+            # Our own mark in the scheduler says this action already requeued the job
+            # (the executor died before committing): do not requeue it twice.
+            run.steps.append(
+                f"requeue {a.job_id}: already done by this action (restarts {marked}->{before.restart_count})"
+            )
         elif before.state in _GONE:
             raise BackendError(f"job {a.job_id} is {before.state}; nothing to requeue")
         else:
+            self.backend.annotate_job(a.job_id, f"trainmedic {a.action_id} restarts={before.restart_count}")
             self.backend.requeue_job(a.job_id, exclude)
 
             def requeued() -> bool:
@@ -135,6 +154,7 @@ class Executor:
 
     @staticmethod
     def _requeue_done(s: JobState, exclude: list[str]) -> bool:
+        """The job is off the excluded nodes and can never be placed on them again."""
         return set(exclude) <= set(s.excluded_nodes) and not set(exclude) & set(s.nodes)
 
     def _stop(self, run: _Run) -> None:
@@ -173,13 +193,48 @@ class Executor:
 class ExecutorService:
     """The consumer-group loop around Executor. Commit only after the result is published."""
 
-    def __init__(self, bootstrap: str, executor: Executor, client_id: str = "trainmedic-executor") -> None:
+    def __init__(
+        self,
+        bootstrap: str,
+        executor: Executor,
+        guardrails: Guardrails | None = None,
+        client_id: str = "trainmedic-executor",
+    ) -> None:
         self.executor = executor
+        self.guardrails = guardrails or Guardrails(GuardrailFile(None), executor.backend)
         self._consumer = Consumer(consumer_config(bootstrap, executor.settings.group, client_id))
         self._producer = Producer(producer_config(bootstrap, client_id))
         self.stop_event = threading.Event()
         self.results: list[ActionResult] = []
+        self.trips: list[GuardrailTrip] = []
         self.rejected = 0
+
+    def _handle(self, action: Action) -> ActionResult:
+        now = time.time()
+        trip = self.guardrails.check(action, now)
+        if trip is not None:
+            name, detail = trip
+            log.warning("guardrail %s stopped %s: %s", name, action.action_id, detail)
+            event = GuardrailTrip(
+                event_id=f"grd-{action.action_id.removeprefix('act-')}-{name}",
+                event_time=now,
+                guardrail=name,
+                action_id=action.action_id,
+                incident_id=action.incident_id,
+                job_id=action.job_id,
+                node=action.node,
+                partition=action.partition,
+                action=action.action,
+                detail=detail,
+            )
+            self._producer.produce(GUARDRAIL_TRIPS.name, key=partition_key(event), value=encode(event))
+            self.trips.append(event)
+            return self.executor.refused(action, f"guardrail {name}: {detail}")
+        log.info("executing %s %s job=%s node=%s", action.action_id, action.action, action.job_id, action.node)
+        result = self.executor.execute(action)
+        if result.status == "done":
+            self.guardrails.record(action, now)
+        return result
 
     def run(self) -> None:
         self._consumer.subscribe([ACTIONS.name])
@@ -200,8 +255,7 @@ class ExecutorService:
                     log.error("rejected undecodable action at %s/%s: %s", msg.partition(), msg.offset(), exc)
                     self._consumer.commit(message=msg, asynchronous=False)
                     continue
-                log.info("executing %s %s job=%s node=%s", action.action_id, action.action, action.job_id, action.node)
-                result = self.executor.execute(action)
+                result = self._handle(action)
                 self._producer.produce(ACTION_RESULTS.name, key=partition_key(result), value=encode(result))
                 if self._producer.flush(30) != 0:
                     log.error("result of %s not delivered; not committing, it will be redelivered", action.action_id)

@@ -6,6 +6,7 @@ environment (trainmedic's runtime sets them):
   TRAINMEDIC_BOOTSTRAP      Kafka bootstrap servers (host:port[,host:port])
   TRAINMEDIC_POLICY         policy YAML (default infra/policies/default.yaml)
   TRAINMEDIC_MODE           overrides the policy's mode for every partition
+  TRAINMEDIC_MODES_FILE     operator mode changes (trainmedic mode set), over the policy
   TRAINMEDIC_SETTLE_S       attribution window once a root cause is seen (1)
   TRAINMEDIC_COLLATERAL_S   how long collateral-only symptoms wait (5)
   TRAINMEDIC_STREAMS_ID     Faust app id / consumer group (trainmedic-streams)
@@ -98,7 +99,11 @@ attributor = Attributor(
     settle_s=float(os.environ.get("TRAINMEDIC_SETTLE_S", "1")),
     collateral_wait_s=float(os.environ.get("TRAINMEDIC_COLLATERAL_S", "5")),
 )
-policies = PolicyStore(os.environ.get("TRAINMEDIC_POLICY") or None, os.environ.get("TRAINMEDIC_MODE") or None)
+policies = PolicyStore(
+    os.environ.get("TRAINMEDIC_POLICY") or None,
+    os.environ.get("TRAINMEDIC_MODE") or None,
+    os.environ.get("TRAINMEDIC_MODES_FILE") or None,
+)
 
 
 async def publish(topic: Any, event: Event) -> None:

@@ -25,24 +25,61 @@ class PolicyError(ValueError):
 
 class PartitionPolicy(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    mode: Mode
+    mode: Mode | None = None
+    categories: dict[Category, Mode] = Field(default_factory=dict)
 
 
 class Policy(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    version: int = Field(1, ge=1, le=1)
+    version: int = Field(default=1, ge=1, le=1)
     mode: Mode = "monitor"
+    categories: dict[Category, Mode] = Field(default_factory=dict)
     partitions: dict[str, PartitionPolicy] = Field(default_factory=dict)
     actions: dict[Category, ActionKind]
-    min_confidence: float = Field(0.6, ge=0.0, le=1.0)
+    min_confidence: float = Field(default=0.6, ge=0.0, le=1.0)
+    # Enforced by the executor (sinks/guardrails.py validates this section).
+    guardrails: dict[str, Any] = Field(default_factory=dict)
 
-    def mode_for(self, partition: str | None) -> Mode:
-        override = self.partitions.get(partition or "")
-        return override.mode if override else self.mode
+    def mode_for(self, partition: str | None, category: Category | None = None) -> Mode:
+        """Most specific wins: partition+category, partition, category, default."""
+        part = self.partitions.get(partition or "")
+        if part is not None and category is not None and category in part.categories:
+            return part.categories[category]
+        if part is not None and part.mode is not None:
+            return part.mode
+        if category is not None and category in self.categories:
+            return self.categories[category]
+        return self.mode
 
     def with_mode(self, mode: Mode) -> Policy:
-        return self.model_copy(update={"mode": mode, "partitions": {}})
+        return self.model_copy(update={"mode": mode, "partitions": {}, "categories": {}})
+
+    def with_overlay(self, overlay: ModeOverlay) -> Policy:
+        """Apply operator mode changes (trainmedic mode set) on top of the file's modes."""
+        partitions = {k: v.model_copy(deep=True) for k, v in self.partitions.items()}
+        for name, part in overlay.partitions.items():
+            base = partitions.setdefault(name, PartitionPolicy())
+            if part.mode is not None:
+                base.mode = part.mode
+            base.categories.update(part.categories)
+        return self.model_copy(
+            update={
+                "mode": overlay.mode or self.mode,
+                "categories": {**self.categories, **overlay.categories},
+                "partitions": partitions,
+            }
+        )
+
+
+class ModeOverlay(BaseModel):
+    """Mode changes made by operators at run time; stored apart from the policy file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Mode | None = None
+    categories: dict[Category, Mode] = Field(default_factory=dict)
+    partitions: dict[str, PartitionPolicy] = Field(default_factory=dict)
 
 
 def _line_of(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
@@ -106,6 +143,25 @@ def load_policy(path: Path | str | None = None) -> Policy:
     return parse_policy(text, str(p))
 
 
+def load_overlay(path: Path) -> ModeOverlay:
+    if not path.exists():
+        return ModeOverlay()
+    try:
+        return ModeOverlay.model_validate(yaml.safe_load(path.read_text()) or {})
+    except (yaml.YAMLError, ValidationError) as exc:
+        raise PolicyError(f"{path}: invalid mode overlay: {exc}") from None
+
+
+def save_overlay(path: Path, overlay: ModeOverlay) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(
+        "# Written by `trainmedic mode set`; overrides the modes of the policy file.\n"
+        + yaml.safe_dump(overlay.model_dump(mode="json", exclude_defaults=True), sort_keys=True)
+    )
+    tmp.replace(path)  # atomic: the streams worker never reads a half-written file
+
+
 def decide(policy: Policy, incident: Incident, now: float) -> tuple[Decision, Action | None]:
     """Turn an incident into a decision, and an action when autonomy allows it."""
     configured = policy.actions[incident.category]
@@ -119,7 +175,7 @@ def decide(policy: Policy, incident: Incident, now: float) -> tuple[Decision, Ac
     if not incident.job_id and action in ("requeue", "stop"):
         action = "none"
         rule += " (no job known: nothing to restart or stop)"
-    mode = policy.mode_for(incident.partition)
+    mode = policy.mode_for(incident.partition, incident.category)
     reasons = [f"{incident.category} with confidence {incident.confidence:.2f}"]
     executed = mode == "autonomous" and action != "none"
     if executed and incident.confidence < policy.min_confidence:

@@ -8,37 +8,48 @@ from pathlib import Path
 
 from schemas.events import Action, Decision, Incident
 from schemas.vocab import MODES, Mode
-from streams.policy import DEFAULT_POLICY, Policy, PolicyError, decide, load_policy
+from streams.policy import DEFAULT_POLICY, Policy, PolicyError, decide, load_overlay, load_policy
 
 log = logging.getLogger("trainmedic.policy")
 
 
 class PolicyStore:
-    def __init__(self, path: str | Path | None = None, mode_override: str | None = None) -> None:
+    """Policy file + operator mode overlay (+ a whole-run override for demos/tests)."""
+
+    def __init__(
+        self, path: str | Path | None = None, mode_override: str | None = None, overlay: str | Path | None = None
+    ) -> None:
         self.path = Path(path) if path else DEFAULT_POLICY
+        self.overlay_path = Path(overlay) if overlay else None
         if mode_override is not None and mode_override not in MODES:
             raise PolicyError(f"TRAINMEDIC_MODE: unknown mode {mode_override!r} (expected one of {', '.join(MODES)})")
         self._override: Mode | None = mode_override  # type: ignore[assignment]
-        self._mtime = self._stat()
-        self._policy = self._apply_override(load_policy(self.path))
+        self._mtimes = self._stat()
+        self._policy = self._load()
 
-    def _stat(self) -> float:
-        try:
-            return os.stat(self.path).st_mtime
-        except OSError:
-            return 0.0
+    def _stat(self) -> tuple[float, float]:
+        def mtime(p: Path | None) -> float:
+            try:
+                return os.stat(p).st_mtime if p else 0.0
+            except OSError:
+                return 0.0
 
-    def _apply_override(self, policy: Policy) -> Policy:
+        return mtime(self.path), mtime(self.overlay_path)
+
+    def _load(self) -> Policy:
+        policy = load_policy(self.path)
+        if self.overlay_path is not None:
+            policy = policy.with_overlay(load_overlay(self.overlay_path))
         return policy.with_mode(self._override) if self._override else policy
 
     @property
     def policy(self) -> Policy:
-        mtime = self._stat()
-        if mtime != self._mtime:
-            self._mtime = mtime
+        mtimes = self._stat()
+        if mtimes != self._mtimes:
+            self._mtimes = mtimes
             try:
-                self._policy = self._apply_override(load_policy(self.path))
-                log.info("policy reloaded from %s", self.path)
+                self._policy = self._load()
+                log.info("policy reloaded from %s (overlay %s)", self.path, self.overlay_path)
             except PolicyError as exc:
                 # Keep acting on the last valid policy; a typo must not stop the service.
                 log.error("policy reload refused, keeping the previous one: %s", exc)

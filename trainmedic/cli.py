@@ -5,12 +5,15 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import signal
 import threading
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
+
+from schemas.vocab import CATEGORIES, MODES, REJECT_REASONS
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="Workload-level recovery for distributed AI training on Slurm."
@@ -72,7 +75,8 @@ def up(
         _fail(str(exc))
     typer.echo(
         f"trainmedic is up: Kafka {stack.bootstrap}, audit {stack.store.url if stack.store else '?'}, "
-        f"scheduler {sched.name}, logs in {stack.logs_dir}. Ctrl-C stops."
+        f"scheduler {sched.name}, operator API {stack.api.url if stack.api else '-'} "
+        f"(token in {stack.config.token_file}), logs in {stack.logs_dir}. Ctrl-C stops."
     )
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
@@ -148,6 +152,219 @@ def diagnose(
         if e["rank"] is not None:
             where += f" rank {e['rank']}"
         typer.echo(f"  [{e['role']:10}] {e['signature']:28} {where:16} {e['line'][:160]}")
+
+
+def _backend(name: str) -> Any:
+    if name == "slurm-cli":
+        from sinks.backends.slurm_cli import SlurmCliBackend
+
+        return SlurmCliBackend()
+    _fail(f"--backend {name!r}: expected slurm-cli")
+
+
+@app.command("executor")
+def executor_cmd(
+    bootstrap: Annotated[str, typer.Option(help="Kafka bootstrap servers HOST:PORT.")],
+    policy: Annotated[Optional[Path], typer.Option(help="Policy YAML whose guardrails section applies.")] = None,
+    backend: Annotated[str, typer.Option(help="Scheduler backend.")] = "slurm-cli",
+    group: Annotated[str, typer.Option(help="Consumer group; replicas share it.")] = "trainmedic-executor",
+    verify_timeout: Annotated[float, typer.Option(help="Seconds to wait for each effect to show.")] = 60.0,
+) -> None:
+    """Run only the executor (one replica of its consumer group), e.g. as its own Deployment."""
+    from sinks.executor import Executor, ExecutorService, ExecutorSettings
+    from sinks.guardrails import GuardrailConfigError, GuardrailFile, Guardrails
+    from streams.policy import DEFAULT_POLICY
+    from trainmedic.runtime import StackError, check_bootstrap
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        check_bootstrap(bootstrap)
+        rails = GuardrailFile(policy or DEFAULT_POLICY)
+    except (StackError, GuardrailConfigError, OSError) as exc:
+        _fail(str(exc))
+    sched = _backend(backend)
+    service = ExecutorService(
+        bootstrap,
+        Executor(sched, ExecutorSettings(verify_timeout_s=verify_timeout, group=group)),
+        Guardrails(rails, sched),
+    )
+    signal.signal(signal.SIGTERM, lambda *_: service.stop_event.set())
+    typer.echo(f"executor up: group {group}, scheduler {sched.name}")
+    try:
+        service.run()
+    except KeyboardInterrupt:
+        service.stop_event.set()
+    typer.echo("executor stopped.")
+
+
+ApiOpt = Annotated[Optional[str], typer.Option("--api", help="Operator API URL (default: from DATA_DIR/runtime.json).")]
+TokenOpt = Annotated[
+    Optional[str], typer.Option("--token", help="API token (default: TRAINMEDIC_TOKEN or DATA_DIR/api-token).")
+]
+OperatorOpt = Annotated[str, typer.Option("--operator", help="Who is doing this (recorded in the audit).")]
+
+
+def _api(data_dir: Path, api: str | None, token: str | None, method: str, path: str, body: Any = None) -> Any:
+    from trainmedic.client import ClientError, api_token, api_url, call
+
+    try:
+        return call(api_url(data_dir, api), api_token(data_dir, token), method, path, body)
+    except ClientError as exc:
+        _fail(str(exc))
+
+
+def _whoami() -> str:
+    return os.environ.get("USER") or os.environ.get("LOGNAME") or "operator"
+
+
+@app.command()
+def approve(
+    decision_id: Annotated[str, typer.Argument(help="The recommendation's decision id (dec-...).")],
+    comment: Annotated[str, typer.Option(help="Why.")] = "",
+    operator: OperatorOpt = "",
+    data_dir: DataDir = Path("var"),
+    api: ApiOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Approve a monitor-mode recommendation: the executor carries it out, recorded with who approved."""
+    r = _api(
+        data_dir,
+        api,
+        token,
+        "POST",
+        f"/api/recommendations/{decision_id}/approve",
+        {"operator": operator or _whoami(), "comment": comment},
+    )
+    typer.echo(f"approved {decision_id}: action {r['action_id']} sent to the executor")
+
+
+@app.command()
+def reject(
+    decision_id: Annotated[str, typer.Argument(help="The recommendation's decision id (dec-...).")],
+    reason: Annotated[str, typer.Option(help=f"One of: {', '.join(REJECT_REASONS)}.")],
+    comment: Annotated[str, typer.Option(help="Free text.")] = "",
+    operator: OperatorOpt = "",
+    data_dir: DataDir = Path("var"),
+    api: ApiOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Reject a recommendation, with a reason from a fixed list (it feeds readiness scoring)."""
+    if reason not in REJECT_REASONS:
+        _fail(f"--reason {reason!r}: expected one of {', '.join(REJECT_REASONS)}")
+    _api(
+        data_dir,
+        api,
+        token,
+        "POST",
+        f"/api/recommendations/{decision_id}/reject",
+        {"operator": operator or _whoami(), "reason": reason, "comment": comment},
+    )
+    typer.echo(f"rejected {decision_id} ({reason})")
+
+
+@app.command()
+def recommendations(
+    data_dir: DataDir = Path("var"),
+    api: ApiOpt = None,
+    token: TokenOpt = None,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """List recommendations waiting for an operator."""
+    rows = _api(data_dir, api, token, "GET", "/api/recommendations")
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    for r in rows:
+        typer.echo(
+            f"{r['decision_id']}  {r['event_time'][:19]}  job {r['job_id'] or '-':8} {r['category']:13} "
+            f"{r['action']:18} culprit {r['culprit_node'] or '-':8} {r['verdict'] or 'pending'}"
+        )
+
+
+mode_app = typer.Typer(help="Autonomy per partition and category (audited; takes effect without a restart).")
+app.add_typer(mode_app, name="mode")
+
+
+@mode_app.command("show")
+def mode_show(data_dir: DataDir = Path("var"), api: ApiOpt = None, token: TokenOpt = None) -> None:
+    """Print the modes in force: default, per category, per partition."""
+    typer.echo(json.dumps(_api(data_dir, api, token, "GET", "/api/modes"), indent=2))
+
+
+@mode_app.command("set")
+def mode_set(
+    mode: Annotated[str, typer.Argument(help="monitor or autonomous")],
+    partition: Annotated[Optional[str], typer.Option(help="Only this partition.")] = None,
+    category: Annotated[Optional[str], typer.Option(help="Only this category.")] = None,
+    reason: Annotated[str, typer.Option(help="Why (recorded).")] = "",
+    force: Annotated[bool, typer.Option(help="Record that a readiness verdict was overridden.")] = False,
+    operator: OperatorOpt = "",
+    data_dir: DataDir = Path("var"),
+    api: ApiOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Switch monitor/autonomous for everything, a partition, a category, or both."""
+    if mode not in MODES:
+        _fail(f"mode {mode!r}: expected one of {', '.join(MODES)}")
+    if category is not None and category not in CATEGORIES:
+        _fail(f"--category {category!r}: expected one of {', '.join(CATEGORIES)}")
+    r = _api(
+        data_dir,
+        api,
+        token,
+        "POST",
+        "/api/modes",
+        {
+            "mode": mode,
+            "partition": partition,
+            "category": category,
+            "operator": operator or _whoami(),
+            "reason": reason,
+            "force": force,
+        },
+    )
+    typer.echo(
+        f"mode for partition={r['partition'] or '*'} category={r['category'] or '*'}: "
+        f"{r['old_mode']} -> {r['new_mode']}"
+    )
+
+
+@app.command()
+def nodes(
+    data_dir: DataDir = Path("var"),
+    api: ApiOpt = None,
+    token: TokenOpt = None,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Nodes as the scheduler sees them; drained ones with their reason and incident."""
+    rows = _api(data_dir, api, token, "GET", "/api/nodes")
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    for r in rows:
+        flags = ",".join(r["flags"]) or "-"
+        typer.echo(f"{r['node']:12} {r['state']:10} {flags:16} {r['incident_id'] or '':26} {r['reason'] or ''}")
+
+
+@app.command()
+def resume(
+    node: Annotated[str, typer.Argument(help="A node trainmedic drained.")],
+    comment: Annotated[str, typer.Option(help="What was fixed.")] = "",
+    operator: OperatorOpt = "",
+    data_dir: DataDir = Path("var"),
+    api: ApiOpt = None,
+    token: TokenOpt = None,
+) -> None:
+    """Return a node trainmedic drained to service (refused for nodes drained by someone else)."""
+    r = _api(
+        data_dir,
+        api,
+        token,
+        "POST",
+        f"/api/nodes/{node}/resume",
+        {"operator": operator or _whoami(), "comment": comment},
+    )
+    typer.echo(f"resumed {node} (it was drained for {r['incident_id']})")
 
 
 def _print_report(r: dict[str, Any]) -> None:

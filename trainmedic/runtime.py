@@ -5,6 +5,7 @@ services; only addresses differ.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -16,10 +17,14 @@ from pathlib import Path
 
 from confluent_kafka.admin import AdminClient
 
+from producers.publisher import Publisher
 from sinks.audit import AuditSink, AuditStore
 from sinks.backends.base import SchedulerBackend
 from sinks.executor import Executor, ExecutorService, ExecutorSettings
-from trainmedic.broker import BrokerError, EmbeddedBroker, ensure_topics
+from sinks.guardrails import GuardrailFile, Guardrails
+from streams.policy import DEFAULT_POLICY
+from trainmedic.api import ApiError, ApiServer, create_api, load_or_create_token
+from trainmedic.broker import BrokerError, EmbeddedBroker, ensure_topics, free_port
 
 log = logging.getLogger("trainmedic.runtime")
 
@@ -41,6 +46,13 @@ class StackConfig:
     verify_timeout_s: float = 60.0
     group_suffix: str = ""  # isolates consumer groups (tests sharing a broker)
     worker_ready_timeout_s: float = 90.0
+    api_host: str = "127.0.0.1"
+    api_port: int | None = None  # None: no operator API
+    api_insecure: bool = False  # allow a non-loopback address without TLS
+
+    @property
+    def token_file(self) -> Path:
+        return self.data_dir / "api-token"
 
 
 def check_bootstrap(bootstrap: str, timeout: float = 10.0) -> None:
@@ -63,12 +75,22 @@ class Stack:
     store: AuditStore | None = None
     sink: AuditSink | None = None
     executor: ExecutorService | None = None
+    api: ApiServer | None = None
+    publisher: Publisher | None = None
     _worker: subprocess.Popen[bytes] | None = None
     _threads: list[threading.Thread] = field(default_factory=list)
 
     @property
     def logs_dir(self) -> Path:
         return self.config.data_dir / "logs"
+
+    @property
+    def policy_path(self) -> Path:
+        return Path(self.config.policy).resolve() if self.config.policy else DEFAULT_POLICY
+
+    @property
+    def modes_path(self) -> Path:
+        return (self.config.data_dir / "modes.yaml").resolve()
 
     def start(self) -> Stack:
         cfg = self.config
@@ -97,12 +119,16 @@ class Stack:
                         verify_timeout_s=cfg.verify_timeout_s, group=f"trainmedic-executor{cfg.group_suffix}"
                     ),
                 ),
+                Guardrails(GuardrailFile(self.policy_path), self.backend),
             )
             for name, target in (("audit-sink", self.sink.run), ("executor", self.executor.run)):
                 t = threading.Thread(target=target, name=name, daemon=True)
                 t.start()
                 self._threads.append(t)
+            if cfg.api_port is not None:
+                self._start_api()
             self._wait_worker_ready()
+            self._write_runtime_file()
         except (BrokerError, StackError):
             self.stop()
             raise
@@ -110,6 +136,32 @@ class Stack:
             self.stop()
             raise StackError(str(exc)) from exc
         return self
+
+    @property
+    def runtime_file(self) -> Path:
+        return self.config.data_dir / "runtime.json"
+
+    def _write_runtime_file(self) -> None:
+        """Where the CLI finds the running stack (the embedded broker's port is random)."""
+        info = {"pid": os.getpid(), "bootstrap": self.bootstrap, "api_url": self.api.url if self.api else None}
+        self.runtime_file.write_text(json.dumps(info) + "\n")
+
+    def _start_api(self) -> None:
+        cfg = self.config
+        if cfg.api_host not in ("127.0.0.1", "localhost", "::1") and not cfg.api_insecure:
+            raise StackError(
+                f"--api-host {cfg.api_host}: the operator API binds loopback only unless --insecure is given "
+                "(TLS termination belongs in front of it)"
+            )
+        assert self.store is not None
+        self.publisher = Publisher(self.bootstrap, "trainmedic-api")
+        token = load_or_create_token(cfg.token_file)
+        api = create_api(self.store, self.publisher, token, self.backend, self.policy_path, self.modes_path)
+        self.api = ApiServer(api, cfg.api_host, cfg.api_port or free_port())
+        try:
+            self.api.start()
+        except ApiError as exc:
+            raise StackError(str(exc)) from None
 
     def _start_worker(self) -> None:
         cfg = self.config
@@ -119,6 +171,7 @@ class Stack:
             TRAINMEDIC_SETTLE_S=str(cfg.settle_s),
             TRAINMEDIC_COLLATERAL_S=str(cfg.collateral_wait_s),
             TRAINMEDIC_STREAMS_ID=f"trainmedic-streams{cfg.group_suffix}",
+            TRAINMEDIC_MODES_FILE=str(self.modes_path),
         )
         if cfg.policy:
             env["TRAINMEDIC_POLICY"] = str(Path(cfg.policy).resolve())
@@ -159,6 +212,13 @@ class Stack:
                 raise StackError(f"the {t.name} thread died; see the log above")
 
     def stop(self) -> None:
+        self.runtime_file.unlink(missing_ok=True)
+        if self.api is not None:
+            self.api.stop()
+            self.api = None
+        if self.publisher is not None:
+            self.publisher.flush(5)
+            self.publisher = None
         for svc in (self.executor, self.sink):
             if svc is not None:
                 svc.stop_event.set()

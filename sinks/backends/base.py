@@ -38,6 +38,7 @@ class JobState:
     partition: str | None = None
     name: str | None = None
     restart_count: int = 0
+    comment: str | None = None
     extra: dict[str, str] = field(default_factory=dict)
 
 
@@ -59,6 +60,16 @@ class SchedulerBackend(Protocol):
 
     def release_job(self, job_id: str) -> None: ...
 
+    def annotate_job(self, job_id: str, note: str) -> None:
+        """Record a note in the job's own scheduler state (Slurm: its Comment).
+
+        The executor marks a job before acting on it, so that a redelivered action
+        can be recognised from the scheduler itself after a crash.
+        """
+        ...
+
     def node_state(self, node: str) -> NodeState: ...
+
+    def list_nodes(self) -> list[NodeState]: ...
 
     def job_state(self, job_id: str) -> JobState: ...

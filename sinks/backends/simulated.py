@@ -38,6 +38,7 @@ class _Job:
     restarts: int = 0
     held: bool = False
     eligible_at: float = 0.0
+    comment: str | None = None
 
 
 class SimulatedScheduler:
@@ -158,10 +159,19 @@ class SimulatedScheduler:
             self.calls.append(f"release {job_id}")
             self._schedule(time.time())
 
+    def annotate_job(self, job_id: str, note: str) -> None:
+        with self._lock:
+            self._job(job_id).comment = note
+
     def node_state(self, node: str) -> NodeState:
         with self._lock:
             self._schedule(time.time())
             return self._node_view(self._node(node))
+
+    def list_nodes(self) -> list[NodeState]:
+        with self._lock:
+            self._schedule(time.time())
+            return [self._node_view(n) for n in self._nodes.values()]
 
     def job_state(self, job_id: str) -> JobState:
         with self._lock:
@@ -182,4 +192,5 @@ class SimulatedScheduler:
             partition=j.partition,
             name=j.name,
             restart_count=j.restarts,
+            comment=j.comment,
         )

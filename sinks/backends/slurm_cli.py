@@ -183,11 +183,17 @@ class SlurmCliBackend:
     def node_state(self, node: str) -> NodeState:
         validate_node_name(node)
         # 22.05's `sinfo --json` ignores -n, so filter here.
-        data = _load_json(self._run(["sinfo", "--json"]))
-        for entry in data.get("nodes") or []:
-            if isinstance(entry, dict) and entry.get("name") == node:
-                return _node_from_json(entry)
+        for state in self.list_nodes():
+            if state.name == node:
+                return state
         raise BackendError(f"sinfo --json: no such node {node!r}")
+
+    def list_nodes(self) -> list[NodeState]:
+        data = _load_json(self._run(["sinfo", "--json"]))
+        return [_node_from_json(e) for e in data.get("nodes") or [] if isinstance(e, dict)]
+
+    def annotate_job(self, job_id: str, note: str) -> None:
+        self._run(["scontrol", "update", f"JobId={validate_job_id(job_id)}", f"Comment={validate_reason(note)}"])
 
     # ---- jobs
     def requeue_job(self, job_id: str, exclude_nodes: Sequence[str]) -> None:
@@ -273,6 +279,7 @@ class SlurmCliBackend:
             partition=_opt_str(entry.get("partition")),
             name=_opt_str(entry.get("name")),
             restart_count=_to_int(entry.get("restart_cnt")),
+            comment=_opt_str(entry.get("comment")),
             extra=extra,
         )
 
@@ -302,6 +309,7 @@ class SlurmCliBackend:
             partition=_opt_str(fields.get("Partition")),
             name=_opt_str(fields.get("JobName")),
             restart_count=_to_int(fields.get("Restarts")),
+            comment=_opt_str(fields.get("Comment")),
             extra=extra,
         )
 

@@ -1,0 +1,212 @@
+"""The executor as a consumer group on the real broker, with guardrails, approvals
+through the operator API, and the alert-storm case through the whole pipeline."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from confluent_kafka import Consumer
+
+from producers.kernel import KernelLogProducer
+from producers.publisher import Publisher
+from schemas.clients import consumer_config
+from schemas.codec import decode
+from schemas.events import Action, ActionResult, GuardrailTrip
+from schemas.topics import ACTION_RESULTS, ACTIONS, GUARDRAIL_TRIPS
+from sinks.backends.simulated import SimulatedScheduler
+from sinks.executor import Executor, ExecutorService, ExecutorSettings
+from tests.conftest import REPO, wait_for
+from tests.integration.scenario import NODES, publish_cascade, wait_incident, xid79_line
+from trainmedic.broker import EmbeddedBroker
+from trainmedic.runtime import Stack, StackConfig
+
+
+def _read_all(bootstrap: str, topic: str, group: str, expect: int, timeout: float = 60.0) -> list[bytes]:
+    consumer = Consumer(consumer_config(bootstrap, group, group))
+    consumer.subscribe([topic])
+    seen: list[bytes] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and len(seen) < expect:
+        msg = consumer.poll(0.2)
+        if msg is not None and not msg.error():
+            seen.append(msg.value() or b"")
+    # a little longer: anything beyond `expect` would be a duplicate
+    end = time.monotonic() + 2.0
+    while time.monotonic() < end:
+        msg = consumer.poll(0.2)
+        if msg is not None and not msg.error():
+            seen.append(msg.value() or b"")
+    consumer.close()
+    return seen
+
+
+def test_two_executors_in_one_group_perform_each_action_once(broker: EmbeddedBroker) -> None:
+    sched = SimulatedScheduler([f"gpu{i:02d}" for i in range(1, 41)], requeue_delay_s=0.0)
+    jobs = [sched.submit(f"j{i}", 1) for i in range(20)]
+    services = [
+        ExecutorService(
+            broker.bootstrap,
+            Executor(sched, ExecutorSettings(verify_timeout_s=10, group="exec")),
+            client_id=f"exec-{i}",
+        )
+        for i in range(2)
+    ]
+    threads = [threading.Thread(target=s.run, daemon=True) for s in services]
+    for t in threads:
+        t.start()
+    pub = Publisher(broker.bootstrap, "test")
+    for i, job in enumerate(jobs):
+        pub.publish(
+            ACTIONS,
+            Action(
+                event_id=f"act-{i}",
+                event_time=1.0,
+                action_id=f"act-{i}",
+                decision_id=f"dec-{i}",
+                incident_id=f"inc-{i}",
+                job_id=job,
+                node=None,
+                partition="gpu",
+                action="requeue",
+                reason=f"trainmedic inc-{i}: hang",
+                requested_by="policy",
+                incident_time=1.0,
+                first_signal_time=0.5,
+            ),
+        )
+    assert pub.flush(10) == 0
+    results = [decode(ActionResult, v) for v in _read_all(broker.bootstrap, ACTION_RESULTS.name, "r", expect=20)]
+    for s in services:
+        s.stop_event.set()
+    for t in threads:
+        t.join(10)
+    assert sorted(r.action_id for r in results) == sorted(f"act-{i}" for i in range(20))
+    assert all(r.status == "done" for r in results)
+    assert sorted(c for c in sched.calls if c.startswith("requeue")) == sorted(f"requeue {j} exclude=" for j in jobs)
+    assert all(sched.job_state(j).restart_count == 1 for j in jobs)
+    assert all(s.results for s in services), "the group spread the partitions over both replicas"
+
+
+def test_alert_storm_blast_radius_one_drain_then_guardrail(
+    broker: EmbeddedBroker, chdb_url: str, database: str, tmp_path: Path
+) -> None:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(
+        (REPO / "infra" / "policies" / "default.yaml")
+        .read_text()
+        .replace("max_drains_per_window: 2", "max_drains_per_window: 1")
+    )
+    sched = SimulatedScheduler(NODES)
+    stack = Stack(
+        StackConfig(
+            data_dir=tmp_path,
+            bootstrap=broker.bootstrap,
+            clickhouse=chdb_url,
+            database=database,
+            mode="autonomous",
+            policy=policy,
+        ),
+        sched,
+    ).start()
+    try:
+        pub = Publisher(broker.bootstrap, "test")
+        # 3 of 4 nodes report a Xid 79 inside a minute; no job runs on them.
+        for node in ("gpu01", "gpu02", "gpu03"):
+            kern = tmp_path / node / "kern.log"
+            kern.parent.mkdir()
+            kern.write_text(xid79_line(node) + "\n")
+            KernelLogProducer(pub, kern, node=node, from_start=True).poll_once()
+        assert pub.flush(10) == 0
+        results = [decode(ActionResult, v) for v in _read_all(broker.bootstrap, ACTION_RESULTS.name, "r", expect=3)]
+        trips = [decode(GuardrailTrip, v) for v in _read_all(broker.bootstrap, GUARDRAIL_TRIPS.name, "g", expect=2)]
+    finally:
+        stack.stop()
+    assert sorted(r.status for r in results) == ["done", "skipped", "skipped"]
+    assert [c for c in sched.calls if c.startswith("drain")] and len(sched.calls) == 1
+    assert len(trips) == 2 and all(t.guardrail == "blast_radius" for t in trips)
+    drained = [n for n in ("gpu01", "gpu02", "gpu03", "gpu04") if sched.node_state(n).drained]
+    assert len(drained) == 1
+
+
+def test_monitor_mode_recommendation_then_approve(
+    broker: EmbeddedBroker, chdb_url: str, database: str, tmp_path: Path
+) -> None:
+    sched = SimulatedScheduler(NODES + ["gpu05"], requeue_delay_s=0.2)
+    job = sched.submit("train", 4)
+    stack = Stack(
+        StackConfig(
+            data_dir=tmp_path,
+            bootstrap=broker.bootstrap,
+            clickhouse=chdb_url,
+            database=database,
+            mode="monitor",
+            api_port=0,
+            settle_s=1.0,
+        ),
+        sched,
+    ).start()
+    try:
+        store, api = stack.store, stack.api
+        assert store is not None and api is not None
+        publish_cascade(broker.bootstrap, tmp_path, job, NODES, culprit="gpu02")
+        inc = wait_incident(store, job)
+        dec = wait_for(
+            "the recommendation",
+            lambda: store.query(
+                "SELECT * FROM {db}.decisions FINAL WHERE incident_id = {i:String}", {"i": inc["incident_id"]}
+            ),
+        )[0]
+        assert dec["kind"] == "recommendation" and sched.calls == []
+        cli = [sys.executable, "-m", "trainmedic.cli"]
+        common = ["--data-dir", str(tmp_path), "--api", api.url]
+        unknown = subprocess.run(
+            [*cli, "approve", "dec-doesnotexist", *common, "--operator", "alice"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert unknown.returncode == 2 and "404" in unknown.stderr
+        no_token = subprocess.run(
+            [*cli, "approve", dec["decision_id"], *common, "--token", "wrong-token-123456"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert no_token.returncode == 2 and "401" in no_token.stderr
+        assert sched.calls == []  # neither did anything
+        ok = subprocess.run(
+            [*cli, "approve", dec["decision_id"], *common, "--operator", "alice"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert ok.returncode == 0, ok.stderr
+        result = wait_for(
+            "the approved action's result",
+            lambda: store.query(
+                "SELECT * FROM {db}.action_results FINAL WHERE incident_id = {i:String}", {"i": inc["incident_id"]}
+            ),
+        )[0]
+        assert result["status"] == "done"
+        act = store.query(
+            "SELECT requested_by FROM {db}.actions FINAL WHERE incident_id = {i:String}", {"i": inc["incident_id"]}
+        )[0]
+        assert act["requested_by"] == "operator:alice"
+        again = subprocess.run(
+            [*cli, "approve", dec["decision_id"], *common, "--operator", "bob"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert again.returncode == 2 and "already approved" in again.stderr
+    finally:
+        stack.stop()
+    assert sched.calls == ["drain gpu02", f"requeue {job} exclude=gpu02"]

@@ -1,0 +1,139 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from schemas.events import Action
+from sinks.backends.simulated import SimulatedScheduler
+from sinks.executor import Executor, ExecutorSettings
+from sinks.guardrails import GuardrailConfigError, GuardrailFile, Guardrails, GuardrailSettings, parse_guardrails
+
+NODES = [f"gpu{i:02d}" for i in range(1, 11)]
+
+
+def action(
+    node: str | None,
+    job: str | None,
+    kind: str = "drain_and_requeue",
+    by: str = "policy",
+    partition: str = "gpu",
+    incident: str = "inc-1",
+) -> Action:
+    return Action(
+        event_id=f"act-{incident}",
+        event_time=1.0,
+        action_id=f"act-{incident}",
+        decision_id="dec-1",
+        incident_id=incident,
+        job_id=job,
+        node=node,
+        partition=partition,
+        action=kind,  # type: ignore[arg-type]
+        reason=f"trainmedic {incident}: gpu_hardware",
+        requested_by=by,
+        incident_time=1.0,
+        first_signal_time=0.5,
+    )
+
+
+def rails(sched: SimulatedScheduler, **settings: object) -> Guardrails:
+    s = GuardrailSettings.model_validate(settings)
+    return Guardrails(lambda: s, sched)
+
+
+def test_kill_switch_stops_everything() -> None:
+    sched = SimulatedScheduler(NODES)
+    trip = rails(sched, kill_switch=True).check(action("gpu01", None), 10.0)
+    assert trip is not None and trip[0] == "kill_switch"
+
+
+def test_blast_radius_counts_drains_in_window() -> None:
+    sched = SimulatedScheduler(NODES)
+    g = rails(sched, max_drains_per_window=1, drain_window_s=600, max_drain_fraction=1.0)
+    first = action("gpu01", None, incident="inc-1")
+    assert g.check(first, 10.0) is None
+    g.record(first, 10.0)
+    trip = g.check(action("gpu02", None, incident="inc-2"), 20.0)
+    assert trip is not None and trip[0] == "blast_radius" and "gpu01" in trip[1]
+    assert g.check(action("gpu02", None, incident="inc-2"), 700.0) is None  # window passed
+
+
+def test_blast_radius_fraction_of_partition() -> None:
+    sched = SimulatedScheduler(NODES)
+    sched.drain_node("gpu01", "someone else")
+    g = rails(sched, max_drains_per_window=10, max_drain_fraction=0.1)
+    trip = g.check(action("gpu02", None), 10.0)
+    assert trip is not None and trip[0] == "blast_radius" and "2 of 10" in trip[1]
+
+
+def test_partition_allow_list_applies_to_policy_not_operators() -> None:
+    sched = SimulatedScheduler(NODES)
+    g = rails(sched, autonomy_partitions=["canary"])
+    trip = g.check(action("gpu01", None, partition="gpu"), 1.0)
+    assert trip is not None and trip[0] == "partition_not_allowed"
+    assert g.check(action("gpu01", None, partition="gpu", by="operator:alice"), 1.0) is None
+    assert g.check(action("gpu01", None, partition="canary"), 1.0) is None
+
+
+def test_restart_budget_uses_the_schedulers_counter() -> None:
+    sched = SimulatedScheduler(NODES)
+    job = sched.submit("t", 1)
+    for _ in range(2):
+        sched.requeue_job(job, [])
+    g = rails(sched, max_restarts_per_job=2)
+    trip = g.check(action(None, job, kind="requeue"), 1.0)
+    assert trip is not None and trip[0] == "restart_budget"
+
+
+def test_node_cooldown() -> None:
+    sched = SimulatedScheduler(NODES)
+    g = rails(sched, node_cooldown_s=300, max_drains_per_window=10, max_drain_fraction=1.0)
+    g.record(action("gpu03", None), 100.0)
+    trip = g.check(action("gpu03", None, incident="inc-9"), 200.0)
+    assert trip is not None and trip[0] == "node_cooldown"
+
+
+def test_guardrail_file_errors_name_the_field(tmp_path: Path) -> None:
+    with pytest.raises(GuardrailConfigError, match="guardrails.max_drains_per_window"):
+        parse_guardrails("guardrails:\n  max_drains_per_window: -1\n", "p.yaml")
+    path = tmp_path / "p.yaml"
+    path.write_text("guardrails:\n  kill_switch: false\n")
+    f = GuardrailFile(path)
+    assert not f().kill_switch
+    path.write_text("guardrails:\n  kill_switch: true\n")
+    import os
+
+    os.utime(path, (5, 5))
+    assert f().kill_switch  # takes effect without a restart
+
+
+def test_redelivered_action_is_not_performed_twice() -> None:
+    sched = SimulatedScheduler(NODES, requeue_delay_s=0.0)
+    job = sched.submit("t", 4)
+    ex = Executor(sched, ExecutorSettings(verify_timeout_s=5, poll_interval_s=0.01))
+    a = action("gpu02", job)
+    first = ex.execute(a)
+    second = ex.execute(a)  # redelivered after a crash before the offset commit
+    assert first.status == second.status == "done"
+    assert sched.calls == ["drain gpu02", f"requeue {job} exclude=gpu02"]
+    assert any("already" in step for step in second.steps)
+
+
+def test_plain_requeue_recognised_from_the_job_mark() -> None:
+    sched = SimulatedScheduler(NODES, requeue_delay_s=0.0)
+    job = sched.submit("t", 2)
+    ex = Executor(sched, ExecutorSettings(verify_timeout_s=5, poll_interval_s=0.01))
+    a = action(None, job, kind="requeue")
+    assert ex.execute(a).status == "done"
+    again = ex.execute(a)
+    assert again.status == "done" and sched.job_state(job).restart_count == 1
+    assert "already done by this action" in " ".join(again.steps)
+
+
+def test_node_drained_by_someone_else_is_left_alone() -> None:
+    sched = SimulatedScheduler(NODES, requeue_delay_s=0.0)
+    job = sched.submit("t", 4)
+    sched.drain_node("gpu02", "admin: bad fan")
+    result = Executor(sched, ExecutorSettings(verify_timeout_s=5, poll_interval_s=0.01)).execute(action("gpu02", job))
+    assert result.status == "done" and sched.node_state("gpu02").reason == "admin: bad fan"

@@ -1,0 +1,331 @@
+"""The operator API served by `trainmedic up` (127.0.0.1 by default, token required).
+
+It lives in the process that owns the audit store (chDB allows one process per
+folder), so approvals and queries go through it. `trainmedic approve/reject`
+and the console use the same endpoints.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import re
+import secrets
+import threading
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import uvicorn
+from fastapi import Depends, FastAPI, Header, HTTPException
+from pydantic import BaseModel, ConfigDict, Field
+
+from producers.publisher import Publisher
+from schemas.events import Approval, Decision, ModeChange, NodeReturn
+from schemas.ids import stable_id
+from schemas.topics import ACTIONS, APPROVALS, MODE_CHANGES, NODE_RETURNS
+from schemas.vocab import Category, Mode, RejectReason
+from sinks.audit import AuditStore
+from sinks.backends.base import BackendError, SchedulerBackend
+from streams.policy import PartitionPolicy, load_overlay, load_policy, make_action, save_overlay
+
+log = logging.getLogger("trainmedic.api")
+
+
+class ApiError(RuntimeError):
+    pass
+
+
+def load_or_create_token(path: Path) -> str:
+    """The operator token: kept in a 0600 file next to the data, never printed or logged."""
+    if path.exists():
+        token = path.read_text().strip()
+        if len(token) < 16:
+            raise ApiError(f"{path}: token too short (at least 16 characters)")
+        return token
+    path.parent.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_urlsafe(32)
+    path.touch(mode=0o600)
+    path.write_text(token + "\n")
+    return token
+
+
+class ApproveBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    operator: str = Field(min_length=1, max_length=128)
+    comment: str = Field(default="", max_length=4096)
+
+
+class RejectBody(ApproveBody):
+    reason: RejectReason
+
+
+def _decision_from_row(row: dict[str, Any]) -> Decision:
+    return Decision(
+        event_id=row["decision_id"],
+        event_time=row["event_time"].timestamp(),
+        decision_id=row["decision_id"],
+        incident_id=row["incident_id"],
+        job_id=row["job_id"],
+        partition=row["partition"],
+        category=row["category"],
+        culprit_node=row["culprit_node"],
+        action=row["action"],
+        mode=row["mode"],
+        executed=row["kind"] == "action",
+        rule=row["rule"],
+        reason=row["reason"],
+        first_signal_time=row["first_signal_time"].timestamp(),
+        incident_time=row["incident_time"].timestamp(),
+    )
+
+
+class ModeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    mode: Mode
+    partition: str | None = Field(default=None, max_length=128)
+    category: Category | None = None
+    operator: str = Field(min_length=1, max_length=128)
+    reason: str = Field(default="", max_length=4096)
+    force: bool = False
+
+
+class ResumeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    operator: str = Field(min_length=1, max_length=128)
+    comment: str = Field(default="", max_length=4096)
+
+
+_INCIDENT_IN_REASON = re.compile(r"^trainmedic (inc-[0-9a-f]+)")
+
+
+def create_api(
+    store: AuditStore,
+    publisher: Publisher,
+    token: str,
+    backend: SchedulerBackend,
+    policy_path: Path,
+    modes_path: Path,
+) -> FastAPI:
+    api = FastAPI(title="trainmedic", version="1", docs_url=None, redoc_url=None)
+    lock = threading.Lock()
+    decided: dict[str, str] = {}  # decision id -> verdict, for decisions answered in this run
+
+    def authorized(authorization: Annotated[str | None, Header()] = None) -> None:
+        given = (authorization or "").removeprefix("Bearer ").strip()
+        if not given or not hmac.compare_digest(given.encode(), token.encode()):
+            raise HTTPException(
+                status_code=401, detail="missing or wrong token", headers={"WWW-Authenticate": "Bearer"}
+            )
+
+    auth = [Depends(authorized)]
+
+    def recommendation(decision_id: str) -> Decision:
+        rows = store.query("SELECT * FROM {db}.decisions FINAL WHERE decision_id = {d:String}", {"d": decision_id})
+        if not rows:
+            raise HTTPException(status_code=404, detail=f"no decision {decision_id}")
+        if rows[0]["kind"] != "recommendation":
+            raise HTTPException(status_code=409, detail=f"{decision_id} was already acted on by policy")
+        verdict = decided.get(decision_id) or _recorded_verdict(store, decision_id)
+        if verdict:
+            raise HTTPException(status_code=409, detail=f"{decision_id} was already {verdict}")
+        return _decision_from_row(rows[0])
+
+    def publish_verdict(d: Decision, verdict: str, body: ApproveBody, reason: str | None) -> Approval:
+        approval = Approval(
+            event_id=stable_id("apr", d.decision_id),
+            event_time=time.time(),
+            approval_id=stable_id("apr", d.decision_id),
+            decision_id=d.decision_id,
+            incident_id=d.incident_id,
+            job_id=d.job_id,
+            partition=d.partition,
+            category=d.category,
+            action=d.action,
+            verdict=verdict,  # type: ignore[arg-type]
+            reason=reason,  # type: ignore[arg-type]
+            comment=body.comment,
+            operator=body.operator,
+        )
+        publisher.publish(APPROVALS, approval)
+        return approval
+
+    @api.get("/api/health")
+    def health() -> dict[str, bool]:
+        return {"ok": True}
+
+    @api.get("/api/recommendations", dependencies=auth)
+    def recommendations() -> list[dict[str, Any]]:
+        rows = store.query(
+            "SELECT decision_id, incident_id, job_id, partition, category, culprit_node, action, reason, event_time "
+            "FROM {db}.decisions FINAL WHERE kind = 'recommendation' ORDER BY event_time DESC LIMIT 200"
+        )
+        return [
+            {**r, "event_time": r["event_time"].isoformat(), "verdict": decided.get(r["decision_id"])} for r in rows
+        ]
+
+    @api.post("/api/recommendations/{decision_id}/approve", status_code=202, dependencies=auth)
+    def approve(decision_id: str, body: ApproveBody) -> dict[str, str]:
+        with lock:
+            d = recommendation(decision_id)
+            if d.action == "none":
+                raise HTTPException(status_code=409, detail=f"{decision_id} recommends no action")
+            publish_verdict(d, "approved", body, None)
+            # The same path as an autonomous decision: an action event for the executor,
+            # with the same stable id, so approving twice cannot act twice.
+            action = make_action(d, d.incident_id, requested_by=f"operator:{body.operator}", now=time.time())
+            publisher.publish(ACTIONS, action)
+            if publisher.flush(10):
+                raise HTTPException(status_code=503, detail="Kafka did not confirm the approval; retry")
+            decided[decision_id] = "approved"
+        log.info("approved %s by %s -> %s", decision_id, body.operator, action.action_id)
+        return {"decision_id": decision_id, "action_id": action.action_id, "status": "approved"}
+
+    @api.post("/api/recommendations/{decision_id}/reject", dependencies=auth)
+    def reject(decision_id: str, body: RejectBody) -> dict[str, str]:
+        with lock:
+            d = recommendation(decision_id)
+            publish_verdict(d, "rejected", body, body.reason)
+            if publisher.flush(10):
+                raise HTTPException(status_code=503, detail="Kafka did not confirm the rejection; retry")
+            decided[decision_id] = "rejected"
+        log.info("rejected %s by %s (%s)", decision_id, body.operator, body.reason)
+        return {"decision_id": decision_id, "status": "rejected"}
+
+    @api.get("/api/modes", dependencies=auth)
+    def modes() -> dict[str, Any]:
+        policy = load_policy(policy_path).with_overlay(load_overlay(modes_path))
+        return policy.model_dump(mode="json", include={"mode", "categories", "partitions"})
+
+    @api.post("/api/modes", dependencies=auth)
+    def set_mode(body: ModeBody) -> dict[str, Any]:
+        with lock:
+            overlay = load_overlay(modes_path)
+            current = load_policy(policy_path).with_overlay(overlay)
+            old = current.mode_for(body.partition, body.category)
+            if body.partition is None and body.category is None:
+                overlay.mode = body.mode
+            elif body.partition is None:
+                assert body.category is not None
+                overlay.categories[body.category] = body.mode
+            else:
+                part = overlay.partitions.setdefault(body.partition, PartitionPolicy())
+                if body.category is None:
+                    part.mode = body.mode
+                else:
+                    part.categories[body.category] = body.mode
+            # Audit first: a change that cannot be recorded is not made.
+            change = ModeChange(
+                event_id=stable_id("mode", body.partition, body.category, body.mode, time.time()),
+                event_time=time.time(),
+                partition=body.partition,
+                category=body.category,
+                old_mode=old,
+                new_mode=body.mode,
+                operator=body.operator,
+                reason=body.reason,
+                forced=body.force,
+            )
+            publisher.publish(MODE_CHANGES, change)
+            if publisher.flush(10):
+                raise HTTPException(status_code=503, detail="Kafka did not confirm the mode change; nothing changed")
+            save_overlay(modes_path, overlay)
+        log.info(
+            "mode %s -> %s for partition=%s category=%s by %s",
+            old,
+            body.mode,
+            body.partition,
+            body.category,
+            body.operator,
+        )
+        return {"old_mode": old, "new_mode": body.mode, "partition": body.partition, "category": body.category}
+
+    @api.get("/api/nodes", dependencies=auth)
+    def nodes() -> list[dict[str, Any]]:
+        out = []
+        for n in backend.list_nodes():
+            m = _INCIDENT_IN_REASON.match(n.reason or "")
+            out.append(
+                {
+                    "node": n.name,
+                    "state": n.state,
+                    "flags": list(n.flags),
+                    "drained": n.drained,
+                    "reason": n.reason,
+                    "incident_id": m.group(1) if m else None,
+                    "drained_by_trainmedic": bool(n.drained and m),
+                    "partitions": list(n.partitions),
+                }
+            )
+        return out
+
+    @api.post("/api/nodes/{node}/resume", dependencies=auth)
+    def resume(node: str, body: ResumeBody) -> dict[str, Any]:
+        with lock:
+            try:
+                state = backend.node_state(node)
+            except (BackendError, ValueError) as exc:
+                raise HTTPException(status_code=404, detail=str(exc)) from None
+            if not state.drained:
+                raise HTTPException(status_code=409, detail=f"{node} is not drained")
+            m = _INCIDENT_IN_REASON.match(state.reason or "")
+            if not m:
+                # Someone else drained it for their own reason: not ours to undo.
+                raise HTTPException(status_code=409, detail=f"{node} was drained by someone else ({state.reason!r})")
+            event = NodeReturn(
+                event_id=stable_id("ret", node, state.reason, time.time()),
+                event_time=time.time(),
+                node=node,
+                incident_id=m.group(1),
+                drain_reason=state.reason or "",
+                operator=body.operator,
+                comment=body.comment,
+            )
+            publisher.publish(NODE_RETURNS, event)
+            if publisher.flush(10):
+                raise HTTPException(status_code=503, detail="Kafka did not confirm; nothing changed")
+            try:
+                backend.resume_node(node)
+            except BackendError as exc:
+                raise HTTPException(status_code=502, detail=f"scheduler refused: {exc}") from None
+        log.info("resumed %s (drained for %s) by %s", node, m.group(1), body.operator)
+        return {"node": node, "incident_id": m.group(1), "status": "resumed"}
+
+    return api
+
+
+def _recorded_verdict(store: AuditStore, decision_id: str) -> str | None:
+    """A verdict from an earlier run, if the audit has an approvals table yet."""
+    try:
+        rows = store.query(
+            "SELECT verdict FROM {db}.approvals FINAL WHERE decision_id = {d:String}", {"d": decision_id}
+        )
+    except Exception:  # the approvals table arrives with a later migration
+        return None
+    return str(rows[0]["verdict"]) if rows else None
+
+
+class ApiServer:
+    """uvicorn in a thread, stoppable."""
+
+    def __init__(self, api: FastAPI, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self._server = uvicorn.Server(uvicorn.Config(api, host=host, port=port, log_level="warning", access_log=False))
+        self._thread = threading.Thread(target=self._server.run, name="api", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 15.0) -> ApiServer:
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise ApiError(f"the API did not start on {self.host}:{self.port} (port in use?)")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)

@@ -1,0 +1,61 @@
+"""How the CLI talks to a running `trainmedic up`: its operator API, found through
+DATA_DIR/runtime.json, authenticated with the token in DATA_DIR/api-token."""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+
+class ClientError(RuntimeError):
+    pass
+
+
+def api_url(data_dir: Path, explicit: str | None) -> str:
+    if explicit:
+        return explicit.rstrip("/")
+    runtime = data_dir / "runtime.json"
+    try:
+        info = json.loads(runtime.read_text())
+    except (OSError, ValueError):
+        raise ClientError(
+            f"trainmedic up is not running with data dir {data_dir} ({runtime} missing); start it, or pass --api URL"
+        ) from None
+    if not info.get("api_url"):
+        raise ClientError(f"the running trainmedic up ({runtime}) serves no operator API")
+    return str(info["api_url"])
+
+
+def api_token(data_dir: Path, explicit: str | None) -> str:
+    token = explicit or os.environ.get("TRAINMEDIC_TOKEN")
+    if token:
+        return token
+    try:
+        return (data_dir / "api-token").read_text().strip()
+    except OSError:
+        raise ClientError(f"no token: pass --token, set TRAINMEDIC_TOKEN, or read {data_dir / 'api-token'}") from None
+
+
+def call(url: str, token: str, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(
+        url + path,
+        data=data,
+        method=method,
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return json.loads(resp.read() or b"null")
+    except urllib.error.HTTPError as exc:
+        try:
+            detail = json.loads(exc.read()).get("detail")
+        except ValueError:
+            detail = exc.reason
+        raise ClientError(f"{method} {path}: {exc.code} {detail}") from None
+    except urllib.error.URLError as exc:
+        raise ClientError(f"cannot reach the trainmedic API at {url}: {exc.reason}") from None
