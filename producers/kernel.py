@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import re
 import socket
+import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+import orjson
 
 from producers.follow import FileFollower
 from producers.publisher import Publisher
@@ -115,3 +119,70 @@ class KernelLogProducer:
             count += 1
         self.published += count
         return count
+
+
+def kmsg_message(record: str) -> str:
+    """The message of a /dev/kmsg record ("pri,seq,usec,flags[,..];message")."""
+    head, sep, message = record.partition(";")
+    return message.rstrip("\n") if sep and "," in head else record.rstrip("\n")
+
+
+def read_kmsg(path: str = "/dev/kmsg") -> Iterator[str]:
+    """Kernel messages as they arrive; each read() of /dev/kmsg returns one record."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.lseek(fd, 0, os.SEEK_END)  # new messages only; the ring buffer's past is dmesg's job
+        while True:
+            try:
+                record = os.read(fd, 8192)
+            except BrokenPipeError:
+                continue  # records were overwritten before we read them: the next read resyncs
+            yield kmsg_message(record.decode("utf-8", errors="replace"))
+    finally:
+        os.close(fd)
+
+
+def journal_message(line: str) -> tuple[str, str | None] | None:
+    """(message, hostname) from one `journalctl -o json` line; None when it is not an entry."""
+    try:
+        entry = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return None
+    msg = entry.get("MESSAGE") if isinstance(entry, dict) else None
+    if isinstance(msg, list):  # journald stores non-UTF-8 messages as byte arrays
+        msg = bytes(msg).decode("utf-8", errors="replace")
+    if not isinstance(msg, str):
+        return None
+    host = entry.get("_HOSTNAME")
+    return msg, host if isinstance(host, str) else None
+
+
+def read_journal() -> Iterator[tuple[str, str | None]]:
+    proc = subprocess.Popen(
+        ["journalctl", "-k", "-f", "-o", "json", "--since", "now"], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    try:
+        for line in proc.stdout:
+            parsed = journal_message(line)
+            if parsed is not None:
+                yield parsed
+    finally:
+        proc.terminate()
+
+
+class KernelStreamProducer:
+    """Publishes NVIDIA fault lines from a stream of kernel messages (kmsg, journald)."""
+
+    def __init__(self, publisher: Publisher, node: str | None = None) -> None:
+        self.publisher = publisher
+        self.node = node or socket.gethostname()
+        self.published = 0
+
+    def handle(self, message: str, host: str | None = None) -> bool:
+        parsed = parse_kernel_line(message, host or self.node)
+        if parsed is None:
+            return False
+        self.publisher.publish(NODE_KERNEL, to_event(parsed, time.time()))
+        self.published += 1
+        return True

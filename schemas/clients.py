@@ -48,3 +48,7 @@ def consumer_config(bootstrap: str, group: str, client_id: str) -> dict[str, Any
         # data arrives: a short wait bounds the latency each hop adds.
         "fetch.wait.max.ms": 100,
     }
+
+
+def admin_config(bootstrap: str) -> dict[str, Any]:
+    return {"bootstrap.servers": bootstrap, "logger": _KAFKA_LOG}

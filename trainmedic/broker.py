@@ -11,6 +11,7 @@ from pathlib import Path
 
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from schemas.clients import admin_config
 from schemas.topics import ALL_TOPICS, DEFAULT_PARTITIONS
 
 
@@ -91,7 +92,7 @@ class EmbeddedBroker:
 
 def ensure_topics(bootstrap: str, partitions: int = DEFAULT_PARTITIONS, timeout: float = 20.0) -> None:
     """Create every trainmedic topic that does not exist yet."""
-    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin = AdminClient(admin_config(bootstrap))
     try:
         existing = set(admin.list_topics(timeout=timeout).topics)
     except Exception as exc:  # confluent_kafka raises KafkaException with a cause

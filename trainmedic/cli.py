@@ -14,6 +14,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from schemas.vocab import CATEGORIES, MODES, REJECT_REASONS
+from trainmedic.produce_cli import produce_app
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="Workload-level recovery for distributed AI training on Slurm."
@@ -280,6 +281,8 @@ def recommendations(
             f"{r['action']:18} culprit {r['culprit_node'] or '-':8} {r['verdict'] or 'pending'}"
         )
 
+
+app.add_typer(produce_app, name="produce")
 
 mode_app = typer.Typer(help="Autonomy per partition and category (audited; takes effect without a restart).")
 app.add_typer(mode_app, name="mode")

@@ -18,6 +18,7 @@ from pathlib import Path
 from confluent_kafka.admin import AdminClient
 
 from producers.publisher import Publisher
+from schemas.clients import admin_config
 from sinks.audit import AuditSink, AuditStore
 from sinks.backends.base import SchedulerBackend
 from sinks.executor import Executor, ExecutorService, ExecutorSettings
@@ -61,7 +62,7 @@ def check_bootstrap(bootstrap: str, timeout: float = 10.0) -> None:
         if not host or not port.isdigit():
             raise StackError(f"--bootstrap {bootstrap!r}: expected HOST:PORT[,HOST:PORT]")
     try:
-        AdminClient({"bootstrap.servers": bootstrap}).list_topics(timeout=timeout)
+        AdminClient(admin_config(bootstrap)).list_topics(timeout=timeout)
     except Exception as exc:
         raise StackError(f"--bootstrap {bootstrap}: Kafka does not answer within {timeout:.0f} s ({exc})") from None
 

@@ -70,3 +70,15 @@ def test_follower_cuts_huge_lines(tmp_path: Path) -> None:
     lines = f.poll()
     assert lines[-1] == "ok" and all(len(line) <= 64 * 1024 for line in lines)
     assert f.truncated_lines >= 1
+
+
+def test_kmsg_and_journal_records() -> None:
+    from producers.kernel import journal_message, kmsg_message
+
+    rec = "4,1234,5678901,-;NVRM: Xid (PCI:0000:07:00): 79, pid=0, GPU has fallen off the bus.\n"
+    assert kmsg_message(rec).startswith("NVRM: Xid (PCI:0000:07:00): 79")
+    line = '{"MESSAGE": "NVRM: Xid (PCI:0000:07:00): 48, pid=12, name=python, DBE", "_HOSTNAME": "gpu03"}'
+    assert journal_message(line) == ("NVRM: Xid (PCI:0000:07:00): 48, pid=12, name=python, DBE", "gpu03")
+    raw = '{"MESSAGE": [78, 86, 82, 77], "_HOSTNAME": "gpu03"}'
+    assert journal_message(raw) == ("NVRM", "gpu03")
+    assert journal_message("not json") is None

@@ -1,0 +1,129 @@
+"""Find running jobs' output files from Slurm and follow them.
+
+One `squeue --json` per poll lists RUNNING jobs; each new job is looked up once
+with `scontrol show job -o` for its StdOut/StdErr paths (already expanded by
+Slurm, unlike squeue's patterns), node list and task count. A tailer then
+follows those files until the job leaves RUNNING. Restarted (requeued) jobs are
+followed again with their new allocation.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+from producers.joblogs import JobLayout, JobLogProducer
+from producers.publisher import Publisher
+from producers.slurm import LocalRunner, Runner, SlurmCommandError, expand_hostlist
+
+log = logging.getLogger("trainmedic.jobdiscovery")
+
+_KV = re.compile(r"(?:^|\s)([A-Za-z][A-Za-z0-9_/:.]*)=")
+
+
+def parse_scontrol_job(line: str) -> dict[str, str]:
+    """`scontrol show job -o` line -> fields (values may contain spaces)."""
+    fields: dict[str, str] = {}
+    matches = list(_KV.finditer(line))
+    for i, m in enumerate(matches):
+        end = matches[i + 1].start() if i + 1 < len(matches) else len(line)
+        fields.setdefault(m.group(1), line[m.end() : end].strip())
+    return fields
+
+
+@dataclass(frozen=True)
+class JobFiles:
+    job_id: str
+    restarts: int
+    nodes: tuple[str, ...]
+    partition: str | None
+    ranks_per_node: int | None
+    paths: tuple[Path, ...]
+
+
+class JobDiscovery:
+    """Keeps one JobLogProducer per running job whose output files this host can read."""
+
+    def __init__(
+        self,
+        publisher: Publisher,
+        runner: Runner | None = None,
+        only_node: str | None = None,
+        timeout_s: float = 30.0,
+        tailer_factory: Callable[[JobFiles], JobLogProducer] | None = None,
+    ) -> None:
+        self.publisher = publisher
+        self.runner = runner or LocalRunner()
+        self.only_node = only_node  # follow only jobs with a rank on this node (the batch host's files)
+        self.timeout_s = timeout_s
+        self.tailers: dict[tuple[str, int], JobLogProducer] = {}
+        self.errors = 0
+        self._factory = tailer_factory or self._tailer
+
+    def _tailer(self, job: JobFiles) -> JobLogProducer:
+        return JobLogProducer(
+            self.publisher,
+            job.job_id,
+            list(job.paths),
+            JobLayout(job.nodes, job.ranks_per_node),
+            partition=job.partition,
+            from_start=True,
+        )
+
+    def running_jobs(self) -> dict[str, int]:
+        """RUNNING job id -> restart count."""
+        data = orjson.loads(self.runner(["squeue", "--json"], self.timeout_s))
+        out = {}
+        for j in data.get("jobs") or []:
+            if str(j.get("job_state", "")).upper() != "RUNNING":
+                continue
+            if self.only_node and self.only_node not in expand_hostlist(str(j.get("nodes") or "")):
+                continue
+            out[str(j["job_id"])] = int(j.get("restart_cnt") or 0)
+        return out
+
+    def describe(self, job_id: str, restarts: int) -> JobFiles:
+        f = parse_scontrol_job(self.runner(["scontrol", "show", "job", "-o", job_id], self.timeout_s))
+        nodes = tuple(expand_hostlist(f.get("NodeList") or ""))
+        paths = tuple(dict.fromkeys(Path(p) for p in (f.get("StdOut"), f.get("StdErr")) if p and p != "/dev/null"))
+        tasks = int(f["NumTasks"]) if f.get("NumTasks", "").isdigit() else None
+        rpn = tasks // len(nodes) if tasks and nodes and tasks % len(nodes) == 0 else None
+        return JobFiles(job_id, restarts, nodes, f.get("Partition") or None, rpn, paths)
+
+    def poll_once(self) -> int:
+        """Discover new jobs, drop finished ones, publish new lines; returns lines published."""
+        try:
+            running = self.running_jobs()
+        except (SlurmCommandError, orjson.JSONDecodeError, KeyError, ValueError) as exc:
+            self.errors += 1
+            log.warning("job discovery: squeue failed: %s", exc)
+            running = {jid: r for (jid, r) in self.tailers}  # keep following what we have
+        for key in [k for k in self.tailers if running.get(k[0]) != k[1]]:
+            self.tailers.pop(key).close()
+        for job_id, restarts in running.items():
+            if (job_id, restarts) in self.tailers:
+                continue
+            try:
+                job = self.describe(job_id, restarts)
+            except (SlurmCommandError, ValueError) as exc:
+                self.errors += 1
+                log.warning("job discovery: cannot describe job %s: %s", job_id, exc)
+                continue
+            if not job.paths:
+                continue
+            self.tailers[(job_id, restarts)] = self._factory(job)
+            log.info("following job %s (restart %d): %s", job_id, restarts, ", ".join(map(str, job.paths)))
+        return sum(t.poll_once() for t in self.tailers.values())
+
+    def run(self, stop_event: threading.Event, interval_s: float = 1.0) -> None:
+        while not stop_event.is_set():
+            self.poll_once()
+            stop_event.wait(interval_s)
+        for t in self.tailers.values():
+            t.close()

@@ -1,0 +1,56 @@
+"""The job-log tailer finds a real Slurm job's output file and follows it."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from confluent_kafka import Consumer
+
+from producers.jobdiscovery import JobDiscovery
+from producers.publisher import Publisher
+from producers.slurm import LocalRunner
+from schemas.clients import consumer_config
+from schemas.codec import decode
+from schemas.events import LogBatch
+from schemas.topics import JOB_LOGS
+from tests.conftest import Cluster, wait_for
+from trainmedic.broker import EmbeddedBroker
+
+pytestmark = pytest.mark.slurm
+
+
+def test_discovers_stdout_and_publishes_ranked_lines(
+    slurm_cluster: Cluster, broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    out = tmp_path / "train-%j.out"
+    script = "echo '0: starting'; echo '1: [rank1]:hello from rank one'; sleep 600"
+    proc = subprocess.run(
+        ["sbatch", "--parsable", "--nodes=2", "--ntasks=4", f"--output={out}", "--wrap", script],
+        capture_output=True,
+        text=True,
+        env=slurm_cluster.env(),
+        timeout=30,
+        check=True,
+    )
+    job = proc.stdout.strip().split(";")[0]
+    try:
+        pub = Publisher(broker.bootstrap, "test")
+        finder = JobDiscovery(pub, runner=LocalRunner(slurm_cluster.slurm_conf))
+        wait_for("the job followed with its lines", lambda: finder.poll_once() >= 2 or None, timeout=60)
+        (key,) = [k for k in finder.tailers if k[0] == job]
+        follower = finder.tailers[key]
+        assert [str(f.path) for f in follower.followers] == [str(tmp_path / f"train-{job}.out")]
+        assert len(follower.layout.job_nodes) == 2 and follower.layout.ranks_per_node == 2
+        assert pub.flush(10) == 0
+        consumer = Consumer(consumer_config(broker.bootstrap, "t", "t"))
+        consumer.subscribe([JOB_LOGS.name])
+        msg = wait_for("the log batch", lambda: (m := consumer.poll(0.5)) is not None and not m.error() and m)
+        consumer.close()
+        batch = decode(LogBatch, msg.value())
+        assert batch.job_id == job
+        line = next(x for x in batch.lines if "hello" in x.text)
+        assert (line.rank, line.node, line.text) == (1, follower.layout.job_nodes[0], "hello from rank one")
+    finally:
+        subprocess.run(["scancel", job], env=slurm_cluster.env(), timeout=30, check=False)

@@ -1,0 +1,186 @@
+"""`trainmedic produce ...`: one small process per source, on each node or once per cluster."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from producers.publisher import Publisher
+
+produce_app = typer.Typer(
+    help="Run a signal producer: gpu (NVML), dcgm, kernel, logs, slurm, ingest. Each publishes to Kafka.",
+    no_args_is_help=True,
+)
+
+BootstrapOpt = Annotated[
+    Optional[str], typer.Option(help="Kafka HOST:PORT (default: the running `trainmedic up` in --data-dir).")
+]
+DataDirOpt = Annotated[Path, typer.Option("--data-dir", help="Where a local `trainmedic up` keeps runtime.json.")]
+NodeOpt = Annotated[Optional[str], typer.Option(help="Node name to report (default: this host's name).")]
+
+
+def _fail(msg: str) -> None:
+    typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(2)
+
+
+def _publisher(bootstrap: str | None, data_dir: Path, client_id: str) -> Publisher:
+    from trainmedic.runtime import StackError, check_bootstrap
+
+    if not bootstrap:
+        try:
+            bootstrap = json.loads((data_dir / "runtime.json").read_text())["bootstrap"]
+        except (OSError, ValueError, KeyError):
+            _fail(f"--bootstrap not given and no running `trainmedic up` found in {data_dir}")
+    assert bootstrap
+    try:
+        check_bootstrap(bootstrap)
+    except StackError as exc:
+        _fail(str(exc))
+    return Publisher(bootstrap, client_id)
+
+
+def _stop_event() -> threading.Event:
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    return stop
+
+
+def _finish(pub: Publisher, counters: dict[str, Any]) -> None:
+    left = pub.flush(10)
+    dropped = sum(pub.dropped.values())
+    typer.echo(
+        f"stopped: {json.dumps(counters)}; delivered {sum(pub.delivered.values())}, "
+        f"dropped {dropped}, still queued {left}"
+    )
+
+
+def _logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+@produce_app.command()
+def gpu(
+    bootstrap: BootstrapOpt = None,
+    data_dir: DataDirOpt = Path("var"),
+    node: NodeOpt = None,
+    interval: Annotated[float, typer.Option(help="Seconds between samples.")] = 1.0,
+) -> None:
+    """GPU metrics and Xid events through NVML: one record per node per interval, all GPUs in it."""
+    from producers.gpu_nvml import NvmlProducer, NvmlUnavailable
+
+    _logging()
+    pub = _publisher(bootstrap, data_dir, "trainmedic-gpu")
+    try:
+        producer = NvmlProducer(pub, node=node or None, interval_s=interval)
+    except NvmlUnavailable as exc:
+        _fail(str(exc))
+    stop = _stop_event()
+    typer.echo(f"producing GPU samples every {interval:g} s")
+    with producer:
+        producer.run(stop)
+    _finish(pub, {"samples": producer.samples, "errors": producer.errors})
+
+
+@produce_app.command()
+def dcgm(
+    url: Annotated[str, typer.Option(help="dcgm-exporter metrics URL, e.g. http://HOST:9400/metrics.")],
+    bootstrap: BootstrapOpt = None,
+    data_dir: DataDirOpt = Path("var"),
+    node: NodeOpt = None,
+    interval: Annotated[float, typer.Option(help="Seconds between scrapes.")] = 5.0,
+    timeout: Annotated[float, typer.Option(help="HTTP timeout in seconds.")] = 5.0,
+) -> None:
+    """Scrape dcgm-exporter and publish the same per-node GPU records as `gpu`."""
+    from producers.gpu_dcgm import DcgmProducer
+
+    _logging()
+    pub = _publisher(bootstrap, data_dir, "trainmedic-dcgm")
+    try:
+        producer = DcgmProducer(pub, url, interval_s=interval, timeout_s=timeout, node=node)
+    except ValueError as exc:
+        _fail(f"--url: {exc}")
+    producer.run(_stop_event())
+    _finish(pub, {"scrapes": producer.scrapes, "samples": producer.samples, "errors": producer.errors})
+
+
+@produce_app.command()
+def kernel(
+    bootstrap: BootstrapOpt = None,
+    data_dir: DataDirOpt = Path("var"),
+    node: NodeOpt = None,
+    file: Annotated[Optional[Path], typer.Option(help="Follow this file (kern.log, syslog).")] = None,
+    kmsg: Annotated[bool, typer.Option(help="Read /dev/kmsg (root).")] = False,
+    journal: Annotated[bool, typer.Option(help="Read `journalctl -k -f -o json`.")] = False,
+) -> None:
+    """NVRM Xid / SXid / fallen-off-the-bus lines from the kernel log."""
+    from producers.kernel import KernelLogProducer, KernelStreamProducer, read_journal, read_kmsg
+
+    if sum((file is not None, kmsg, journal)) != 1:
+        _fail("give exactly one of --file PATH, --kmsg, --journal")
+    _logging()
+    pub = _publisher(bootstrap, data_dir, "trainmedic-kernel")
+    stop = _stop_event()
+    if file is not None:
+        follower = KernelLogProducer(pub, file, node=node)
+        while not stop.wait(0.5):
+            follower.poll_once()
+        _finish(pub, {"published": follower.published})
+        return
+    stream = KernelStreamProducer(pub, node=node)
+    try:
+        if kmsg:
+            for message in read_kmsg():
+                stream.handle(message)
+                if stop.is_set():
+                    break
+        else:
+            for message, host in read_journal():
+                stream.handle(message, host)
+                if stop.is_set():
+                    break
+    except OSError as exc:
+        _fail(f"cannot read the kernel log: {exc}")
+    _finish(pub, {"published": stream.published})
+
+
+@produce_app.command()
+def logs(
+    bootstrap: BootstrapOpt = None,
+    data_dir: DataDirOpt = Path("var"),
+    job: Annotated[Optional[str], typer.Option(help="Follow this job's files (with --path).")] = None,
+    path: Annotated[Optional[list[Path]], typer.Option(help="Output file(s) of --job.")] = None,
+    nodes: Annotated[Optional[str], typer.Option(help="The job's nodes, comma-separated (rank -> node).")] = None,
+    ranks_per_node: Annotated[Optional[int], typer.Option(help="Ranks per node (block layout).")] = None,
+    discover: Annotated[bool, typer.Option(help="Find running jobs' StdOut/StdErr from Slurm.")] = False,
+    only_node: Annotated[Optional[str], typer.Option(help="With --discover: only jobs running on this node.")] = None,
+) -> None:
+    """Follow training logs (rotation, truncation, srun/torchrun rank prefixes) and publish them."""
+    from producers.jobdiscovery import JobDiscovery
+    from producers.joblogs import JobLayout, JobLogProducer
+
+    if discover == bool(job):
+        _fail("give either --discover or --job ID --path FILE")
+    _logging()
+    pub = _publisher(bootstrap, data_dir, "trainmedic-logs")
+    stop = _stop_event()
+    if discover:
+        finder = JobDiscovery(pub, only_node=only_node)
+        finder.run(stop)
+        _finish(pub, {"jobs": len(finder.tailers), "errors": finder.errors})
+        return
+    if not path:
+        _fail("--job needs at least one --path")
+    assert job and path
+    layout = JobLayout(tuple(n for n in (nodes or "").split(",") if n), ranks_per_node)
+    tailer = JobLogProducer(pub, job, path, layout)
+    while not stop.wait(0.2):
+        tailer.poll_once()
+    _finish(pub, {"lines": tailer.lines_published})
