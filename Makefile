@@ -25,7 +25,7 @@ test: $(STAMP) lint
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy schemas producers streams sinks trainmedic sim tests
+	$(VENV)/bin/mypy schemas producers streams sinks trainmedic sim tests bench
 
 unit: $(STAMP)
 	$(PY) -m pytest tests/unit -q

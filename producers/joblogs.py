@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from producers.follow import FileFollower
+from producers.progress import ProgressParser
 from producers.publisher import Publisher
-from schemas.events import LogBatch, LogLine
+from schemas.events import LogBatch, LogLine, ProgressBatch
 from schemas.ids import stable_id
-from schemas.topics import JOB_LOGS
+from schemas.topics import JOB_LOGS, JOB_PROGRESS
 
 _SRUN_LABEL = re.compile(r"^\s*(\d{1,6}): ")
 _TORCHRUN_RANK = re.compile(r"^\[(?:rank|default)(\d{1,6})\]:\s?")
@@ -70,6 +71,7 @@ class JobLogProducer:
         partition: str | None = None,
         node_of_path: Mapping[Path, str] | None = None,
         from_start: bool = True,
+        progress: ProgressParser | None = None,
     ) -> None:
         self.publisher = publisher
         self.job_id = job_id
@@ -77,7 +79,11 @@ class JobLogProducer:
         self.partition = partition
         self.node_of_path = {Path(k): v for k, v in (node_of_path or {}).items()}
         self.followers = [FileFollower(Path(p), from_start=from_start) for p in paths]
+        # Progress lines (step, step time, loss) also go out as their own events: the
+        # hang and straggler detectors live on them.
+        self.progress = progress or ProgressParser()
         self.lines_published = 0
+        self.progress_published = 0
 
     def add_path(self, path: Path, node: str | None = None) -> None:
         if node:
@@ -119,9 +125,28 @@ class JobLogProducer:
                         lines=chunk,
                     ),
                 )
+                self._publish_progress(follower.path, chunk, now)
             count += len(lines)
         self.lines_published += count
         return count
+
+    def _publish_progress(self, path: Path, chunk: list[LogLine], now: float) -> None:
+        samples = [s for ln in chunk if (s := self.progress.parse(ln.text, ln.ts, ln.rank, ln.node)) is not None]
+        if not samples:
+            return
+        self.publisher.publish(
+            JOB_PROGRESS,
+            ProgressBatch(
+                # Same origin as the log batch: a re-read is recognised downstream.
+                event_id=stable_id("prg", self.job_id, path, chunk[0].lineno),
+                event_time=now,
+                job_id=self.job_id,
+                job_nodes=list(self.layout.job_nodes),
+                partition=self.partition,
+                samples=samples,
+            ),
+        )
+        self.progress_published += len(samples)
 
     def close(self) -> None:
         for f in self.followers:

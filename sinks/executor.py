@@ -125,10 +125,20 @@ class Executor:
         marked = _marked_restarts(before.comment, a.action_id)
         if marked is not None and before.restart_count > marked:
             # Our own mark in the scheduler says this action already requeued the job
-            # (the executor died before committing): do not requeue it twice.
+            # (the executor died before committing): do not requeue it twice, but finish
+            # what a crash may have left half done (exclusion not set, job still held).
             run.steps.append(
                 f"requeue {a.job_id}: already done by this action (restarts {marked}->{before.restart_count})"
             )
+            if not set(exclude) <= set(before.excluded_nodes):
+                self._wait(f"job {a.job_id} PENDING", lambda: self.backend.job_state(a.job_id or "").state == "PENDING")
+                self.backend.requeue_job(a.job_id, exclude)
+                run.steps.append(f"requeue {a.job_id}: exclusion of {','.join(exclude)} completed")
+            if before.held:
+                # A requeued job passes COMPLETING/REQUEUE_HOLD before it is PENDING and releasable.
+                self._wait(f"job {a.job_id} PENDING", lambda: self.backend.job_state(a.job_id or "").state == "PENDING")
+                self.backend.release_job(a.job_id)
+                run.steps.append(f"requeue {a.job_id}: released the hold a crash left behind")
         elif before.state in _GONE:
             raise BackendError(f"job {a.job_id} is {before.state}; nothing to requeue")
         else:

@@ -26,7 +26,17 @@ import aiokafka  # type: ignore[import-untyped]
 import faust
 
 from schemas.codec import DecodeError, decode, encode
-from schemas.events import Anomaly, DeadLetter, Event, Incident, KernelEvent, LogBatch, SchedEvent
+from schemas.events import (
+    Anomaly,
+    DeadLetter,
+    Event,
+    GpuSample,
+    Incident,
+    KernelEvent,
+    LogBatch,
+    ProgressBatch,
+    SchedEvent,
+)
 from schemas.ids import stable_id
 from schemas.topics import (
     ACTIONS,
@@ -34,14 +44,18 @@ from schemas.topics import (
     DEADLETTER,
     DECISIONS,
     DEFAULT_PARTITIONS,
+    GPU_SAMPLES,
     INCIDENTS,
     JOB_LOGS,
+    JOB_PROGRESS,
     NODE_KERNEL,
     SCHED_EVENTS,
     partition_key,
 )
 from streams.attribution import Attributor
+from streams.detectors.hang import HangDetector
 from streams.detectors.signatures import SignatureDetector
+from streams.detectors.straggler import StragglerDetector
 from streams.detectors.xid import XidDetector
 from streams.policy_store import PolicyStore
 
@@ -85,6 +99,7 @@ def _topic(*names: str) -> Any:
 
 
 logs_topic = _topic(JOB_LOGS.name)
+signals_topic = _topic(JOB_PROGRESS.name, GPU_SAMPLES.name, SCHED_EVENTS.name)
 kernel_topic = _topic(NODE_KERNEL.name)
 attribution_topic = _topic(ANOMALIES.name, SCHED_EVENTS.name)
 anomalies_out = _topic(ANOMALIES.name)
@@ -94,6 +109,8 @@ actions_out = _topic(ACTIONS.name)
 deadletter_out = _topic(DEADLETTER.name)
 
 signature_detector = SignatureDetector()
+hang_detector = HangDetector()
+straggler_detector = StragglerDetector()
 xid_detector = XidDetector()
 attributor = Attributor(
     settle_s=float(os.environ.get("TRAINMEDIC_SETTLE_S", "1")),
@@ -153,6 +170,36 @@ async def detect_kernel(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
         for anomaly in xid_detector.detect(kev):
             await publish(anomalies_out, anomaly)
         yield None
+
+
+@app.agent(signals_topic)
+async def detect_signals(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
+    """Progress, GPU samples and job states feed the hang and straggler detectors."""
+    async for event in stream.events():
+        now, topic = time.time(), event.message.topic
+        try:
+            if topic == JOB_PROGRESS.name:
+                progress = decode(ProgressBatch, event.value)
+                hang_detector.observe_progress(progress, now)
+                straggler_detector.observe_progress(progress, now)
+            elif topic == GPU_SAMPLES.name:
+                sample = decode(GpuSample, event.value)
+                hang_detector.observe_gpu(sample, now)
+                straggler_detector.observe_gpu(sample, now)
+            else:
+                sched = decode(SchedEvent, event.value)
+                hang_detector.observe_sched(sched, now)
+                straggler_detector.observe_sched(sched, now)
+        except DecodeError as exc:
+            await dead_letter("streams.detect_signals", event, str(exc))
+        yield None
+
+
+@app.timer(interval=2.0)
+async def check_signals() -> None:
+    now = time.time()
+    for anomaly in hang_detector.check(now) + straggler_detector.check(now):
+        await publish(anomalies_out, anomaly)
 
 
 @app.agent(attribution_topic)

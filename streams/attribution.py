@@ -104,6 +104,7 @@ class Attributor:
             "PREEMPTED",
             "REQUEUED",
             "PENDING",
+            "GONE",  # the Slurm producer: left squeue
         ):
             alloc = self._alloc.get(ev.job_id)
             if alloc:

@@ -97,3 +97,22 @@ def slurm_cluster() -> Iterator[Cluster]:
     yield Cluster(slurm_conf=slurm_conf, state_dir=state_dir)
     if started_here and not os.environ.get("TRAINMEDIC_SLURM_KEEP"):
         subprocess.run(["bash", str(STOP)], capture_output=True, timeout=120, check=False)
+
+
+def read_topic(bootstrap: str, topic: str, seconds: float = 3.0) -> list[bytes]:
+    """Every record of a topic, read by partition assignment (no group join to wait for)."""
+    from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+
+    from schemas.clients import consumer_config
+    from schemas.topics import DEFAULT_PARTITIONS
+
+    consumer = Consumer(consumer_config(bootstrap, "reader", "reader"))
+    consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in range(DEFAULT_PARTITIONS)])
+    out: list[bytes] = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        msg = consumer.poll(0.1)
+        if msg is not None and not msg.error():
+            out.append(msg.value() or b"")
+    consumer.close()
+    return out

@@ -20,6 +20,7 @@ from streams.detectors.signatures import SignatureDetector
 from streams.detectors.xid import XidDetector
 
 OFFLINE_JOB = "offline"
+_NO_HOST = "-"
 _KERNEL_NAMES = re.compile(r"(^|[_.-])(kern\.log|dmesg|syslog|messages)")
 # NCCL's own prefix "host:pid:tid [gpu] NCCL ..." names the node that wrote the line.
 _NCCL_HOST = re.compile(r"^(?P<host>[A-Za-z0-9][A-Za-z0-9._-]*):\d+:\d+ \[\d+\] NCCL")
@@ -54,11 +55,13 @@ def _read_lines(path: Path) -> list[str]:
 def _kernel_anomalies(path: Path, clock: _Clock, xids: XidDetector) -> list[Anomaly]:
     out = []
     for line in _read_lines(path):
-        parsed = parse_kernel_line(line, default_node="unknown-node")
+        parsed = parse_kernel_line(line, default_node=_NO_HOST)
         if parsed is None:
             continue
         for a in xids.detect(to_event(parsed, clock.tick())):
-            out.append(a.model_copy(update={"job_id": OFFLINE_JOB}))
+            # Plain dmesg output names no host: then the culprit node is unknown, not "unknown-node".
+            node = None if a.node == _NO_HOST else a.node
+            out.append(a.model_copy(update={"job_id": OFFLINE_JOB, "node": node}))
     return out
 
 

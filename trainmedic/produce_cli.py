@@ -184,3 +184,61 @@ def logs(
     while not stop.wait(0.2):
         tailer.poll_once()
     _finish(pub, {"lines": tailer.lines_published})
+
+
+@produce_app.command()
+def slurm(
+    bootstrap: BootstrapOpt = None,
+    data_dir: DataDirOpt = Path("var"),
+    slurm_conf: Annotated[Optional[str], typer.Option(help="slurm.conf (default: $SLURM_CONF).")] = None,
+    interval: Annotated[float, typer.Option(help="Seconds between polls (one squeue + one sinfo each).")] = 5.0,
+    state_file: Annotated[Optional[Path], typer.Option(help="Last-seen state (default DATA_DIR/producers/).")] = None,
+) -> None:
+    """Job state transitions and node state/flag changes from Slurm, as change events only."""
+    from producers.slurm import SlurmProducer, default_state_path
+
+    _logging()
+    pub = _publisher(bootstrap, data_dir, "trainmedic-slurm-producer")
+    producer = SlurmProducer(
+        pub, slurm_conf=slurm_conf, interval_s=interval, state_path=state_file or default_state_path(data_dir)
+    )
+    producer.run(_stop_event())
+    _finish(pub, {"polls_failed": producer.failed_polls})
+
+
+@produce_app.command()
+def ingest(
+    bootstrap: BootstrapOpt = None,
+    data_dir: DataDirOpt = Path("var"),
+    host: Annotated[str, typer.Option(help="Bind address; loopback unless TLS or --insecure.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port.")] = 8470,
+    token_file: Annotated[
+        Optional[Path], typer.Option(help="File holding the token (else $TRAINMEDIC_INGEST_TOKEN).")
+    ] = None,
+    tls_cert: Annotated[Optional[Path], typer.Option(help="TLS certificate (PEM).")] = None,
+    tls_key: Annotated[Optional[Path], typer.Option(help="TLS private key (PEM).")] = None,
+    insecure: Annotated[bool, typer.Option(help="Allow plaintext on a non-loopback address.")] = False,
+) -> None:
+    """HTTP endpoint for NVSentinel health events and NVRx reports (token required). See docs/ingest.md."""
+    from producers.ingest import IngestConfigError, load_token, run_ingest
+
+    _logging()
+    try:
+        token = load_token(token_file)
+    except IngestConfigError as exc:
+        _fail(str(exc))
+    pub = _publisher(bootstrap, data_dir, "trainmedic-ingest")
+    try:
+        stats = run_ingest(
+            pub,
+            host,
+            port,
+            token,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            allow_insecure=insecure,
+            stop_event=_stop_event(),
+        )
+    except IngestConfigError as exc:
+        _fail(str(exc))
+    _finish(pub, {"stats": str(stats)})

@@ -39,6 +39,7 @@ class JobState:
     name: str | None = None
     restart_count: int = 0
     comment: str | None = None
+    held: bool = False  # pending with a hold: it will not start until released
     extra: dict[str, str] = field(default_factory=dict)
 
 

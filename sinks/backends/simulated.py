@@ -130,6 +130,10 @@ class SimulatedScheduler:
             if job.state not in ("RUNNING", "PENDING"):
                 raise BackendError(f"simulated: job {job_id} is {job.state}, cannot requeue")
             job.excluded.update(exclude_nodes)
+            if job.state == "PENDING":
+                # As Slurm: a queued job is only narrowed, not restarted.
+                self.calls.append(f"exclude {job_id} {','.join(sorted(exclude_nodes))}")
+                return
             job.state, job.nodes = "PENDING", ()
             job.restarts += 1
             job.eligible_at = time.time() + self.requeue_delay_s
@@ -193,4 +197,5 @@ class SimulatedScheduler:
             name=j.name,
             restart_count=j.restarts,
             comment=j.comment,
+            held=j.held,
         )

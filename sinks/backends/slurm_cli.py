@@ -280,6 +280,7 @@ class SlurmCliBackend:
             name=_opt_str(entry.get("name")),
             restart_count=_to_int(entry.get("restart_cnt")),
             comment=_opt_str(entry.get("comment")),
+            held=_held(extra),
             extra=extra,
         )
 
@@ -310,12 +311,18 @@ class SlurmCliBackend:
             name=_opt_str(fields.get("JobName")),
             restart_count=_to_int(fields.get("Restarts")),
             comment=_opt_str(fields.get("Comment")),
+            held=_held(extra),
             extra=extra,
         )
 
 
 # --------------------------------------------------------------------- module helpers
 _KEY_RE = re.compile(r"(?:^|\s)([A-Za-z][A-Za-z0-9_/:.]*)=")
+
+
+def _held(extra: Mapping[str, str]) -> bool:
+    # A held job has priority 0 and a JobHeld* reason (requeuehold sets JobHeldAdmin).
+    return extra.get("priority") == "0" or extra.get("state_reason", "").startswith("JobHeld")
 
 
 def parse_scontrol_line(line: str) -> dict[str, str]:

@@ -77,10 +77,11 @@ def test_partition_allow_list_applies_to_policy_not_operators() -> None:
 
 
 def test_restart_budget_uses_the_schedulers_counter() -> None:
-    sched = SimulatedScheduler(NODES)
+    sched = SimulatedScheduler(NODES, requeue_delay_s=0.0)
     job = sched.submit("t", 1)
     for _ in range(2):
         sched.requeue_job(job, [])
+        sched.tick()
     g = rails(sched, max_restarts_per_job=2)
     trip = g.check(action(None, job, kind="requeue"), 1.0)
     assert trip is not None and trip[0] == "restart_budget"
@@ -137,3 +138,18 @@ def test_node_drained_by_someone_else_is_left_alone() -> None:
     sched.drain_node("gpu02", "admin: bad fan")
     result = Executor(sched, ExecutorSettings(verify_timeout_s=5, poll_interval_s=0.01)).execute(action("gpu02", job))
     assert result.status == "done" and sched.node_state("gpu02").reason == "admin: bad fan"
+
+
+def test_crash_between_requeuehold_and_release_is_finished_on_redelivery() -> None:
+    sched = SimulatedScheduler(NODES, requeue_delay_s=0.0)
+    job = sched.submit("t", 4)
+    a = action("gpu02", job)
+    # What a crash after "mark, requeue (held)" and before "exclude, release" leaves behind:
+    sched.drain_node("gpu02", a.reason)
+    sched.annotate_job(job, f"trainmedic {a.action_id} restarts=0")
+    sched.hold_job(job)
+    result = Executor(sched, ExecutorSettings(verify_timeout_s=5, poll_interval_s=0.01)).execute(a)
+    assert result.status == "done", result
+    state = sched.job_state(job)
+    assert state.state == "RUNNING" and "gpu02" not in state.nodes and state.restart_count == 1
+    assert "released the hold" in " ".join(result.steps)

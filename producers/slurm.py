@@ -1,0 +1,800 @@
+"""Slurm producer: the cluster's job and node changes -> sched.events.
+
+`trainmedic produce slurm` polls the whole cluster with ONE ``squeue --json``
+and ONE ``sinfo --json`` per interval (on 22.05 both ignore ``--jobs``/``-n``
+filters, so everything is parsed) and publishes a ``SchedEvent`` for each
+change, never the unchanged rest:
+
+- ``kind="job"``: a job's state changed (PENDING, RUNNING, COMPLETING,
+  COMPLETED, FAILED, CANCELLED, TIMEOUT, NODE_FAIL, PREEMPTED, REQUEUED, ...)
+  or its restart count went up (a requeue we did not see as its own state:
+  such an event carries the flag ``REQUEUED``). ``previous_state`` is the last
+  state we saw (None for a job seen for the first time), ``nodes`` its expanded
+  node list, ``partition`` its partition, ``reason`` Slurm's state reason plus
+  the exit status of a finished job (``exit 3``, ``signal 9``).
+  A job that drops out of squeue (MinJobAge after it ended) is reported with
+  state ``GONE`` -- only when we know its last state.
+- ``kind="node"``: a node's availability changed: base state DOWN, ERROR,
+  FUTURE, UNKNOWN, ...; flags DRAIN, NOT_RESPONDING, FAIL, MAINTENANCE, REBOOT_*
+  ...; or its reason. ``state`` is Slurm's base state (a drained idle node is
+  ``IDLE`` with flag ``DRAIN``, as ``sinfo --json`` says), ``flags`` all its
+  flags, ``reason`` its reason. IDLE, ALLOCATED and MIXED count as one "up"
+  state and the COMPLETING/PLANNED flags are ignored, so the load of a healthy
+  node never makes an event. A node removed from the configuration: ``GONE``.
+
+Restarts and idempotency
+------------------------
+The last-seen state lives in a small JSON file (``state_path``; default
+``var/producers/slurm-state.json``, see `default_state_path`), written
+atomically after the poll's events were flushed to Kafka. It is written only
+after a successful flush, so a crash in between makes the next start re-emit
+those changes -- with the same event ids.
+
+Every start emits exactly ONE marker event before any change::
+
+    SchedEvent(kind="job", job_id=None, node=None, state="SNAPSHOT",
+               flags=["COLD_START"] | ["WARM_START"] (+ "STATE_UNREADABLE"),
+               nodes=<nodes currently unavailable>, reason=<one-line summary>)
+
+A warm start (state file present) then emits only what changed while the
+producer was away, diffed against the file. A cold start (no file, or an
+unreadable one) takes the cluster as it is as the baseline and emits nothing
+else: a first start must not flood consumers with the whole cluster. The
+marker tells consumers that the stream had a gap (``COLD_START``: anything
+before it is unknown to this producer).
+
+Event ids are derived, never random:
+
+- job: job id, state, restart count, submit time and the time Slurm gives the
+  state (start_time + suspend_time for RUNNING, end_time for finished states).
+  They are Slurm's own fields, so a re-emission after a crash, or by a producer
+  that lost its state file, carries the same id.
+- node: Slurm clears a node's reason time on resume, so a node's fields do not
+  tell two DRAIN->IDLE cycles apart; its ids use the state file's random
+  ``epoch`` plus a per-node change counter kept in the file.
+- snapshot: ``epoch`` plus the number of starts recorded in the file.
+
+Commands are argv lists run without a shell, with an explicit environment
+(PATH, LC_ALL=C, HOME, SLURM_CONF) and a timeout. A failed poll (command
+error, timeout, bad JSON) is logged and counted in ``failed_polls``; it changes
+no state and never ends `run`.
+
+Where commands run is pluggable: a ``Runner`` maps an argv to its stdout.
+`LocalRunner` runs them here; an SSH runner (login node) or a pyslurm-backed
+runner that answers ``squeue --json`` / ``sinfo --json`` with the same openapi
+v0.0.38 documents fits the same slot, so a pyslurm source needs no change here.
+
+One producer per state file: two instances sharing one would each count changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import json
+import logging
+import os
+import re
+import secrets
+import shlex
+import subprocess
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from producers.publisher import Publisher
+from schemas.events import SchedEvent
+from schemas.ids import stable_id
+from schemas.topics import SCHED_EVENTS
+
+__all__ = [
+    "DEFAULT_STATE_PATH",
+    "HostlistError",
+    "JobView",
+    "LocalRunner",
+    "NodeView",
+    "Runner",
+    "SlurmCommandError",
+    "SlurmProducer",
+    "default_state_path",
+    "expand_hostlist",
+    "parse_sinfo",
+    "parse_squeue",
+]
+
+log = logging.getLogger("trainmedic.producers.slurm")
+
+DEFAULT_STATE_PATH = Path("var") / "producers" / "slurm-state.json"
+STATE_VERSION = 1
+SNAPSHOT = "SNAPSHOT"
+GONE = "GONE"
+
+_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+_EMPTY = ("", "(null)", "None", "N/A", "none")
+# The load of a healthy node (idle/allocated/mixed) is not news.
+_UP_STATES = frozenset({"IDLE", "ALLOCATED", "MIXED"})
+# Set and cleared around every job end or backfill plan: noise, not health.
+_IGNORED_FLAGS = frozenset({"COMPLETING", "PLANNED"})
+_UNAVAILABLE_FLAGS = frozenset(
+    {
+        "DRAIN",
+        "NOT_RESPONDING",
+        "FAIL",
+        "MAINTENANCE",
+        "REBOOT_REQUESTED",
+        "REBOOT_ISSUED",
+        "POWER_DOWN",
+        "POWERED_DOWN",
+        "POWERING_DOWN",
+        "INVALID_REG",
+    }
+)
+_FINISHED = frozenset(
+    {
+        "COMPLETED",
+        "CANCELLED",
+        "FAILED",
+        "TIMEOUT",
+        "NODE_FAIL",
+        "PREEMPTED",
+        "BOOT_FAIL",
+        "DEADLINE",
+        "OUT_OF_MEMORY",
+    }
+)
+
+
+def default_state_path(data_dir: Path) -> Path:
+    return Path(data_dir) / "producers" / "slurm-state.json"
+
+
+# --------------------------------------------------------------------- hostlists
+class HostlistError(ValueError):
+    """A Slurm hostlist expression that cannot be expanded."""
+
+
+_MAX_HOSTS = 1_000_000
+
+
+def expand_hostlist(text: str | None) -> list[str]:
+    """Expand a Slurm hostlist (``gpu[01-03,05],cpu1``) into node names, in Slurm's order.
+
+    Supports comma lists, ranges and single numbers in brackets, zero padding
+    (the width of a range's lower bound, as Slurm: ``n[08-10]`` -> n08 n09 n10,
+    ``n[8-10]`` -> n8 n9 n10), several bracket groups in one name (cartesian
+    product: ``a[1-2]b[3-4]`` -> a1b3 a1b4 a2b3 a2b4) and text after a group.
+    Empty input and Slurm's placeholders (``(null)``, ``None``) give [].
+    Raises HostlistError on malformed input or more than a million names.
+    """
+    if text is None:
+        return []
+    stripped = text.strip()
+    if stripped in _EMPTY:
+        return []
+    return list(_expand_cached(stripped))
+
+
+@functools.lru_cache(maxsize=4096)
+def _expand_cached(text: str) -> tuple[str, ...]:
+    out: list[str] = []
+    for item in _split_top_level(text):
+        out.extend(_expand_name(item, _MAX_HOSTS - len(out)))
+    return tuple(out)
+
+
+def _split_top_level(text: str) -> list[str]:
+    items: list[str] = []
+    depth = 0
+    start = 0
+    for i, ch in enumerate(text):
+        if ch == "[":
+            if depth:
+                raise HostlistError(f"nested '[' in hostlist {text!r}")
+            depth = 1
+        elif ch == "]":
+            if not depth:
+                raise HostlistError(f"unbalanced ']' in hostlist {text!r}")
+            depth = 0
+        elif ch == "," and not depth:
+            items.append(text[start:i])
+            start = i + 1
+    if depth:
+        raise HostlistError(f"unclosed '[' in hostlist {text!r}")
+    items.append(text[start:])
+    for item in items:
+        if not item.strip():
+            raise HostlistError(f"empty name in hostlist {text!r}")
+    return [item.strip() for item in items]
+
+
+_RANGE = re.compile(r"(\d+)(?:-(\d+))?")
+
+
+def _expand_name(item: str, budget: int) -> list[str]:
+    parts: list[list[str]] = []
+    pos = 0
+    for m in re.finditer(r"\[([^\]]*)\]", item):
+        if m.start() > pos:
+            parts.append([item[pos : m.start()]])
+        parts.append(_expand_ranges(m.group(1), item))
+        pos = m.end()
+    if pos < len(item):
+        parts.append([item[pos:]])
+    total = 1
+    for p in parts:
+        total *= len(p)
+    if total > budget:
+        raise HostlistError(f"hostlist {item!r} expands to more than {_MAX_HOSTS} names")
+    return ["".join(combo) for combo in itertools.product(*parts)]
+
+
+def _expand_ranges(body: str, item: str) -> list[str]:
+    out: list[str] = []
+    for spec in body.split(","):
+        m = _RANGE.fullmatch(spec.strip())
+        if m is None:
+            raise HostlistError(f"bad range {spec!r} in hostlist {item!r}")
+        lo_text, hi_text = m.group(1), m.group(2)
+        lo = int(lo_text)
+        hi = int(hi_text) if hi_text is not None else lo
+        if hi < lo:
+            raise HostlistError(f"descending range {spec!r} in hostlist {item!r}")
+        if hi - lo >= _MAX_HOSTS:
+            raise HostlistError(f"range {spec!r} in hostlist {item!r} is too large")
+        width = len(lo_text)
+        out.extend(str(n).zfill(width) for n in range(lo, hi + 1))
+    return out
+
+
+# --------------------------------------------------------------------- transport
+class SlurmCommandError(RuntimeError):
+    """A Slurm command could not be run, timed out or exited non-zero."""
+
+
+class Runner(Protocol):
+    """Runs one argv (never through a shell) and returns its stdout; raises SlurmCommandError."""
+
+    def __call__(self, argv: Sequence[str], timeout: float) -> str: ...
+
+
+class LocalRunner:
+    """Runs Slurm commands on this machine with an explicit, minimal environment.
+
+    Stray SLURM_* variables of the caller (SLURM_JOB_ID inside an allocation,
+    SQUEUE_FORMAT, ...) must not change what the commands print.
+    """
+
+    def __init__(self, slurm_conf: str | None = None) -> None:
+        env = {
+            "PATH": os.environ.get("PATH") or _DEFAULT_PATH,
+            "LC_ALL": "C",
+            "HOME": os.environ.get("HOME", "/"),
+        }
+        conf = slurm_conf if slurm_conf is not None else os.environ.get("SLURM_CONF")
+        if conf:
+            env["SLURM_CONF"] = conf
+        self.env: Mapping[str, str] = env
+
+    def __call__(self, argv: Sequence[str], timeout: float) -> str:
+        args = [str(a) for a in argv]
+        try:
+            proc = subprocess.run(
+                args,
+                shell=False,
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                env=dict(self.env),
+                check=False,
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise SlurmCommandError(f"{shlex.join(args)} timed out after {timeout:g}s") from exc
+        except OSError as exc:
+            raise SlurmCommandError(f"{shlex.join(args)} could not be run: {exc}") from exc
+        if proc.returncode != 0:
+            err = (proc.stderr or proc.stdout).strip()[:500] or "(no output)"
+            raise SlurmCommandError(f"{shlex.join(args)} exited {proc.returncode}: {err}")
+        return proc.stdout
+
+
+# --------------------------------------------------------------------- parsing
+@dataclass(frozen=True)
+class JobView:
+    job_id: str
+    state: str
+    restart_cnt: int = 0
+    submit_time: int = 0
+    start_time: int = 0
+    end_time: int = 0
+    suspend_time: int = 0
+    nodes: str = ""  # Slurm hostlist, expanded only when an event needs it
+    partition: str | None = None
+    state_reason: str | None = None
+    exit_code: int | None = None  # raw wait status, as squeue --json gives it
+
+
+@dataclass(frozen=True)
+class NodeView:
+    name: str
+    state: str  # base state, upper case
+    flags: tuple[str, ...] = ()
+    reason: str | None = None
+    reason_time: int = 0
+    partitions: tuple[str, ...] = ()
+
+    @property
+    def unavailable(self) -> bool:
+        return self.state not in _UP_STATES or bool(_UNAVAILABLE_FLAGS.intersection(self.flags))
+
+
+def _load_document(text: str, what: str) -> dict[str, Any]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SlurmCommandError(f"{what}: output is not JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise SlurmCommandError(f"{what}: expected a JSON object, got {type(data).__name__}")
+    errors = data.get("errors") or []
+    if errors:
+        raise SlurmCommandError(f"{what}: errors {errors!r}"[:1000])
+    return data
+
+
+def _int(value: object) -> int:
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value
+    try:
+        return int(str(value))
+    except (TypeError, ValueError):
+        return 0
+
+
+def _opt_str(value: object) -> str | None:
+    if value is None:
+        return None
+    text = str(value).strip()
+    return None if text in _EMPTY else text
+
+
+def parse_squeue(data: Mapping[str, Any]) -> dict[str, JobView]:
+    """``squeue --json`` (openapi v0.0.38) -> job id -> JobView; entries without an id are skipped."""
+    jobs: dict[str, JobView] = {}
+    raw = data.get("jobs")
+    if not isinstance(raw, list):
+        raise SlurmCommandError("squeue --json: no 'jobs' list")
+    for entry in raw:
+        if not isinstance(entry, dict) or entry.get("job_id") in (None, ""):
+            continue
+        job_id = str(entry["job_id"])
+        exit_code = entry.get("exit_code")
+        jobs[job_id] = JobView(
+            job_id=job_id,
+            state=str(entry.get("job_state") or "UNKNOWN").upper(),
+            restart_cnt=_int(entry.get("restart_cnt")),
+            submit_time=_int(entry.get("submit_time")),
+            start_time=_int(entry.get("start_time")),
+            end_time=_int(entry.get("end_time")),
+            suspend_time=_int(entry.get("suspend_time")),
+            nodes=_opt_str(entry.get("nodes")) or "",
+            partition=_opt_str(entry.get("partition")),
+            state_reason=_opt_str(entry.get("state_reason")),
+            exit_code=exit_code if isinstance(exit_code, int) and not isinstance(exit_code, bool) else None,
+        )
+    return jobs
+
+
+def parse_sinfo(data: Mapping[str, Any]) -> dict[str, NodeView]:
+    """``sinfo --json`` (openapi v0.0.38) -> node name -> NodeView."""
+    nodes: dict[str, NodeView] = {}
+    raw = data.get("nodes")
+    if not isinstance(raw, list):
+        raise SlurmCommandError("sinfo --json: no 'nodes' list")
+    for entry in raw:
+        if not isinstance(entry, dict) or not entry.get("name"):
+            continue
+        name = str(entry["name"])
+        # Some versions put flags into the state string ("IDLE+DRAIN").
+        base, *inline = str(entry.get("state") or "UNKNOWN").upper().split("+")
+        flags = [str(f).upper() for f in entry.get("state_flags") or []]
+        flags.extend(f for f in inline if f and f not in flags)
+        nodes[name] = NodeView(
+            name=name,
+            state=base,
+            flags=tuple(sorted(set(flags))),
+            reason=_opt_str(entry.get("reason")),
+            reason_time=_int(entry.get("reason_changed_at")),
+            partitions=tuple(str(p) for p in entry.get("partitions") or []),
+        )
+    return nodes
+
+
+def _exit_text(wait_status: int | None) -> str | None:
+    if not wait_status:
+        return None
+    if wait_status & 0x7F:
+        return f"signal {wait_status & 0x7F}"
+    return f"exit {(wait_status >> 8) & 0xFF}"
+
+
+# --------------------------------------------------------------------- state
+@dataclass
+class _JobMem:
+    state: str
+    restart_cnt: int
+    submit_time: int
+    nodes: str
+    partition: str | None
+
+
+@dataclass
+class _NodeMem:
+    state: str
+    flags: list[str]
+    reason: str | None
+    seq: int = 0
+
+
+@dataclass
+class _State:
+    epoch: str
+    starts: int = 0
+    jobs: dict[str, _JobMem] = field(default_factory=dict)
+    nodes: dict[str, _NodeMem] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "epoch": self.epoch,
+            "starts": self.starts,
+            "saved_at": time.time(),
+            "jobs": {
+                k: {
+                    "state": j.state,
+                    "restart": j.restart_cnt,
+                    "submit": j.submit_time,
+                    "nodes": j.nodes,
+                    "part": j.partition,
+                }
+                for k, j in self.jobs.items()
+            },
+            "nodes": {
+                k: {"state": n.state, "flags": n.flags, "reason": n.reason, "seq": n.seq} for k, n in self.nodes.items()
+            },
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> _State:
+        if data.get("version") != STATE_VERSION:
+            raise ValueError(f"unsupported state version {data.get('version')!r}")
+        jobs = {
+            str(k): _JobMem(
+                state=str(v["state"]),
+                restart_cnt=int(v["restart"]),
+                submit_time=int(v["submit"]),
+                nodes=str(v.get("nodes") or ""),
+                partition=v.get("part"),
+            )
+            for k, v in dict(data["jobs"]).items()
+        }
+        nodes = {
+            str(k): _NodeMem(
+                state=str(v["state"]),
+                flags=[str(f) for f in v.get("flags") or []],
+                reason=v.get("reason"),
+                seq=int(v.get("seq", 0)),
+            )
+            for k, v in dict(data["nodes"]).items()
+        }
+        return cls(epoch=str(data["epoch"]), starts=int(data["starts"]), jobs=jobs, nodes=nodes)
+
+
+def _node_fingerprint(state: str, flags: Iterable[str], reason: str | None) -> tuple[str, tuple[str, ...], str]:
+    state_class = "UP" if state in _UP_STATES else state
+    return state_class, tuple(sorted(set(flags) - _IGNORED_FLAGS)), reason or ""
+
+
+# --------------------------------------------------------------------- producer
+class SlurmProducer:
+    """Polls squeue/sinfo and publishes job and node changes to sched.events.
+
+    `poll_once` fetches, diffs, publishes, flushes and saves the state file; it
+    returns the events it published ([] when the poll failed). `run` calls it
+    every `interval_s` until `stop_event` is set.
+    """
+
+    def __init__(
+        self,
+        publisher: Publisher,
+        slurm_conf: str | None = None,
+        interval_s: float = 5.0,
+        state_path: Path = DEFAULT_STATE_PATH,
+        *,
+        runner: Runner | None = None,
+        command_timeout_s: float = 30.0,
+        flush_timeout_s: float = 10.0,
+    ) -> None:
+        if runner is not None and slurm_conf is not None:
+            raise ValueError("pass slurm_conf to the runner, not together with a custom runner")
+        if interval_s <= 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        self.publisher = publisher
+        self.runner: Runner = runner if runner is not None else LocalRunner(slurm_conf)
+        self.interval_s = interval_s
+        self.state_path = Path(state_path)
+        self.command_timeout_s = command_timeout_s
+        self.flush_timeout_s = flush_timeout_s
+        self.polls = 0
+        self.failed_polls: Counter[str] = Counter()
+        self.emitted: Counter[str] = Counter()  # by event kind: job, node, snapshot
+        self.last_error: str | None = None
+        self._state: _State | None = None
+        self._start_flags: list[str] = []
+        self._snapshot_done = False
+        self._dirty = False
+        self._load_state()
+
+    # ---- state file
+    def _load_state(self) -> None:
+        try:
+            raw = self.state_path.read_text()
+        except FileNotFoundError:
+            self._start_flags = ["COLD_START"]
+            return
+        except OSError as exc:
+            log.warning("cannot read state file %s (%s): cold start", self.state_path, exc)
+            self._start_flags = ["COLD_START", "STATE_UNREADABLE"]
+            return
+        try:
+            self._state = _State.from_json(json.loads(raw))
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("state file %s is not usable (%s): cold start", self.state_path, exc)
+            self._start_flags = ["COLD_START", "STATE_UNREADABLE"]
+            return
+        self._state.starts += 1
+        self._start_flags = ["WARM_START"]
+
+    def _save_state(self) -> None:
+        assert self._state is not None
+        self.state_path.parent.mkdir(parents=True, exist_ok=True)
+        payload = json.dumps(self._state.to_json(), separators=(",", ":"))
+        fd, tmp = tempfile.mkstemp(prefix=self.state_path.name + ".", dir=self.state_path.parent)
+        try:
+            with os.fdopen(fd, "w") as fh:
+                fh.write(payload)
+                fh.flush()
+                os.fsync(fh.fileno())
+            # A reader never sees a half-written file: rename is atomic.
+            os.replace(tmp, self.state_path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    # ---- polling
+    def fetch(self) -> tuple[dict[str, JobView], dict[str, NodeView]]:
+        """One squeue --json and one sinfo --json; raises SlurmCommandError."""
+        jobs = parse_squeue(_load_document(self.runner(["squeue", "--json"], self.command_timeout_s), "squeue --json"))
+        nodes = parse_sinfo(_load_document(self.runner(["sinfo", "--json"], self.command_timeout_s), "sinfo --json"))
+        return jobs, nodes
+
+    def poll_once(self) -> list[SchedEvent]:
+        self.polls += 1
+        now = time.time()
+        try:
+            jobs, nodes = self.fetch()
+        except SlurmCommandError as exc:
+            self._fail("command", str(exc))
+            return []
+        except Exception as exc:  # a parse bug must not end the producer
+            self._fail("parse", f"{type(exc).__name__}: {exc}")
+            return []
+        try:
+            events = self._diff(jobs, nodes, now)
+        except Exception as exc:
+            self._fail("diff", f"{type(exc).__name__}: {exc}")
+            return []
+        for ev in events:
+            self.publisher.publish(SCHED_EVENTS, ev)
+            self.emitted["snapshot" if ev.state == SNAPSHOT and ev.job_id is None else ev.kind] += 1
+        if events:
+            self._dirty = True
+        if not self._dirty:
+            return events
+        left = self.publisher.flush(self.flush_timeout_s)
+        if left:
+            # Keep the old file: a restart re-emits these changes with the same ids.
+            self._fail("flush", f"{left} events still queued after {self.flush_timeout_s:g}s; state not saved")
+            return events
+        try:
+            self._save_state()
+            self._dirty = False
+        except OSError as exc:
+            self._fail("state_save", f"cannot write {self.state_path}: {exc}")
+        return events
+
+    def run(self, stop_event: threading.Event) -> None:
+        log.info("slurm producer: polling every %gs, state in %s", self.interval_s, self.state_path)
+        while not stop_event.is_set():
+            try:
+                self.poll_once()
+            except Exception as exc:  # e.g. the publisher raised: count it and keep polling
+                self._fail("unexpected", f"{type(exc).__name__}: {exc}")
+            stop_event.wait(self.interval_s)
+
+    def _fail(self, reason: str, message: str) -> None:
+        self.failed_polls[reason] += 1
+        self.last_error = message
+        log.error("slurm poll failed (%s): %s", reason, message)
+
+    # ---- diffing
+    def _diff(self, jobs: Mapping[str, JobView], nodes: Mapping[str, NodeView], now: float) -> list[SchedEvent]:
+        cold = self._state is None
+        if self._state is None:
+            self._state = _State(epoch=secrets.token_hex(8), starts=1)
+        state = self._state
+        changes: list[SchedEvent] = []
+        if cold:
+            self._absorb(jobs, nodes)
+        else:
+            changes.extend(self._node_changes(state, nodes, now))
+            changes.extend(self._job_changes(state, jobs, now))
+        if self._snapshot_done:
+            return changes
+        self._snapshot_done = True
+        return [self._snapshot(state, jobs, nodes, len(changes), now), *changes]
+
+    def _absorb(self, jobs: Mapping[str, JobView], nodes: Mapping[str, NodeView]) -> None:
+        assert self._state is not None
+        self._state.jobs = {
+            k: _JobMem(j.state, j.restart_cnt, j.submit_time, j.nodes, j.partition) for k, j in jobs.items()
+        }
+        self._state.nodes = {k: _NodeMem(n.state, list(n.flags), n.reason) for k, n in nodes.items()}
+        self._dirty = True
+
+    def _snapshot(
+        self, state: _State, jobs: Mapping[str, JobView], nodes: Mapping[str, NodeView], n_changes: int, now: float
+    ) -> SchedEvent:
+        by_state = Counter(j.state for j in jobs.values())
+        down = sorted(n for n, v in nodes.items() if v.unavailable)
+        details = ", ".join(
+            f"{n} ({'+'.join([nodes[n].state, *nodes[n].flags])}{': ' + str(nodes[n].reason) if nodes[n].reason else ''})"
+            for n in down[:20]
+        )
+        more = f" and {len(down) - 20} more" if len(down) > 20 else ""
+        jobs_text = ", ".join(f"{k} {v}" for k, v in sorted(by_state.items()))
+        mode = "warm" if "WARM_START" in self._start_flags else "cold"
+        summary = (
+            f"{mode} start #{state.starts}: {len(jobs)} jobs ({jobs_text or 'none'}), {len(nodes)} nodes, "
+            f"{len(down)} unavailable{': ' + details + more if down else ''}"
+            + (f"; {n_changes} changes since the last run follow" if mode == "warm" else "")
+        )
+        return SchedEvent(
+            event_id=stable_id("sched-snap", state.epoch, state.starts),
+            event_time=now,
+            kind="job",
+            state=SNAPSHOT,
+            nodes=down,
+            reason=summary[:4000],
+            flags=list(self._start_flags),
+        )
+
+    def _node_changes(self, state: _State, nodes: Mapping[str, NodeView], now: float) -> list[SchedEvent]:
+        events: list[SchedEvent] = []
+        for name in sorted(nodes):
+            view = nodes[name]
+            mem = state.nodes.get(name)
+            new_fp = _node_fingerprint(view.state, view.flags, view.reason)
+            if mem is not None and _node_fingerprint(mem.state, mem.flags, mem.reason) == new_fp:
+                mem.state, mem.flags = view.state, list(view.flags)
+                continue
+            seq = (mem.seq if mem else 0) + 1
+            reason_changed = mem is None or (mem.reason or "") != (view.reason or "")
+            events.append(
+                SchedEvent(
+                    event_id=stable_id("sched-node", state.epoch, name, seq, repr(new_fp)),
+                    event_time=float(view.reason_time) if reason_changed and view.reason_time > 0 else now,
+                    kind="node",
+                    node=name,
+                    state=view.state,
+                    previous_state=mem.state if mem else None,
+                    partition=",".join(view.partitions) or None,
+                    reason=view.reason,
+                    flags=list(view.flags),
+                )
+            )
+            state.nodes[name] = _NodeMem(view.state, list(view.flags), view.reason, seq)
+        for name in sorted(set(state.nodes) - set(nodes)):
+            mem = state.nodes.pop(name)
+            events.append(
+                SchedEvent(
+                    event_id=stable_id("sched-node", state.epoch, name, mem.seq + 1, GONE),
+                    event_time=now,
+                    kind="node",
+                    node=name,
+                    state=GONE,
+                    previous_state=mem.state,
+                )
+            )
+        return events
+
+    def _job_changes(self, state: _State, jobs: Mapping[str, JobView], now: float) -> list[SchedEvent]:
+        events: list[SchedEvent] = []
+        for job_id in sorted(jobs, key=_job_sort_key):
+            view = jobs[job_id]
+            mem = state.jobs.get(job_id)
+            if mem is not None and view.restart_cnt < mem.restart_cnt:
+                mem = None  # the id was reused (slurmctld state wiped): a different job
+            if mem is not None and (mem.state, mem.restart_cnt) == (view.state, view.restart_cnt):
+                mem.nodes, mem.partition = view.nodes, view.partition
+                continue
+            events.append(self._job_event(view, mem, now))
+            state.jobs[job_id] = _JobMem(view.state, view.restart_cnt, view.submit_time, view.nodes, view.partition)
+        for job_id in sorted(set(state.jobs) - set(jobs), key=_job_sort_key):
+            mem = state.jobs.pop(job_id)
+            events.append(
+                SchedEvent(
+                    event_id=stable_id("sched-job", job_id, GONE, mem.restart_cnt, mem.submit_time, mem.state),
+                    event_time=now,
+                    kind="job",
+                    job_id=job_id,
+                    state=GONE,
+                    previous_state=mem.state,
+                    nodes=_safe_expand(mem.nodes),
+                    partition=mem.partition,
+                )
+            )
+        return events
+
+    def _job_event(self, view: JobView, mem: _JobMem | None, now: float) -> SchedEvent:
+        if view.state == "RUNNING":
+            anchor: tuple[int, ...] = (view.start_time, view.suspend_time)
+            when = view.suspend_time or view.start_time
+        elif view.state in _FINISHED:
+            anchor = (view.end_time,)
+            when = view.end_time
+        elif view.state == "PENDING":
+            # submit_time is reset on requeue, so it dates this PENDING.
+            anchor = ()
+            when = view.submit_time
+        else:
+            anchor = ()
+            when = 0
+        reason_parts = [p for p in (view.state_reason,) if p]
+        if view.state in _FINISHED and (exit_text := _exit_text(view.exit_code)):
+            reason_parts.append(exit_text)
+        flags = ["REQUEUED"] if mem is not None and view.restart_cnt > mem.restart_cnt else []
+        return SchedEvent(
+            event_id=stable_id("sched-job", view.job_id, view.state, view.restart_cnt, view.submit_time, *anchor),
+            event_time=float(when) if when > 0 else now,
+            kind="job",
+            job_id=view.job_id,
+            state=view.state,
+            previous_state=mem.state if mem else None,
+            nodes=_safe_expand(view.nodes),
+            partition=view.partition,
+            reason="; ".join(reason_parts) or None,
+            flags=flags,
+        )
+
+
+def _job_sort_key(job_id: str) -> tuple[int, str]:
+    head = re.match(r"\d+", job_id)
+    return (int(head.group()) if head else 0, job_id)
+
+
+def _safe_expand(nodelist: str) -> list[str]:
+    try:
+        return expand_hostlist(nodelist)
+    except HostlistError as exc:
+        # One odd nodelist must not cost the whole poll; the raw text still says where.
+        log.warning("%s", exc)
+        return [nodelist]

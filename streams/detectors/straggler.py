@@ -1,0 +1,416 @@
+"""Straggler detector: the node of a job that is persistently slower than its peers.
+
+Pure logic with explicit state; the caller feeds records and a clock (`now`).
+
+Evidence, over a sliding window of `window_s` seconds (samples older than the job's start plus
+`warmup_s` are ignored, so compilation and the first steps do not count):
+
+- **Step time** per node: the median ``step_time_s`` of the ranks that run there. In synchronous
+  data-parallel training every rank waits for the slowest in each collective, so their printed
+  step times are alike; this evidence matters when ranks time their own compute, or when only
+  some ranks report.
+- **GPU throughput** per GPU: window medians of SM clock, power and utilization, and whether the
+  GPU reports a hardware or thermal slowdown throttle reason (``hw_slowdown``, ``hw_thermal``,
+  ``sw_thermal``, ``hw_power_brake`` as producers.gpu_nvml and gpu_dcgm name them, or NVML's
+  ``HwThermalSlowdown`` and nvidia-smi's spellings) in at least half of its samples.
+
+Robust statistics. For each metric, over all nodes (step time) or all GPUs (GPU metrics) of the
+job: the median ``m`` and the median absolute deviation ``MAD``; the modified z-score of a value
+``x`` is ``0.6745 (x - m) / MAD`` (Iglewicz and Hoaglin), with MAD floored at 2% of ``m`` so that
+peers agreeing to within measurement noise do not make every small difference infinite. A value
+is an outlier when it is worse than the peers' median (the other nodes only) by at least
+`min_slowdown` (10%) *and* its modified z-score passes `threshold` (3.5) on the bad side. With
+only two nodes the z-score cannot tell which one deviates (both sit at the same distance from the
+median), so the relative slowdown alone decides there.
+
+A node is a straggler when its step time is an outlier, or one of its GPUs has an outlying SM
+clock, or two outlying GPU metrics, or reports a slowdown throttle reason while its SM clock or
+power is `min_slowdown` below its peers' (no z-score needed then: the GPU says why). Utilization
+alone never decides: NCCL kernels waiting in a collective keep waiting GPUs busy too.
+
+Because every comparison is against the job's own peers, a job that is uniformly slow (all nodes
+throttled, a slow model) yields nothing, and neither does a job on a single node. Each straggler
+episode yields one anomaly (category ``gpu_hardware`` when the node's GPUs report a hardware or
+thermal slowdown, else ``node``; isolate: drain the node); the episode ends once the node has
+not been flagged for a whole window, after which a new episode may start.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter, defaultdict, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from schemas.events import Anomaly, GpuSample, ProgressBatch, SchedEvent
+from schemas.ids import stable_id
+from schemas.vocab import Category
+from streams.detectors.hang import job_state_kind
+
+MAD_FLOOR_FRACTION = 0.02
+MAX_STEP_SAMPLES_PER_NODE = 20000
+MAX_GPU_SAMPLES_PER_NODE = 4096
+JOB_TTL_S = 3600.0
+_RECENT_BATCHES = 256
+
+# Normalised throttle-reason names (lower case, letters only) -> how an operator says it.
+# producers.gpu_nvml / gpu_dcgm use dcgm-exporter's clock_event names (hw_thermal, ...);
+# NVML's constants and nvidia-smi spell them out (HwThermalSlowdown, "HW Thermal Slowdown").
+_SLOWDOWN_REASONS: dict[str, str] = {
+    "hwthermal": "HW thermal slowdown",
+    "hwthermalslowdown": "HW thermal slowdown",
+    "swthermal": "SW thermal slowdown",
+    "swthermalslowdown": "SW thermal slowdown",
+    "hwpowerbrake": "HW power brake slowdown",
+    "hwpowerbrakeslowdown": "HW power brake slowdown",
+    "hwslowdown": "HW slowdown",
+}
+_REASON_PREFIXES = ("nvmlclocksthrottlereason", "nvmlclockseventreason", "clocksthrottlereason", "clockseventreason")
+
+MEANING = (
+    "a node persistently slower than its peers holds back every synchronous step of the job; "
+    "draining it and restarting elsewhere restores the job's speed"
+)
+
+
+def slowdown_reason(name: str) -> str | None:
+    """The operator's name of a HW/thermal slowdown throttle reason, None for other reasons."""
+    key = "".join(c for c in name.lower() if c.isalpha())
+    for prefix in _REASON_PREFIXES:
+        if key.startswith(prefix):
+            key = key[len(prefix) :]
+            break
+    return _SLOWDOWN_REASONS.get(key)
+
+
+def rank_ranges(ranks: Iterable[int]) -> str:
+    """[12, 13, 14, 15, 20] -> '12-15,20'."""
+    out: list[str] = []
+    rs = sorted(set(ranks))
+    i = 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        out.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+@dataclass(frozen=True)
+class _Gpu:
+    index: int
+    sm_clock: float | None
+    power: float | None
+    util: float | None
+    slowdown: tuple[str, ...]
+
+
+@dataclass
+class _Job:
+    job_id: str
+    seen_at: float
+    nodes: tuple[str, ...] = ()
+    partition: str | None = None
+    run_start: float | None = None
+    sched_known: bool = False
+    steps: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)  # node -> (ts, step time)
+    rank_node: dict[int, str] = field(default_factory=dict)
+    episodes: dict[str, float] = field(default_factory=dict)  # node -> last time flagged
+    episode_count: Counter[str] = field(default_factory=Counter)
+    batches: deque[str] = field(default_factory=deque)
+    batch_ids: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class _Outlier:
+    value: float
+    peers: float
+    rel: float  # how much worse than the peers, as a fraction (0.38 = 38% worse)
+
+
+@dataclass
+class _Verdict:
+    step: _Outlier | None = None
+    gpu_metrics: dict[int, dict[str, _Outlier]] = field(default_factory=dict)
+    slowdown: dict[int, list[str]] = field(default_factory=dict)  # GPU index -> reasons (persistent)
+
+    @property
+    def flagged(self) -> bool:
+        return self.step is not None or bool(self.gpu_metrics)
+
+
+def _median_mad(values: Sequence[float]) -> tuple[float, float]:
+    m = statistics.median(values)
+    mad = statistics.median(abs(v - m) for v in values)
+    return m, max(mad, MAD_FLOOR_FRACTION * abs(m), 1e-12)
+
+
+class StragglerDetector:
+    """See the module docstring. Feed `observe_*`; call `check(now)` periodically."""
+
+    name = "straggler"
+
+    def __init__(
+        self,
+        window_s: float = 120.0,
+        min_samples: int = 5,
+        threshold: float = 3.5,
+        min_slowdown: float = 0.10,
+        warmup_s: float = 120.0,
+    ) -> None:
+        if window_s <= 0 or min_samples < 1 or threshold <= 0 or not 0 < min_slowdown < 1 or warmup_s < 0:
+            raise ValueError(
+                "StragglerDetector: window_s > 0, min_samples >= 1, threshold > 0, 0 < min_slowdown < 1, warmup_s >= 0"
+            )
+        self.window_s = window_s
+        self.min_samples = min_samples
+        self.threshold = threshold
+        self.min_slowdown = min_slowdown
+        self.warmup_s = warmup_s
+        # Evidence must cover half the window: a short burst is not "persistent".
+        self.min_span_s = window_s / 2
+        self._jobs: dict[str, _Job] = {}
+        self._ended: dict[str, float] = {}  # job id -> when its end was seen
+        self._gpu: dict[str, deque[tuple[float, tuple[_Gpu, ...]]]] = {}
+
+    # -- inputs ------------------------------------------------------------------------------
+
+    def observe_sched(self, ev: SchedEvent, now: float) -> None:
+        if ev.kind != "job" or not ev.job_id:
+            return
+        kind = job_state_kind(ev.state)
+        if kind in ("ended", "paused"):
+            # A pause breaks the window's comparability; the resume is a fresh warm-up.
+            self._jobs.pop(ev.job_id, None)
+            if kind == "ended":
+                self._ended[ev.job_id] = now
+            return
+        if kind != "running":
+            return
+        self._ended.pop(ev.job_id, None)
+        old = self._jobs.get(ev.job_id)
+        if old is not None and "REQUEUED" in ev.flags and old.run_start is not None and ev.event_time > old.run_start:
+            del self._jobs[ev.job_id]  # a new run: a fresh window and warm-up
+        job = self._job(ev.job_id, now)
+        if not job.sched_known:
+            job.sched_known = True
+            job.run_start = ev.event_time if job.run_start is None else min(job.run_start, ev.event_time)
+        if ev.nodes:
+            job.nodes = tuple(ev.nodes)
+        if ev.partition:
+            job.partition = ev.partition
+
+    def observe_progress(self, batch: ProgressBatch, now: float) -> None:
+        if batch.job_id in self._ended:
+            return  # late lines of a finished job: its nodes may already run another one
+        job = self._job(batch.job_id, now)
+        if batch.event_id in job.batch_ids:
+            return  # redelivered
+        job.batch_ids.add(batch.event_id)
+        job.batches.append(batch.event_id)
+        if len(job.batches) > _RECENT_BATCHES:
+            job.batch_ids.discard(job.batches.popleft())
+        if batch.job_nodes and not job.nodes:
+            job.nodes = tuple(batch.job_nodes)
+        if batch.partition and not job.partition:
+            job.partition = batch.partition
+        for s in batch.samples:
+            if job.run_start is None:
+                job.run_start = s.ts
+            if s.node is None:
+                continue
+            if s.rank is not None:
+                job.rank_node[s.rank] = s.node
+            if s.phase == "train" and s.step_time_s is not None:
+                q = job.steps.get(s.node)
+                if q is None:
+                    q = job.steps[s.node] = deque(maxlen=MAX_STEP_SAMPLES_PER_NODE)
+                q.append((s.ts, s.step_time_s))
+
+    def observe_gpu(self, sample: GpuSample, now: float) -> None:
+        q = self._gpu.get(sample.node)
+        if q is None:
+            q = self._gpu[sample.node] = deque(maxlen=MAX_GPU_SAMPLES_PER_NODE)
+        gpus = tuple(
+            _Gpu(
+                index=g.index,
+                sm_clock=g.sm_clock_mhz,
+                power=g.power_w,
+                util=g.utilization_pct,
+                slowdown=tuple(r for r in (slowdown_reason(x) for x in g.throttle_reasons or ()) if r),
+            )
+            for g in sample.gpus
+            if not g.lost
+        )
+        q.append((sample.event_time, gpus))
+        while q and q[0][0] < sample.event_time - self.window_s:
+            q.popleft()
+
+    # -- output ------------------------------------------------------------------------------
+
+    def check(self, now: float) -> list[Anomaly]:
+        out: list[Anomaly] = []
+        for job in list(self._jobs.values()):
+            if not job.sched_known and now - job.seen_at > JOB_TTL_S:
+                del self._jobs[job.job_id]
+                continue
+            nodes = job.nodes or tuple(sorted(job.steps))
+            verdicts = self._verdicts(job, nodes, now) if len(nodes) >= 2 else {}
+            for node, v in verdicts.items():
+                if not v.flagged:
+                    continue
+                if node not in job.episodes:
+                    job.episode_count[node] += 1
+                    out.append(self._anomaly(job, nodes, node, v, now))
+                job.episodes[node] = now
+            for node in [n for n, last in job.episodes.items() if now - last >= self.window_s]:
+                del job.episodes[node]
+        for job_id in [j for j, t in self._ended.items() if now - t > JOB_TTL_S]:
+            del self._ended[job_id]
+        return out
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _job(self, job_id: str, now: float) -> _Job:
+        job = self._jobs.get(job_id)
+        if job is None:
+            job = self._jobs[job_id] = _Job(job_id=job_id, seen_at=now)
+        job.seen_at = now
+        return job
+
+    def _lo(self, job: _Job, now: float) -> float:
+        lo = now - self.window_s
+        if job.run_start is not None:
+            lo = max(lo, job.run_start + self.warmup_s)
+        return lo
+
+    def _persistent(self, ts: Sequence[float]) -> bool:
+        return len(ts) >= self.min_samples and ts[-1] - ts[0] >= self.min_span_s
+
+    def _outliers(self, values: dict[tuple[str, int], float], higher_is_worse: bool) -> dict[tuple[str, int], _Outlier]:
+        """Outliers among per-(node, GPU or -1) medians, judged against the other nodes' values."""
+        by_node: dict[str, list[float]] = defaultdict(list)
+        for (node, _), v in values.items():
+            by_node[node].append(v)
+        if len(by_node) < 2:
+            return {}
+        m, mad = _median_mad(list(values.values()))
+        peers = {n: statistics.median(v for k, v in values.items() if k[0] != n) for n in by_node}
+        out: dict[tuple[str, int], _Outlier] = {}
+        for key, x in values.items():
+            p = peers[key[0]]
+            if p <= 0:
+                continue
+            rel = (x - p) / p if higher_is_worse else (p - x) / p
+            z = 0.6745 * (x - m) / mad
+            bad_z = z >= self.threshold if higher_is_worse else z <= -self.threshold
+            if rel >= self.min_slowdown and (len(by_node) < 3 or bad_z):
+                out[key] = _Outlier(value=x, peers=p, rel=rel)
+        return out
+
+    def _verdicts(self, job: _Job, nodes: tuple[str, ...], now: float) -> dict[str, _Verdict]:
+        lo = self._lo(job, now)
+        verdicts: dict[str, _Verdict] = {n: _Verdict() for n in nodes}
+
+        step_medians: dict[tuple[str, int], float] = {}
+        for node in nodes:
+            q = job.steps.get(node)
+            if not q:
+                continue
+            while q and q[0][0] < now - self.window_s:
+                q.popleft()
+            pts = sorted((t, v) for t, v in q if t >= lo)
+            if self._persistent([t for t, _ in pts]):
+                step_medians[(node, -1)] = statistics.median(v for _, v in pts)
+        for (node, _), o in self._outliers(step_medians, higher_is_worse=True).items():
+            verdicts[node].step = o
+
+        per_gpu: dict[tuple[str, int], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+        times: dict[tuple[str, int], list[float]] = defaultdict(list)
+        reasons: dict[tuple[str, int], Counter[str]] = defaultdict(Counter)
+        for node in nodes:
+            for t, gpus in self._gpu.get(node, ()):
+                if t < lo or t > now:
+                    continue
+                for g in gpus:
+                    key = (node, g.index)
+                    times[key].append(t)
+                    for metric, value in (("SM clock", g.sm_clock), ("power", g.power), ("utilization", g.util)):
+                        if value is not None:
+                            per_gpu[key][metric].append(value)
+                    reasons[key].update(set(g.slowdown))
+        eligible = {k for k, ts in times.items() if self._persistent(sorted(ts))}
+        for key in eligible:
+            persistent = sorted(r for r, c in reasons[key].items() if c * 2 >= len(times[key]))
+            if persistent:
+                verdicts[key[0]].slowdown[key[1]] = persistent
+        outliers: dict[str, dict[tuple[str, int], _Outlier]] = {}
+        for metric in ("SM clock", "power", "utilization"):
+            medians = {
+                k: statistics.median(per_gpu[k][metric])
+                for k in eligible
+                if len(per_gpu[k][metric]) >= self.min_samples
+            }
+            outliers[metric] = self._outliers(medians, higher_is_worse=False)
+            for key in eligible:
+                if key in outliers[metric] or key[1] not in verdicts[key[0]].slowdown or key not in medians:
+                    continue
+                # A GPU that says it throttles needs only to be measurably worse, not an outlier.
+                peers = [v for k, v in medians.items() if k[0] != key[0]]
+                if peers:
+                    p = statistics.median(peers)
+                    x = medians[key]
+                    if p > 0 and (p - x) / p >= self.min_slowdown:
+                        outliers[metric][key] = _Outlier(value=x, peers=p, rel=(p - x) / p)
+        for key in eligible:
+            hits = {metric: o[key] for metric, o in outliers.items() if key in o}
+            throttled = key[1] in verdicts[key[0]].slowdown
+            # Utilization alone never decides (waiting GPUs spin in NCCL kernels at 100%).
+            if "SM clock" in hits or len(hits) >= 2 or (throttled and "power" in hits):
+                verdicts[key[0]].gpu_metrics[key[1]] = hits
+        return verdicts
+
+    def _anomaly(self, job: _Job, nodes: tuple[str, ...], node: str, v: _Verdict, now: float) -> Anomaly:
+        parts: list[str] = []
+        throttled = sorted(v.slowdown)
+        if throttled:
+            names = sorted({r for i in throttled for r in v.slowdown[i]})
+            which = f"GPU {throttled[0]}" if len(throttled) == 1 else f"GPUs {','.join(map(str, throttled))}"
+            parts.append(f"{', '.join(names)} on {which}")
+        units = {"SM clock": "MHz", "power": "W", "utilization": "%"}
+        for idx in sorted(v.gpu_metrics, key=lambda i: -max(o.rel for o in v.gpu_metrics[i].values())):
+            metric, o = max(v.gpu_metrics[idx].items(), key=lambda kv: kv[1].rel)
+            unit = units[metric] if metric == "utilization" else " " + units[metric]
+            parts.append(
+                f"GPU {idx} {metric} {o.value:.0f}{unit} vs {o.peers:.0f}{unit} on the other nodes ({o.rel:.0%} lower)"
+            )
+            break
+        ranks = [r for r, n in job.rank_node.items() if n == node]
+        who = f"its ranks {rank_ranges(ranks)}" if ranks else "its ranks"
+        if v.step is not None:
+            parts.append(
+                f"{who} step {v.step.rel:.0%} slower than the other nodes' median "
+                f"({v.step.value:.2f} s vs {v.step.peers:.2f} s)"
+            )
+        elif ranks:
+            parts.append(f"it runs ranks {rank_ranges(ranks)}")
+        line = f"{node}: " + "; ".join(parts) + f" over the last {self.window_s:g} s"
+        category: Category = "gpu_hardware" if v.slowdown else "node"
+        return Anomaly(
+            event_id=stable_id("anm", "straggler", job.job_id, job.run_start, node, job.episode_count[node]),
+            event_time=now,
+            detector=self.name,
+            signature="straggler",
+            category=category,
+            severity="warning",
+            role="root",
+            isolate=True,
+            source="gpu" if v.gpu_metrics or v.slowdown else "job_log",
+            job_id=job.job_id,
+            node=node,
+            partition=job.partition,
+            job_nodes=list(nodes),
+            line=line[:4096],
+            meaning=MEANING,
+        )
