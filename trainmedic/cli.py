@@ -28,6 +28,12 @@ def _fail(msg: str) -> None:
     raise typer.Exit(2)
 
 
+SshOpt = Annotated[Optional[str], typer.Option("--ssh", help="slurm-ssh: USER@HOST[:PORT] of a login node.")]
+SshKeyOpt = Annotated[Optional[Path], typer.Option("--ssh-key", help="slurm-ssh: private key file.")]
+KnownHostsOpt = Annotated[Optional[Path], typer.Option("--known-hosts", help="slurm-ssh: known_hosts file (strict).")]
+RemoteConfOpt = Annotated[Optional[str], typer.Option("--remote-slurm-conf", help="slurm-ssh: SLURM_CONF there.")]
+
+
 @app.command()
 def up(
     data_dir: DataDir = Path("var"),
@@ -42,8 +48,17 @@ def up(
         Optional[str], typer.Option(help="Override the policy's mode everywhere: monitor|autonomous.")
     ] = None,
     backend: Annotated[
-        str, typer.Option(help="Scheduler backend: slurm-cli (local Slurm) or simulated.")
+        str, typer.Option(help="Scheduler backend: slurm-cli (this host), slurm-ssh (a login node) or simulated.")
     ] = "slurm-cli",
+    api_port: Annotated[int, typer.Option(help="Port of the operator API (approvals, modes, nodes).")] = 8477,
+    api_host: Annotated[
+        str, typer.Option(help="Address of the operator API; loopback unless --insecure.")
+    ] = "127.0.0.1",
+    insecure: Annotated[bool, typer.Option(help="Allow the API on a non-loopback address without TLS.")] = False,
+    ssh: SshOpt = None,
+    ssh_key: SshKeyOpt = None,
+    known_hosts: KnownHostsOpt = None,
+    remote_slurm_conf: RemoteConfOpt = None,
 ) -> None:
     """Start the broker (or use --bootstrap), streams worker, executor and audit sink; Ctrl-C stops all."""
     from streams.policy import PolicyError, load_policy
@@ -57,21 +72,19 @@ def up(
         load_policy(policy)
     except PolicyError as exc:
         _fail(str(exc))
-    sched: Any
-    if backend == "slurm-cli":
-        from sinks.backends.slurm_cli import SlurmCliBackend
-
-        sched = SlurmCliBackend()
-    elif backend == "simulated":
-        from sinks.backends.simulated import SimulatedScheduler
-
-        sched = SimulatedScheduler([])
-    else:
-        _fail(f"--backend {backend!r}: expected slurm-cli or simulated")
+    sched = _backend(backend, ssh, ssh_key, known_hosts, remote_slurm_conf)
     try:
-        stack = Stack(
-            StackConfig(data_dir=data_dir, bootstrap=bootstrap, clickhouse=clickhouse, policy=policy, mode=mode), sched
-        ).start()
+        config = StackConfig(
+            data_dir=data_dir,
+            bootstrap=bootstrap,
+            clickhouse=clickhouse,
+            policy=policy,
+            mode=mode,
+            api_port=api_port,
+            api_host=api_host,
+            api_insecure=insecure,
+        )
+        stack = Stack(config, sched).start()
     except (StackError, BrokerError) as exc:
         _fail(str(exc))
     typer.echo(
@@ -155,12 +168,38 @@ def diagnose(
         typer.echo(f"  [{e['role']:10}] {e['signature']:28} {where:16} {e['line'][:160]}")
 
 
-def _backend(name: str) -> Any:
+def _backend(
+    name: str,
+    ssh: str | None = None,
+    ssh_key: Path | None = None,
+    known_hosts: Path | None = None,
+    remote_slurm_conf: str | None = None,
+) -> Any:
+    """The scheduler backend: slurm-cli runs Slurm's CLI here (munge auth); slurm-ssh runs it on a
+    login node over SSH with strict host-key checking; simulated is the demo's in-memory scheduler."""
     if name == "slurm-cli":
         from sinks.backends.slurm_cli import SlurmCliBackend
 
         return SlurmCliBackend()
-    _fail(f"--backend {name!r}: expected slurm-cli")
+    if name == "slurm-ssh":
+        from sinks.backends.slurm_ssh import slurm_ssh_backend
+
+        if not ssh or not ssh_key or not known_hosts:
+            _fail("--backend slurm-ssh needs --ssh USER@HOST[:PORT], --ssh-key FILE and --known-hosts FILE")
+        assert ssh and ssh_key and known_hosts
+        user, _, hostport = ssh.rpartition("@")
+        host, _, port = hostport.partition(":")
+        if not user or not host or (port and not port.isdigit()):
+            _fail(f"--ssh {ssh!r}: expected USER@HOST[:PORT]")
+        try:
+            return slurm_ssh_backend(host, int(port or 22), user, ssh_key, known_hosts, slurm_conf=remote_slurm_conf)
+        except (ValueError, OSError) as exc:
+            _fail(f"--ssh-key/--known-hosts: {exc}")
+    if name == "simulated":
+        from sinks.backends.simulated import SimulatedScheduler
+
+        return SimulatedScheduler([])
+    _fail(f"--backend {name!r}: expected slurm-cli, slurm-ssh or simulated")
 
 
 @app.command("executor")
@@ -170,6 +209,10 @@ def executor_cmd(
     backend: Annotated[str, typer.Option(help="Scheduler backend.")] = "slurm-cli",
     group: Annotated[str, typer.Option(help="Consumer group; replicas share it.")] = "trainmedic-executor",
     verify_timeout: Annotated[float, typer.Option(help="Seconds to wait for each effect to show.")] = 60.0,
+    ssh: SshOpt = None,
+    ssh_key: SshKeyOpt = None,
+    known_hosts: KnownHostsOpt = None,
+    remote_slurm_conf: RemoteConfOpt = None,
 ) -> None:
     """Run only the executor (one replica of its consumer group), e.g. as its own Deployment."""
     from sinks.executor import Executor, ExecutorService, ExecutorSettings
@@ -183,7 +226,7 @@ def executor_cmd(
         rails = GuardrailFile(policy or DEFAULT_POLICY)
     except (StackError, GuardrailConfigError, OSError) as exc:
         _fail(str(exc))
-    sched = _backend(backend)
+    sched = _backend(backend, ssh, ssh_key, known_hosts, remote_slurm_conf)
     service = ExecutorService(
         bootstrap,
         Executor(sched, ExecutorSettings(verify_timeout_s=verify_timeout, group=group)),

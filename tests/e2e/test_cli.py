@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 TRAINMEDIC = [sys.executable, "-m", "trainmedic.cli"]
 
@@ -51,7 +52,7 @@ def test_up_starts_and_ctrl_c_stops_cleanly(tmp_path: Path) -> None:
     log = tmp_path / "up.out"
     with open(log, "w") as fh:
         proc = subprocess.Popen(
-            [*TRAINMEDIC, "up", "--backend", "simulated", "--data-dir", str(tmp_path)],
+            [*TRAINMEDIC, "up", "--backend", "simulated", "--api-port", "0", "--data-dir", str(tmp_path)],
             stdout=fh,
             stderr=subprocess.STDOUT,
             text=True,
@@ -60,6 +61,35 @@ def test_up_starts_and_ctrl_c_stops_cleanly(tmp_path: Path) -> None:
     while "trainmedic is up" not in log.read_text() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.2)
     assert "trainmedic is up" in log.read_text(), log.read_text()[-3000:]
+    # The operator commands find the running stack through DATA_DIR/runtime.json and its token file.
+    common = ["--data-dir", str(tmp_path)]
+    show = subprocess.run([*TRAINMEDIC, "mode", "show", *common], capture_output=True, text=True, timeout=60)
+    assert show.returncode == 0, show.stderr
+    assert json.loads(show.stdout)["mode"] == "monitor"
+    changed = subprocess.run(
+        [
+            *TRAINMEDIC,
+            "mode",
+            "set",
+            "autonomous",
+            "--partition",
+            "canary",
+            "--category",
+            "gpu_hardware",
+            "--reason",
+            "canary first",
+            "--operator",
+            "alice",
+            *common,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert changed.returncode == 0, changed.stderr
+    assert "monitor -> autonomous" in changed.stdout
+    overlay = yaml.safe_load((tmp_path / "modes.yaml").read_text())
+    assert overlay == {"partitions": {"canary": {"categories": {"gpu_hardware": "autonomous"}}}}
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=60)
     out = log.read_text()
