@@ -21,6 +21,7 @@ from schemas.clients import consumer_config, producer_config
 from schemas.codec import DecodeError, decode, encode
 from schemas.events import Action, ActionResult, GuardrailTrip
 from schemas.topics import ACTION_RESULTS, ACTIONS, GUARDRAIL_TRIPS, partition_key
+from sinks import metrics
 from sinks.backends.base import BackendError, JobState, SchedulerBackend
 from sinks.guardrails import GuardrailFile, Guardrails
 
@@ -239,11 +240,14 @@ class ExecutorService:
             )
             self._producer.produce(GUARDRAIL_TRIPS.name, key=partition_key(event), value=encode(event))
             self.trips.append(event)
+            metrics.GUARDRAIL_TRIPS.labels(name).inc()
             return self.executor.refused(action, f"guardrail {name}: {detail}")
         log.info("executing %s %s job=%s node=%s", action.action_id, action.action, action.job_id, action.node)
         result = self.executor.execute(action)
         if result.status == "done":
             self.guardrails.record(action, now)
+            if result.verified_at is not None:
+                metrics.ACTION_LATENCY.observe(max(0.0, result.verified_at - action.incident_time))
         return result
 
     def run(self) -> None:
@@ -265,7 +269,11 @@ class ExecutorService:
                     log.error("rejected undecodable action at %s/%s: %s", msg.partition(), msg.offset(), exc)
                     self._consumer.commit(message=msg, asynchronous=False)
                     continue
+                _, ts_ms = msg.timestamp()
+                if ts_ms > 0:
+                    metrics.RECORD_AGE.labels("executor", ACTIONS.name).set(max(0.0, time.time() - ts_ms / 1000))
                 result = self._handle(action)
+                metrics.ACTIONS.labels(action.action, result.status).inc()
                 self._producer.produce(ACTION_RESULTS.name, key=partition_key(result), value=encode(result))
                 if self._producer.flush(30) != 0:
                     log.error("result of %s not delivered; not committing, it will be redelivered", action.action_id)

@@ -10,6 +10,7 @@ environment (trainmedic's runtime sets them):
   TRAINMEDIC_SETTLE_S       attribution window once a root cause is seen (1)
   TRAINMEDIC_COLLATERAL_S   how long collateral-only symptoms wait (5)
   TRAINMEDIC_STREAMS_ID     Faust app id / consumer group (trainmedic-streams)
+  TRAINMEDIC_METRICS_PORT   serve Prometheus metrics on 127.0.0.1:PORT/metrics
 Run: python -m streams.app worker --without-web -l info
 """
 
@@ -24,6 +25,7 @@ from typing import Any
 
 import aiokafka  # type: ignore[import-untyped]
 import faust
+from prometheus_client import start_http_server
 
 from schemas.codec import DecodeError, decode, encode
 from schemas.events import (
@@ -52,6 +54,7 @@ from schemas.topics import (
     SCHED_EVENTS,
     partition_key,
 )
+from streams import metrics
 from streams.attribution import Attributor
 from streams.detectors.hang import HangDetector
 from streams.detectors.signatures import SignatureDetector
@@ -125,12 +128,21 @@ policies = PolicyStore(
 
 async def publish(topic: Any, event: Event) -> None:
     await topic.send(key=partition_key(event), value=encode(event))
+    metrics.PUBLISHED.labels(topic.get_topic_name()).inc()
+
+
+def consumed(agent: str, event: Any) -> None:
+    msg = event.message
+    metrics.EVENTS_IN.labels(agent, msg.topic).inc()
+    if msg.timestamp:
+        metrics.RECORD_AGE.labels(agent, msg.topic).set(max(0.0, time.time() - msg.timestamp))
 
 
 async def dead_letter(component: str, event: Any, reason: str) -> None:
     msg = event.message
     payload = event.value if isinstance(event.value, bytes) else bytes(str(event.value), "utf-8")
     log.warning("dead letter from %s@%s/%s: %s", msg.topic, msg.partition, msg.offset, reason)
+    metrics.DEAD_LETTERS.labels(component).inc()
     await publish(
         deadletter_out,
         DeadLetter(
@@ -149,6 +161,7 @@ async def dead_letter(component: str, event: Any, reason: str) -> None:
 @app.agent(logs_topic)
 async def detect_logs(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
     async for event in stream.events():
+        consumed("detect_logs", event)
         try:
             batch = decode(LogBatch, event.value)
         except DecodeError as exc:
@@ -162,6 +175,7 @@ async def detect_logs(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
 @app.agent(kernel_topic)
 async def detect_kernel(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
     async for event in stream.events():
+        consumed("detect_kernel", event)
         try:
             kev = decode(KernelEvent, event.value)
         except DecodeError as exc:
@@ -176,6 +190,7 @@ async def detect_kernel(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
 async def detect_signals(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
     """Progress, GPU samples and job states feed the hang and straggler detectors."""
     async for event in stream.events():
+        consumed("detect_signals", event)
         now, topic = time.time(), event.message.topic
         try:
             if topic == JOB_PROGRESS.name:
@@ -205,6 +220,7 @@ async def check_signals() -> None:
 @app.agent(attribution_topic)
 async def attribute(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
     async for event in stream.events():
+        consumed("attribute", event)
         topic = event.message.topic
         try:
             if topic == SCHED_EVENTS.name:
@@ -218,7 +234,10 @@ async def attribute(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
 
 @app.timer(interval=0.2)
 async def publish_incidents() -> None:
-    for incident in attributor.flush(time.time()):
+    now = time.time()
+    for incident in attributor.flush(now):
+        metrics.INCIDENTS.labels(incident.category).inc()
+        metrics.DETECTION_LATENCY.observe(max(0.0, incident.event_time - incident.first_signal_time))
         log.info(
             "incident %s job=%s category=%s culprit=%s",
             incident.incident_id,
@@ -227,21 +246,32 @@ async def publish_incidents() -> None:
             incident.culprit_node,
         )
         await publish(incidents_topic, incident)
+    metrics.PENDING_GROUPS.set(attributor.pending())
 
 
 @app.agent(incidents_topic)
 async def apply_policy(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
     async for event in stream.events():
+        consumed("apply_policy", event)
         try:
             incident = decode(Incident, event.value)
         except DecodeError as exc:
             await dead_letter("streams.policy", event, str(exc))
             continue
         decision, action = policies.decide(incident, time.time())
+        metrics.DECISIONS.labels(decision.action, "action" if decision.executed else "recommendation").inc()
         await publish(decisions_out, decision)
         if action is not None:
             await publish(actions_out, action)
         yield None
+
+
+@app.task
+async def serve_metrics() -> None:
+    port = os.environ.get("TRAINMEDIC_METRICS_PORT")
+    if port:
+        start_http_server(int(port), addr=os.environ.get("TRAINMEDIC_METRICS_HOST", "127.0.0.1"))
+        log.info("metrics on %s:%s/metrics", os.environ.get("TRAINMEDIC_METRICS_HOST", "127.0.0.1"), port)
 
 
 def main() -> None:

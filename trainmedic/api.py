@@ -18,6 +18,7 @@ from typing import Annotated, Any
 
 import uvicorn
 from fastapi import Depends, FastAPI, Header, HTTPException
+from prometheus_client import make_asgi_app
 from pydantic import BaseModel, ConfigDict, Field
 
 from producers.publisher import Publisher
@@ -149,6 +150,9 @@ def create_api(
         )
         publisher.publish(APPROVALS, approval)
         return approval
+
+    # Prometheus metrics of this process (executor, audit sink, API); loopback by default like the API.
+    api.mount("/metrics", make_asgi_app())
 
     @api.get("/api/health")
     def health() -> dict[str, bool]:

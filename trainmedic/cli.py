@@ -55,6 +55,9 @@ def up(
         str, typer.Option(help="Address of the operator API; loopback unless --insecure.")
     ] = "127.0.0.1",
     insecure: Annotated[bool, typer.Option(help="Allow the API on a non-loopback address without TLS.")] = False,
+    metrics_port: Annotated[
+        int, typer.Option(help="Streams worker's Prometheus port (the API serves the rest at /metrics); 0: off.")
+    ] = 9478,
     ssh: SshOpt = None,
     ssh_key: SshKeyOpt = None,
     known_hosts: KnownHostsOpt = None,
@@ -83,6 +86,7 @@ def up(
             api_port=api_port,
             api_host=api_host,
             api_insecure=insecure,
+            worker_metrics_port=metrics_port or None,
         )
         stack = Stack(config, sched).start()
     except (StackError, BrokerError) as exc:

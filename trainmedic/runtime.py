@@ -50,6 +50,7 @@ class StackConfig:
     api_host: str = "127.0.0.1"
     api_port: int | None = None  # None: no operator API
     api_insecure: bool = False  # allow a non-loopback address without TLS
+    worker_metrics_port: int | None = None  # the streams worker's Prometheus endpoint
 
     @property
     def token_file(self) -> Path:
@@ -178,6 +179,8 @@ class Stack:
             env["TRAINMEDIC_POLICY"] = str(Path(cfg.policy).resolve())
         if cfg.mode:
             env["TRAINMEDIC_MODE"] = cfg.mode
+        if cfg.worker_metrics_port:
+            env["TRAINMEDIC_METRICS_PORT"] = str(cfg.worker_metrics_port)
         self._worker_log = self.logs_dir / "streams.log"
         self._worker_log.write_bytes(b"")
         self._worker = subprocess.Popen(

@@ -1,0 +1,20 @@
+"""Prometheus metrics of the executor and the audit sink."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.25, 0.5, 1, 2, 3, 5, 10, 20, 30, 60, 120, 300, 600)
+
+ACTIONS = Counter("trainmedic_actions_total", "Actions handled by the executor", ["action", "status"])
+ACTION_LATENCY = Histogram(
+    "trainmedic_action_latency_seconds", "Incident published -> effect verified", buckets=LATENCY_BUCKETS
+)
+GUARDRAIL_TRIPS = Counter("trainmedic_guardrail_trips_total", "Actions refused by a guardrail", ["guardrail"])
+AUDIT_ROWS = Counter("trainmedic_audit_rows_total", "Rows inserted into the audit", ["table"])
+AUDIT_INSERT_FAILURES = Counter("trainmedic_audit_insert_failures_total", "Failed audit inserts (retried)")
+RECORD_AGE = Gauge(
+    "trainmedic_sink_record_age_seconds",
+    "Age of the last record consumed (now - its Kafka timestamp): consumer lag in time",
+    ["component", "topic"],
+)

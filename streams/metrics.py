@@ -1,0 +1,22 @@
+"""Prometheus metrics of the streams worker (served when TRAINMEDIC_METRICS_PORT is set)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.25, 0.5, 1, 2, 3, 5, 10, 20, 30, 60, 120, 300, 600)
+
+EVENTS_IN = Counter("trainmedic_stream_events_total", "Records consumed by a streams agent", ["agent", "topic"])
+PUBLISHED = Counter("trainmedic_stream_published_total", "Records published by the streams worker", ["topic"])
+DEAD_LETTERS = Counter("trainmedic_dead_letters_total", "Records sent to the dead-letter topic", ["component"])
+RECORD_AGE = Gauge(
+    "trainmedic_consumer_record_age_seconds",
+    "Age of the last record consumed (now - its Kafka timestamp): consumer lag in time, broker-independent",
+    ["component", "topic"],
+)
+INCIDENTS = Counter("trainmedic_incidents_total", "Incidents published", ["category"])
+DECISIONS = Counter("trainmedic_decisions_total", "Decisions made", ["action", "kind"])
+DETECTION_LATENCY = Histogram(
+    "trainmedic_detection_latency_seconds", "First fault signal -> incident published", buckets=LATENCY_BUCKETS
+)
+PENDING_GROUPS = Gauge("trainmedic_attribution_pending_groups", "Anomaly groups waiting for their window to close")
