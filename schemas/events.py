@@ -293,7 +293,9 @@ class Approval(Event):
     partition: str | None = None
     category: Category
     action: ActionKind
-    verdict: Literal["approved", "rejected"]
+    # approved/rejected: an answer to a recommendation; confirmed: a label given after
+    # the fact that the fault was real (e.g. the node failed its diagnostics, RMA).
+    verdict: Literal["approved", "rejected", "confirmed"]
     reason: RejectReason | None = None  # required when rejected
     comment: str = Field(default="", max_length=4096)
     operator: str = Field(min_length=1, max_length=128)
@@ -309,7 +311,9 @@ class ModeChange(Event):
     new_mode: Mode
     operator: str = Field(min_length=1, max_length=128)
     reason: str = Field(default="", max_length=4096)
-    forced: bool = False
+    forced: bool = False  # applied although the readiness verdict said "not yet"
+    outcome: Literal["applied", "refused"] = "applied"
+    readiness: str = Field(default="", max_length=4096)  # the readiness verdict at the time, in words
 
 
 class NodeReturn(Event):

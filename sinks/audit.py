@@ -1,19 +1,28 @@
-"""The audit sink: every anomaly, incident, decision, action, result and dead
-letter lands in ClickHouse (chDB embedded, or a server by URL).
+"""The audit sink: every anomaly, incident, decision, action, result, approval,
+mode change, guardrail trip and dead letter lands in ClickHouse (chDB embedded,
+or a server by URL).
 
 Inserts are batched; offsets are committed only after the insert succeeded.
+The schema is a numbered series of migrations in infra/clickhouse/; applied
+versions are recorded in `schema_migrations`.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import hashlib
 import logging
+import os
+import re
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import clickhouse_connect
 import orjson
@@ -22,8 +31,34 @@ from confluent_kafka import Consumer, KafkaError, Message
 
 from schemas.clients import consumer_config
 from schemas.codec import DecodeError, decode
-from schemas.events import Action, ActionResult, Anomaly, DeadLetter, Decision, Event, Incident
-from schemas.topics import ACTION_RESULTS, ACTIONS, ANOMALIES, DEADLETTER, DECISIONS, INCIDENTS, Topic
+from schemas.events import (
+    Action,
+    ActionResult,
+    Anomaly,
+    Approval,
+    DeadLetter,
+    Decision,
+    Event,
+    GuardrailTrip,
+    Incident,
+    ModeChange,
+    NodeReturn,
+    SchedEvent,
+)
+from schemas.topics import (
+    ACTION_RESULTS,
+    ACTIONS,
+    ANOMALIES,
+    APPROVALS,
+    DEADLETTER,
+    DECISIONS,
+    GUARDRAIL_TRIPS,
+    INCIDENTS,
+    MODE_CHANGES,
+    NODE_RETURNS,
+    SCHED_EVENTS,
+    Topic,
+)
 
 log = logging.getLogger("trainmedic.audit")
 
@@ -129,6 +164,74 @@ def _result(e: ActionResult) -> list[Any]:
         _ts(e.incident_time),
         _ts(e.first_signal_time),
         latency,
+    ]
+
+
+def _approval(e: Approval) -> list[Any]:
+    return [
+        e.approval_id,
+        _ts(e.event_time),
+        e.decision_id,
+        e.incident_id,
+        e.job_id,
+        e.partition,
+        e.category,
+        e.action,
+        e.verdict,
+        e.reason,
+        e.comment,
+        e.operator,
+    ]
+
+
+def _mode_change(e: ModeChange) -> list[Any]:
+    return [
+        e.event_id,
+        _ts(e.event_time),
+        e.partition,
+        e.category,
+        e.old_mode,
+        e.new_mode,
+        e.operator,
+        e.reason,
+        e.forced,
+        e.outcome,
+        e.readiness,
+    ]
+
+
+def _sched(e: SchedEvent) -> list[Any]:
+    return [
+        e.event_id,
+        _ts(e.event_time),
+        e.kind,
+        e.job_id,
+        e.node,
+        e.state,
+        e.previous_state,
+        e.nodes,
+        e.partition,
+        e.reason,
+        e.flags,
+    ]
+
+
+def _node_return(e: NodeReturn) -> list[Any]:
+    return [e.event_id, _ts(e.event_time), e.node, e.incident_id, e.drain_reason, e.operator, e.comment]
+
+
+def _guardrail_trip(e: GuardrailTrip) -> list[Any]:
+    return [
+        e.event_id,
+        _ts(e.event_time),
+        e.guardrail,
+        e.action_id,
+        e.incident_id,
+        e.job_id,
+        e.node,
+        e.partition,
+        e.action,
+        e.detail,
     ]
 
 
@@ -253,6 +356,84 @@ TABLES: dict[str, tuple[Topic, str, _Row, list[str]]] = {
             "action_latency_s",
         ],
     ),
+    APPROVALS.name: (
+        APPROVALS,
+        "approvals",
+        _approval,
+        [
+            "approval_id",
+            "event_time",
+            "decision_id",
+            "incident_id",
+            "job_id",
+            "partition",
+            "category",
+            "action",
+            "verdict",
+            "reason",
+            "comment",
+            "operator",
+        ],
+    ),
+    MODE_CHANGES.name: (
+        MODE_CHANGES,
+        "mode_changes",
+        _mode_change,
+        [
+            "event_id",
+            "event_time",
+            "partition",
+            "category",
+            "old_mode",
+            "new_mode",
+            "operator",
+            "reason",
+            "forced",
+            "outcome",
+            "readiness",
+        ],
+    ),
+    SCHED_EVENTS.name: (
+        SCHED_EVENTS,
+        "sched_events",
+        _sched,
+        [
+            "event_id",
+            "event_time",
+            "kind",
+            "job_id",
+            "node",
+            "state",
+            "previous_state",
+            "nodes",
+            "partition",
+            "reason",
+            "flags",
+        ],
+    ),
+    NODE_RETURNS.name: (
+        NODE_RETURNS,
+        "node_returns",
+        _node_return,
+        ["event_id", "event_time", "node", "incident_id", "drain_reason", "operator", "comment"],
+    ),
+    GUARDRAIL_TRIPS.name: (
+        GUARDRAIL_TRIPS,
+        "guardrail_trips",
+        _guardrail_trip,
+        [
+            "event_id",
+            "event_time",
+            "guardrail",
+            "action_id",
+            "incident_id",
+            "job_id",
+            "node",
+            "partition",
+            "action",
+            "detail",
+        ],
+    ),
     DEADLETTER.name: (
         DEADLETTER,
         "dead_letters",
@@ -275,6 +456,126 @@ class AuditStoreError(RuntimeError):
     pass
 
 
+class ChdbFolderLocked(AuditStoreError):
+    """Another process owns the chDB folder (chDB allows one process per folder)."""
+
+    def __init__(self, folder: Path, holder: str) -> None:
+        self.folder = folder
+        self.holder = holder
+        super().__init__(
+            f"the chDB folder {folder} is locked by {holder} (a running `trainmedic up`?): "
+            "chDB lets one process at a time open a folder"
+        )
+
+
+def chdb_folder(url: str) -> Path | None:
+    """The folder of a `chdb://` URL, None for a server URL."""
+    if not url.startswith("chdb://"):
+        return None
+    return Path(url.removeprefix("chdb://").split("?", 1)[0])
+
+
+def chdb_folder_holder(folder: Path) -> str | None:
+    """Who holds a chDB folder: 'PID n' (from its status file) or None when it is free.
+
+    chDB takes an exclusive flock on `status` for as long as the process lives and
+    writes the owner's PID into it. Probing the lock first turns chDB's generic
+    "Error initializing EmbeddedServer" into a message that names the owner.
+    """
+    try:
+        fd = os.open(folder / "status", os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            m = re.search(r"PID: (\d+)", (folder / "status").read_text(errors="replace"))
+            return f"PID {m.group(1)}" if m else "another process"
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+# --- migrations ---------------------------------------------------------------------
+
+MIGRATION_NAME = re.compile(r"^(\d{3})_([a-z0-9_]+)\.sql$")
+
+# The ledger itself predates every numbered migration, so it is created outside them.
+# ReplacingMergeTree by version: two processes migrating one server at once both
+# record a version, and the ledger still holds it once (the DDL is idempotent).
+_BOOTSTRAP = (
+    "CREATE DATABASE IF NOT EXISTS {db}",
+    """CREATE TABLE IF NOT EXISTS {db}.schema_migrations (
+    version UInt32,
+    name String,
+    checksum String,
+    applied_at DateTime64(3, 'UTC')
+) ENGINE = ReplacingMergeTree ORDER BY version""",
+)
+
+
+def split_sql(text: str) -> list[str]:
+    """The statements of a SQL script: `;` outside quotes ends one, `--` comments are dropped."""
+    statements: list[str] = []
+    buf: list[str] = []
+    quote: str | None = None
+    i = 0
+    while i < len(text):
+        ch = text[i]
+        if quote:
+            buf.append(ch)
+            if ch == "\\" and i + 1 < len(text):
+                buf.append(text[i + 1])
+                i += 1
+            elif ch == quote:
+                quote = None
+        elif ch in "'\"`":
+            quote = ch
+            buf.append(ch)
+        elif text.startswith("--", i):
+            i = text.find("\n", i)
+            if i < 0:
+                break
+            buf.append("\n")
+        elif ch == ";":
+            statements.append("".join(buf))
+            buf = []
+        else:
+            buf.append(ch)
+        i += 1
+    statements.append("".join(buf))
+    return [body for stmt in statements if (body := "\n".join(x.rstrip() for x in stmt.strip().splitlines()).strip())]
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    path: Path
+    checksum: str  # sha256 of the file as written, before `{db}` is replaced
+
+    def statements(self, database: str) -> list[str]:
+        return split_sql(self.path.read_text().replace("{db}", database))
+
+
+def load_migrations(ddl_dir: Path = DDL_DIR) -> list[Migration]:
+    """The numbered migrations NNN_name.sql of a folder, in version order."""
+    found: dict[int, Migration] = {}
+    for path in sorted(ddl_dir.glob("*.sql")):
+        m = MIGRATION_NAME.match(path.name)
+        if not m:
+            raise AuditStoreError(f"{path}: migration files are named NNN_name.sql (lower case, digits, _)")
+        version = int(m.group(1))
+        if version in found:
+            raise AuditStoreError(f"{path}: version {version} is also {found[version].path.name}")
+        found[version] = Migration(version, m.group(2), path, hashlib.sha256(path.read_bytes()).hexdigest())
+    return [found[v] for v in sorted(found)]
+
+
 class AuditStore:
     """A ClickHouse client (chDB or server) plus the audit schema. Thread-safe."""
 
@@ -283,9 +584,16 @@ class AuditStore:
             raise AuditStoreError(f"database name {database!r}: letters, digits and _ only")
         self.url = url
         self.database = database
+        folder = chdb_folder(url)
+        if folder is not None and (holder := chdb_folder_holder(folder)) and holder != f"PID {os.getpid()}":
+            raise ChdbFolderLocked(folder, holder)
         try:
             self.client: Client = clickhouse_connect.get_client(dsn=url)
         except Exception as exc:
+            if "already initialized" in str(exc):
+                raise AuditStoreError(
+                    f"cannot open {url}: this process has another chDB folder open, and chDB allows one per process"
+                ) from None
             raise AuditStoreError(f"cannot open ClickHouse at {url}: {exc}") from None
         self._lock = threading.Lock()
 
@@ -294,13 +602,79 @@ class AuditStore:
         data_dir.mkdir(parents=True, exist_ok=True)
         return cls(f"chdb://{data_dir.resolve()}", database)
 
-    def migrate(self) -> None:
-        for path in sorted(DDL_DIR.glob("*.sql")):
-            for stmt in path.read_text().replace("{db}", self.database).split(";"):
-                body = "\n".join(line for line in stmt.splitlines() if not line.strip().startswith("--")).strip()
-                if body:
-                    with self._lock:
-                        self.client.command(body)
+    def _command(self, sql: str) -> None:
+        with self._lock:
+            self.client.command(sql)
+
+    def applied_migrations(self) -> dict[int, dict[str, Any]]:
+        """version -> ledger row; empty when the ledger does not exist yet."""
+        exists = self.query(
+            "SELECT count() AS n FROM system.tables WHERE database = {d:String} AND name = 'schema_migrations'",
+            {"d": self.database},
+        )[0]["n"]
+        if not exists:
+            return {}
+        rows = self.query("SELECT version, name, checksum, applied_at FROM {db}.schema_migrations FINAL")
+        return {int(r["version"]): r for r in rows}
+
+    def migrate(self, ddl_dir: Path = DDL_DIR) -> list[Migration]:
+        """Apply the migrations the ledger lacks, in order; return those applied.
+
+        A database made before the ledger existed (001 applied, nothing recorded)
+        is brought up to date too: every migration is written to be idempotent
+        (IF NOT EXISTS, OR REPLACE), so rerunning 001 there changes nothing.
+        """
+        migrations = load_migrations(ddl_dir)
+        for stmt in _BOOTSTRAP:
+            self._command(stmt.replace("{db}", self.database))
+        applied = self.applied_migrations()
+        known = {m.version for m in migrations}
+        if newer := sorted(v for v in applied if v not in known):
+            log.warning("audit database %s has migrations %s that this trainmedic does not know", self.database, newer)
+        done: list[Migration] = []
+        for m in migrations:
+            if m.version in applied:
+                if applied[m.version]["checksum"] != m.checksum:
+                    # Editing an applied migration does not reapply it: the change belongs in a new file.
+                    log.warning("migration %s was edited after it was applied to %s", m.path.name, self.database)
+                continue
+            for stmt in m.statements(self.database):
+                self._command(stmt)
+            self.insert(
+                "schema_migrations",
+                [[m.version, m.name, m.checksum, datetime.now(tz=UTC)]],
+                ["version", "name", "checksum", "applied_at"],
+            )
+            log.info("audit database %s: applied migration %s", self.database, m.path.name)
+            done.append(m)
+        return done
+
+    def migration_status(self, ddl_dir: Path = DDL_DIR) -> list[dict[str, Any]]:
+        """Every migration known to the code or the database, applied or pending."""
+        applied = self.applied_migrations()
+        out: list[dict[str, Any]] = []
+        for m in load_migrations(ddl_dir):
+            row = applied.pop(m.version, None)
+            out.append(
+                {
+                    "version": m.version,
+                    "name": m.name,
+                    "state": "pending" if row is None else "applied",
+                    "applied_at": row["applied_at"] if row else None,
+                    "edited_since": bool(row and row["checksum"] != m.checksum),
+                }
+            )
+        for version, row in sorted(applied.items()):
+            out.append(
+                {
+                    "version": version,
+                    "name": row["name"],
+                    "state": "unknown to this trainmedic",
+                    "applied_at": row["applied_at"],
+                    "edited_since": False,
+                }
+            )
+        return out
 
     def insert(self, table: str, rows: Sequence[list[Any]], columns: list[str]) -> None:
         with self._lock:
@@ -311,6 +685,13 @@ class AuditStore:
         with self._lock:
             res = self.client.query(sql.replace("{db}", self.database), parameters=parameters or {})
         return [dict(zip(res.column_names, row, strict=False)) for row in res.result_rows]
+
+    def write_raw(self, sql: str, fmt: str, dest: BinaryIO, parameters: dict[str, Any] | None = None) -> None:
+        """Stream a query's result in a ClickHouse output format (CSVWithNames, Parquet, ...) into dest."""
+        with self._lock:
+            stream = self.client.raw_stream(sql.replace("{db}", self.database), parameters=parameters or {}, fmt=fmt)
+            for chunk in stream:
+                dest.write(chunk)
 
     def close(self) -> None:
         with self._lock:

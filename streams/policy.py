@@ -29,6 +29,17 @@ class PartitionPolicy(BaseModel):
     categories: dict[Category, Mode] = Field(default_factory=dict)
 
 
+class ReadinessSettings(BaseModel):
+    """When a category is ready for autonomy (trainmedic readiness, mode set gating)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_samples: int = Field(default=10, ge=1)  # decided recommendations needed
+    min_precision: float = Field(default=0.9, ge=0.0, le=1.0)  # (approved + confirmed) / decided
+    expire_after_h: float = Field(default=24.0, gt=0)  # unanswered longer: expired
+    recommend_only: list[Category] = Field(default_factory=list)  # never autonomous
+
+
 class Policy(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -40,6 +51,7 @@ class Policy(BaseModel):
     min_confidence: float = Field(default=0.6, ge=0.0, le=1.0)
     # Enforced by the executor (sinks/guardrails.py validates this section).
     guardrails: dict[str, Any] = Field(default_factory=dict)
+    readiness: ReadinessSettings = Field(default_factory=ReadinessSettings)
 
     def mode_for(self, partition: str | None, category: Category | None = None) -> Mode:
         """Most specific wins: partition+category, partition, category, default."""

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from schemas.vocab import CATEGORIES, MODES, REJECT_REASONS
+from trainmedic.audit_cli import audit_app, db_app
 from trainmedic.produce_cli import produce_app
 
 app = typer.Typer(
@@ -330,6 +331,8 @@ def recommendations(
 
 
 app.add_typer(produce_app, name="produce")
+app.add_typer(audit_app, name="audit")
+app.add_typer(db_app, name="db")
 
 mode_app = typer.Typer(help="Autonomy per partition and category (audited; takes effect without a restart).")
 app.add_typer(mode_app, name="mode")

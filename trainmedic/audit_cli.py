@@ -1,0 +1,343 @@
+"""`trainmedic audit ...` and `trainmedic db ...`: read the audit trail, manage its schema.
+
+The queries live in sinks/audit_queries.py (plain dicts, shared with the
+console); this module only opens the store and formats. Runs standalone too:
+`python -m trainmedic.audit_cli incidents --since 7d`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator, Sequence
+from datetime import date, datetime, timedelta
+from pathlib import Path
+from typing import Annotated, Any, NoReturn, Optional, cast
+
+import typer
+from clickhouse_connect.driver.exceptions import ClickHouseError
+from rich.console import Console
+from rich.table import Table
+
+from schemas.vocab import CATEGORIES
+from sinks import audit_queries as q
+from sinks.audit import AuditStore, AuditStoreError, ChdbFolderLocked, chdb_folder
+
+audit_app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Query the audit trail: incidents, a job's timeline, a node's history, latency, exports.",
+)
+db_app = typer.Typer(add_completion=False, no_args_is_help=True, help="The audit database schema (migrations).")
+
+
+def _parse_since(value: str | timedelta) -> timedelta:
+    if isinstance(value, timedelta):
+        return value
+    try:
+        return q.parse_since(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+DataDir = Annotated[
+    Path,
+    typer.Option(
+        "--data-dir",
+        help="trainmedic's data folder: the audit is chDB in DATA_DIR/chdb (`trainmedic up`: var, the demo: var/demo).",
+    ),
+]
+ClickHouse = Annotated[
+    Optional[str],
+    typer.Option("--clickhouse", help="ClickHouse server URL (http://user:pw@host:8123) instead of chDB."),
+]
+Database = Annotated[str, typer.Option("--database", help="Audit database name.")]
+AsJson = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
+Since = Annotated[
+    Optional[timedelta],
+    typer.Option("--since", parser=_parse_since, metavar="DURATION", help="Only the last DURATION: 30m, 24h, 7d."),
+]
+
+
+def _fail(msg: str, code: int = 1) -> NoReturn:
+    typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code)
+
+
+def open_store(data_dir: Path, clickhouse: str | None, database: str) -> AuditStore:
+    """The audit store the options name; exits with a message saying what is wrong."""
+    if clickhouse:
+        url = clickhouse
+    else:
+        folder = (data_dir / "chdb").resolve()
+        if not folder.is_dir():
+            _fail(
+                f"no audit at {folder}: nothing ran with --data-dir {data_dir} "
+                "(`trainmedic up` writes var, `trainmedic demo` var/demo), or pass --clickhouse URL"
+            )
+        url = f"chdb://{folder}"
+    try:
+        return AuditStore(url, database)
+    except ChdbFolderLocked as exc:
+        _fail(
+            f"{exc}. Stop it first, or query a ClickHouse server with --clickhouse URL; "
+            "queries through the running process are not available yet"
+        )
+    except AuditStoreError as exc:
+        _fail(str(exc))
+
+
+@contextlib.contextmanager
+def _store(data_dir: Path, clickhouse: str | None, database: str, check: bool = True) -> Iterator[AuditStore]:
+    store = open_store(data_dir, clickhouse, database)
+    try:
+        if check:
+            q.check_schema(store)
+        yield store
+    except q.AuditQueryError as exc:
+        _fail(str(exc))
+    except ClickHouseError as exc:
+        _fail(f"{store.url}, database {database}: {exc}")
+    finally:
+        store.close()
+
+
+def _print_json(data: Any) -> None:
+    typer.echo(json.dumps(q.jsonable(data), indent=2))
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, datetime):
+        return value.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+    if isinstance(value, date):
+        return value.isoformat()
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    if isinstance(value, list | tuple):
+        return ",".join(_fmt(v) for v in value)
+    return str(value)
+
+
+def _table(title: str, rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> Table:
+    table = Table(title=title, title_justify="left")
+    for _, header in columns:
+        table.add_column(header, overflow="fold")
+    for row in rows:
+        table.add_row(*(_fmt(row.get(key)) for key, _ in columns))
+    return table
+
+
+_INCIDENT_COLUMNS = (
+    ("detected_at", "detected (UTC)"),
+    ("incident_id", "incident"),
+    ("job_id", "job"),
+    ("category", "category"),
+    ("culprit_node", "culprit"),
+    ("outcome", "decision -> outcome"),
+    ("detection_latency_s", "detect s"),
+    ("action_latency_s", "act s"),
+)
+
+
+def _with_outcome(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Incident rows plus one readable 'outcome' cell: what was decided and what came of it."""
+    out = []
+    for r in rows:
+        decided = f"{r['decision_action'] or '?'} ({r['decision_kind'] or 'no decision'})"
+        if r["actions_done"]:
+            result = "done"
+        elif r["actions_failed"]:
+            result = "failed"
+        elif r["guardrail_trips"]:
+            result = "stopped by guardrail"
+        elif r["verdict"]:
+            result = str(r["verdict"])
+        else:
+            result = "pending" if r["decision_kind"] == "action" else "-"
+        out.append({**r, "outcome": f"{decided} -> {result}"})
+    return out
+
+
+@audit_app.command()
+def incidents(
+    since: Since = timedelta(hours=24),
+    category: Annotated[Optional[str], typer.Option(help=f"Only this category: {', '.join(CATEGORIES)}.")] = None,
+    limit: Annotated[int, typer.Option(min=1, help="At most this many, newest first.")] = 100,
+    data_dir: DataDir = Path("var"),
+    clickhouse: ClickHouse = None,
+    database: Database = "trainmedic",
+    as_json: AsJson = False,
+) -> None:
+    """Incidents of the last --since (24h), newest first."""
+    if category is not None and category not in CATEGORIES:
+        raise typer.BadParameter(f"{category!r}: expected one of {', '.join(CATEGORIES)}", param_hint="'--category'")
+    with _store(data_dir, clickhouse, database) as store:
+        rows = q.incidents(store, since=since, category=category, limit=limit)
+    if as_json:
+        _print_json(rows)
+        return
+    Console().print(_table(f"{len(rows)} incident(s)", _with_outcome(rows), _INCIDENT_COLUMNS))
+
+
+@audit_app.command()
+def job(
+    job_id: Annotated[str, typer.Argument(metavar="JOBID", help="Scheduler job id.")],
+    data_dir: DataDir = Path("var"),
+    clickhouse: ClickHouse = None,
+    database: Database = "trainmedic",
+    as_json: AsJson = False,
+) -> None:
+    """A job's full timeline: anomalies, incident, decision, approvals, action, result, in time order."""
+    with _store(data_dir, clickhouse, database) as store:
+        data = q.job_timeline(store, job_id)
+    if not data["timeline"]:
+        _fail(f"job {job_id}: nothing in the audit database {database!r}")
+    if as_json:
+        _print_json(data)
+        return
+    console = Console()
+    for inc in data["incidents"]:
+        console.print(
+            f"[bold]{inc['incident_id']}[/]  {inc['category']}  culprit {_fmt(inc['culprit_node'])}  "
+            f"decision {_fmt(inc['decision_action'])} ({_fmt(inc['decision_kind'])})  "
+            f"detection {_fmt(inc['detection_latency_s'])} s  action {_fmt(inc['action_latency_s'])} s"
+        )
+    console.print(f"restarts by trainmedic: {data['restarts']}")
+    console.print(
+        _table(
+            f"job {job_id}: {len(data['timeline'])} event(s)",
+            data["timeline"],
+            (("time", "time (UTC)"), ("kind", "kind"), ("node", "node"), ("summary", "what")),
+        )
+    )
+
+
+@audit_app.command()
+def node(
+    name: Annotated[str, typer.Argument(metavar="NODE", help="Node name.")],
+    data_dir: DataDir = Path("var"),
+    clickhouse: ClickHouse = None,
+    database: Database = "trainmedic",
+    as_json: AsJson = False,
+) -> None:
+    """A node's history: incidents it was blamed for, actions taken on it, anomalies seen on it."""
+    with _store(data_dir, clickhouse, database) as store:
+        data = q.node_history(store, name)
+    if not (data["incidents"] or data["events"] or data["anomalies"]):
+        _fail(f"node {name}: nothing in the audit database {database!r}")
+    if as_json:
+        _print_json(data)
+        return
+    console = Console()
+    console.print(
+        f"[bold]{name}[/]: culprit of {data['incidents_blamed']} incident(s), "
+        f"first {_fmt(data['first_seen'])}, last {_fmt(data['last_seen'])}"
+    )
+    console.print(_table("incidents", _with_outcome(data["incidents"]), _INCIDENT_COLUMNS))
+    console.print(
+        _table(
+            "events on this node",
+            data["events"],
+            (("time", "time (UTC)"), ("kind", "kind"), ("job_id", "job"), ("summary", "what")),
+        )
+    )
+    console.print(
+        _table(
+            "anomalies seen on this node",
+            data["anomalies"],
+            (("signature", "signature"), ("role", "role"), ("anomalies", "count"), ("last_seen", "last (UTC)")),
+        )
+    )
+
+
+@audit_app.command()
+def latency(
+    data_dir: DataDir = Path("var"),
+    clickhouse: ClickHouse = None,
+    database: Database = "trainmedic",
+    as_json: AsJson = False,
+) -> None:
+    """p50/p95/p99 of detection latency (first signal -> incident) and action latency (incident -> verified)."""
+    with _store(data_dir, clickhouse, database) as store:
+        data = q.latency(store)
+    if as_json:
+        _print_json(data)
+        return
+    rows = ([data["overall"]] if data["overall"] else []) + data["by_category"]
+    cols = [("category", "category"), ("incidents", "incidents")]
+    cols += [(f"detection_{p}", f"detect {p}") for p in ("p50", "p95", "p99")]
+    cols += [("actions_verified", "verified")] + [(f"action_{p}", f"act {p}") for p in ("p50", "p95", "p99")]
+    Console().print(_table("latency, seconds", rows, cols))
+
+
+@audit_app.command()
+def export(
+    table: Annotated[str, typer.Option("--table", help="Table or view: " + ", ".join(sorted(q.RELATIONS)) + ".")],
+    out: Annotated[Path, typer.Option("--out", help="File to write.")],
+    fmt: Annotated[str, typer.Option("--format", help="csv (with a header row) or parquet.")] = "csv",
+    since: Since = None,
+    data_dir: DataDir = Path("var"),
+    clickhouse: ClickHouse = None,
+    database: Database = "trainmedic",
+    as_json: AsJson = False,
+) -> None:
+    """Write a table or view (deduplicated) to CSV or Parquet."""
+    if fmt not in q.EXPORT_FORMATS:
+        raise typer.BadParameter(f"{fmt!r}: expected one of {', '.join(q.EXPORT_FORMATS)}", param_hint="'--format'")
+    if table not in q.RELATIONS:
+        raise typer.BadParameter(f"{table!r}: expected one of {', '.join(sorted(q.RELATIONS))}", param_hint="'--table'")
+    if since is not None and q.RELATIONS[table] is None:
+        raise typer.BadParameter(f"{table} has no time column to filter on", param_hint="'--since'")
+    with _store(data_dir, clickhouse, database) as store:
+        result = q.export(store, table, cast(q.ExportFormat, fmt), out, since=since)
+    if as_json:
+        _print_json(result)
+        return
+    typer.echo(f"exported {result['rows']} row(s) of {table} to {out} ({fmt}, {result['bytes']} bytes)")
+
+
+@db_app.command()
+def migrate(
+    data_dir: DataDir = Path("var"),
+    clickhouse: ClickHouse = None,
+    database: Database = "trainmedic",
+) -> None:
+    """Create or upgrade the audit schema (infra/clickhouse/NNN_*.sql); running it again changes nothing."""
+    if not clickhouse:
+        (data_dir / "chdb").mkdir(parents=True, exist_ok=True)
+    with _store(data_dir, clickhouse, database, check=False) as store:
+        try:
+            applied = store.migrate()
+        except AuditStoreError as exc:
+            _fail(str(exc))
+        where = chdb_folder(store.url) or store.url
+    if applied:
+        typer.echo(f"{database} in {where}: applied " + ", ".join(m.path.name for m in applied))
+    else:
+        typer.echo(f"{database} in {where}: up to date")
+
+
+@db_app.command()
+def status(
+    data_dir: DataDir = Path("var"),
+    clickhouse: ClickHouse = None,
+    database: Database = "trainmedic",
+    as_json: AsJson = False,
+) -> None:
+    """Which migrations are applied and which are pending."""
+    with _store(data_dir, clickhouse, database, check=False) as store:
+        try:
+            rows = store.migration_status()
+        except AuditStoreError as exc:
+            _fail(str(exc))
+    if as_json:
+        _print_json(rows)
+        return
+    cols = (("version", "version"), ("name", "name"), ("state", "state"), ("applied_at", "applied (UTC)"))
+    Console().print(_table(f"audit schema of {database}", rows, cols))
+
+
+if __name__ == "__main__":
+    audit_app(prog_name="trainmedic audit")
