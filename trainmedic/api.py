@@ -14,12 +14,12 @@ import secrets
 import threading
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import uvicorn
 from fastapi import Depends, FastAPI, Header, HTTPException
 from prometheus_client import make_asgi_app
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from producers.publisher import Publisher
 from schemas.events import Approval, Decision, ModeChange, NodeReturn
@@ -28,9 +28,20 @@ from schemas.topics import ACTIONS, APPROVALS, MODE_CHANGES, NODE_RETURNS
 from schemas.vocab import Category, Mode, RejectReason
 from sinks.audit import AuditStore
 from sinks.backends.base import BackendError, SchedulerBackend
-from streams.policy import PartitionPolicy, load_overlay, load_policy, make_action, save_overlay
+from streams.policy import (
+    PartitionPolicy,
+    PolicyError,
+    load_overlay,
+    load_policy,
+    make_action,
+    parse_policy,
+    save_overlay,
+)
+from trainmedic.readiness import readiness, verdict_for
+from trainmedic.replay import replay
 
 log = logging.getLogger("trainmedic.api")
+READINESS_WINDOW_S = 30 * 86400.0
 
 
 class ApiError(RuntimeError):
@@ -89,6 +100,27 @@ class ModeBody(BaseModel):
     operator: str = Field(min_length=1, max_length=128)
     reason: str = Field(default="", max_length=4096)
     force: bool = False
+
+
+class ReplayBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    policy_yaml: str = Field(max_length=1_000_000)
+    policy_name: str = "<replay policy>"
+    since_days: float = Field(default=7.0, gt=0)
+
+
+class LabelBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    verdict: Literal["approved", "rejected", "confirmed"]
+    reason: RejectReason | None = None
+    operator: str = Field(min_length=1, max_length=128)
+    comment: str = Field(default="", max_length=4096)
+
+    @model_validator(mode="after")
+    def _reason_for_rejections(self) -> LabelBody:
+        if self.verdict == "rejected" and self.reason is None:
+            raise ValueError("a rejection needs a reason")
+        return self
 
 
 class ResumeBody(BaseModel):
@@ -207,6 +239,28 @@ def create_api(
             overlay = load_overlay(modes_path)
             current = load_policy(policy_path).with_overlay(overlay)
             old = current.mode_for(body.partition, body.category)
+            verdict_text, ready = "", True
+            if body.mode == "autonomous":
+                scores = readiness(store, current, since_s=time.time() - READINESS_WINDOW_S)
+                ready, verdict_text = verdict_for(scores, body.category, body.partition)
+                if not ready and not body.force:
+                    refusal = ModeChange(
+                        event_id=stable_id("mode", body.partition, body.category, body.mode, "refused", time.time()),
+                        event_time=time.time(),
+                        partition=body.partition,
+                        category=body.category,
+                        old_mode=old,
+                        new_mode=body.mode,
+                        operator=body.operator,
+                        reason=body.reason,
+                        outcome="refused",
+                        readiness=verdict_text,
+                    )
+                    publisher.publish(MODE_CHANGES, refusal)
+                    publisher.flush(10)
+                    raise HTTPException(
+                        status_code=409, detail=f"not ready for autonomy: {verdict_text} (use --force to override)"
+                    )
             if body.partition is None and body.category is None:
                 overlay.mode = body.mode
             elif body.partition is None:
@@ -228,7 +282,8 @@ def create_api(
                 new_mode=body.mode,
                 operator=body.operator,
                 reason=body.reason,
-                forced=body.force,
+                forced=body.force and not ready,
+                readiness=verdict_text,
             )
             publisher.publish(MODE_CHANGES, change)
             if publisher.flush(10):
@@ -243,6 +298,46 @@ def create_api(
             body.operator,
         )
         return {"old_mode": old, "new_mode": body.mode, "partition": body.partition, "category": body.category}
+
+    @api.get("/api/readiness", dependencies=auth)
+    def get_readiness(since_days: float = 30.0) -> list[dict[str, Any]]:
+        policy = load_policy(policy_path).with_overlay(load_overlay(modes_path))
+        return [s.as_dict() for s in readiness(store, policy, since_s=time.time() - since_days * 86400)]
+
+    @api.post("/api/replay", dependencies=auth)
+    def post_replay(body: ReplayBody) -> dict[str, Any]:
+        try:
+            policy = parse_policy(body.policy_yaml, body.policy_name)
+        except PolicyError as exc:
+            raise HTTPException(status_code=400, detail=str(exc)) from None
+        return replay(store, policy, since_s=time.time() - body.since_days * 86400)
+
+    @api.post("/api/recommendations/{decision_id}/label", dependencies=auth)
+    def label(decision_id: str, body: LabelBody) -> dict[str, str]:
+        """A verdict after the fact (e.g. the node failed its diagnostics): the latest label counts."""
+        rows = store.query("SELECT * FROM {db}.decisions FINAL WHERE decision_id = {d:String}", {"d": decision_id})
+        if not rows:
+            raise HTTPException(status_code=404, detail=f"no decision {decision_id}")
+        d = _decision_from_row(rows[0])
+        approval = Approval(
+            event_id=stable_id("lbl", d.decision_id, body.verdict, time.time()),
+            event_time=time.time(),
+            approval_id=stable_id("lbl", d.decision_id, body.verdict, time.time()),
+            decision_id=d.decision_id,
+            incident_id=d.incident_id,
+            job_id=d.job_id,
+            partition=d.partition,
+            category=d.category,
+            action=d.action,
+            verdict=body.verdict,
+            reason=body.reason,
+            comment=body.comment,
+            operator=body.operator,
+        )
+        publisher.publish(APPROVALS, approval)
+        if publisher.flush(10):
+            raise HTTPException(status_code=503, detail="Kafka did not confirm the label; retry")
+        return {"decision_id": decision_id, "verdict": body.verdict}
 
     @api.get("/api/nodes", dependencies=auth)
     def nodes() -> list[dict[str, Any]]:

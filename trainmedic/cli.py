@@ -16,6 +16,7 @@ import typer
 from schemas.vocab import CATEGORIES, MODES, REJECT_REASONS
 from trainmedic.audit_cli import audit_app, db_app
 from trainmedic.produce_cli import produce_app
+from trainmedic.readiness_cli import label_cmd, readiness_cmd, replay_cmd
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="Workload-level recovery for distributed AI training on Slurm."
@@ -333,6 +334,9 @@ def recommendations(
 app.add_typer(produce_app, name="produce")
 app.add_typer(audit_app, name="audit")
 app.add_typer(db_app, name="db")
+app.command("readiness")(readiness_cmd)
+app.command("replay")(replay_cmd)
+app.command("label")(label_cmd)
 
 mode_app = typer.Typer(help="Autonomy per partition and category (audited; takes effect without a restart).")
 app.add_typer(mode_app, name="mode")

@@ -87,26 +87,27 @@ def test_up_starts_and_ctrl_c_stops_cleanly(tmp_path: Path) -> None:
     show = subprocess.run([*TRAINMEDIC, "mode", "show", *common], capture_output=True, text=True, timeout=60)
     assert show.returncode == 0, show.stderr
     assert json.loads(show.stdout)["mode"] == "monitor"
-    changed = subprocess.run(
-        [
-            *TRAINMEDIC,
-            "mode",
-            "set",
-            "autonomous",
-            "--partition",
-            "canary",
-            "--category",
-            "gpu_hardware",
-            "--reason",
-            "canary first",
-            "--operator",
-            "alice",
-            *common,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
+    promote = [
+        *TRAINMEDIC,
+        "mode",
+        "set",
+        "autonomous",
+        "--partition",
+        "canary",
+        "--category",
+        "gpu_hardware",
+        "--reason",
+        "canary first",
+        "--operator",
+        "alice",
+        *common,
+    ]
+    refused = subprocess.run(promote, capture_output=True, text=True, timeout=60)
+    assert (
+        refused.returncode == 2 and "not ready for autonomy" in refused.stderr and "too few samples" in refused.stderr
     )
+    assert not (tmp_path / "modes.yaml").exists()
+    changed = subprocess.run([*promote, "--force"], capture_output=True, text=True, timeout=60)
     assert changed.returncode == 0, changed.stderr
     assert "monitor -> autonomous" in changed.stdout
     overlay = yaml.safe_load((tmp_path / "modes.yaml").read_text())

@@ -1,0 +1,224 @@
+"""Autonomy readiness: score monitor-mode recommendations from the audit trail.
+
+Each recommendation's fate is one of:
+  approved / rejected   an operator answered it (trainmedic approve / reject, console);
+  confirmed             a label after the fact (trainmedic label ... confirmed), or the
+                        facts confirmed it: the same job failed again on the same culprit
+                        node within `expire_after_h`;
+  expired               nobody answered within `expire_after_h`;
+  open                  still waiting.
+Precision = (approved + confirmed) / decided, decided = approved + rejected + confirmed.
+Misses are faults people found before us: nodes drained by someone else (a Slurm
+node event with DRAIN whose reason is not ours) with no incident of ours on that
+node in the hour before.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from schemas.vocab import CATEGORIES
+from sinks.audit import AuditStore
+from streams.policy import Policy
+
+MISS_LOOKBACK_S = 3600.0
+
+
+@dataclass
+class Score:
+    category: str
+    partition: str | None  # None: every partition together
+    recommendations: int = 0
+    approved: int = 0
+    rejected: int = 0
+    confirmed: int = 0
+    expired: int = 0
+    open: int = 0
+    misses: int = 0
+    detection_p50_s: float | None = None
+    action_p50_s: float | None = None
+    rejected_reasons: dict[str, int] = field(default_factory=dict)
+    verdict: str = "not_yet"  # ready | not_yet | never
+    missing: list[str] = field(default_factory=list)
+
+    @property
+    def decided(self) -> int:
+        return self.approved + self.rejected + self.confirmed
+
+    @property
+    def precision(self) -> float | None:
+        return (self.approved + self.confirmed) / self.decided if self.decided else None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "decided": self.decided, "precision": self.precision}
+
+    def summary(self) -> str:
+        p = "-" if self.precision is None else f"{self.precision:.0%}"
+        why = f" ({'; '.join(self.missing)})" if self.missing else ""
+        return f"{self.verdict}{why}: {self.decided} decided, precision {p}"
+
+
+def _epoch(v: Any) -> float:
+    return float(v.timestamp()) if hasattr(v, "timestamp") else float(v)
+
+
+def _recommendations(store: AuditStore, since_s: float) -> list[dict[str, Any]]:
+    return store.query(
+        "SELECT incident_id, detected_at, job_id, partition, category, culprit_node, detection_latency_s, "
+        "action_latency_s, verdict FROM {db}.incident_summary "
+        "WHERE decision_kind = 'recommendation' AND detected_at >= fromUnixTimestamp64Milli({t:Int64})",
+        {"t": int(since_s * 1000)},
+    )
+
+
+def _reject_reasons(store: AuditStore, since_s: float) -> dict[str, str]:
+    rows = store.query(
+        "SELECT incident_id, argMax(reason, event_time) AS reason FROM {db}.approvals FINAL "
+        "WHERE verdict = 'rejected' AND event_time >= fromUnixTimestamp64Milli({t:Int64}) GROUP BY incident_id",
+        {"t": int(since_s * 1000)},
+    )
+    return {r["incident_id"]: r["reason"] or "other" for r in rows}
+
+
+def _confirmations(store: AuditStore, recs: list[dict[str, Any]], window_s: float) -> set[str]:
+    """Recommendations the facts confirmed: a later incident of the same job on the same culprit."""
+    if not recs:
+        return set()
+    later = store.query(
+        "SELECT job_id, culprit_node, event_time FROM {db}.incidents FINAL "
+        "WHERE job_id IS NOT NULL AND culprit_node IS NOT NULL"
+    )
+    seen: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for r in later:
+        seen[(r["job_id"], r["culprit_node"])].append(_epoch(r["event_time"]))
+    out = set()
+    for r in recs:
+        if not r["job_id"] or not r["culprit_node"]:
+            continue
+        t0 = _epoch(r["detected_at"])
+        if any(t0 < t <= t0 + window_s for t in seen.get((r["job_id"], r["culprit_node"]), [])):
+            out.add(r["incident_id"])
+    return out
+
+
+def _misses(store: AuditStore, since_s: float) -> dict[str | None, int]:
+    """Drains by someone else with no incident of ours on that node shortly before, per partition."""
+    drains = store.query(
+        "SELECT node, partition, event_time, reason FROM {db}.sched_events FINAL "
+        "WHERE kind = 'node' AND has(flags, 'DRAIN') AND event_time >= fromUnixTimestamp64Milli({t:Int64}) "
+        "AND NOT startsWith(ifNull(reason, ''), 'trainmedic ')",
+        {"t": int(since_s * 1000)},
+    )
+    if not drains:
+        return {}
+    ours = store.query(
+        "SELECT culprit_node, event_time FROM {db}.incidents FINAL WHERE culprit_node IS NOT NULL "
+        "AND event_time >= fromUnixTimestamp64Milli({t:Int64})",
+        {"t": int((since_s - MISS_LOOKBACK_S) * 1000)},
+    )
+    by_node: dict[str, list[float]] = defaultdict(list)
+    for r in ours:
+        by_node[r["culprit_node"]].append(_epoch(r["event_time"]))
+    misses: dict[str | None, int] = defaultdict(int)
+    for d in drains:
+        t = _epoch(d["event_time"])
+        if not any(t - MISS_LOOKBACK_S <= i <= t for i in by_node.get(d["node"], [])):
+            misses[d["partition"]] += 1
+    return misses
+
+
+def readiness(store: AuditStore, policy: Policy, since_s: float, now: float | None = None) -> list[Score]:
+    """One Score per (category, None) and per (category, partition) seen, for every category."""
+    now = time.time() if now is None else now
+    settings = policy.readiness
+    recs = _recommendations(store, since_s)
+    reasons = _reject_reasons(store, since_s)
+    confirmed = _confirmations(store, recs, settings.expire_after_h * 3600)
+    scores: dict[tuple[str, str | None], Score] = {}
+    latencies: dict[tuple[str, str | None], tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
+
+    def score(category: str, partition: str | None) -> Score:
+        return scores.setdefault((category, partition), Score(category, partition))
+
+    for c in CATEGORIES:
+        if c != "healthy":
+            score(c, None)
+    for r in recs:
+        keys = [(r["category"], None)] + ([(r["category"], r["partition"])] if r["partition"] else [])
+        for key in keys:
+            s = score(*key)
+            s.recommendations += 1
+            verdict = r["verdict"] or None  # the view gives '' when there is none
+            if verdict == "approved":
+                s.approved += 1
+            elif verdict == "rejected":
+                s.rejected += 1
+                why = reasons.get(r["incident_id"], "other")
+                s.rejected_reasons[why] = s.rejected_reasons.get(why, 0) + 1
+            elif verdict == "confirmed" or r["incident_id"] in confirmed:
+                s.confirmed += 1
+            elif now - _epoch(r["detected_at"]) > settings.expire_after_h * 3600:
+                s.expired += 1
+            else:
+                s.open += 1
+            if r["detection_latency_s"] is not None:
+                latencies[key][0].append(float(r["detection_latency_s"]))
+            if r["action_latency_s"] is not None:
+                latencies[key][1].append(float(r["action_latency_s"]))
+    try:
+        misses = _misses(store, since_s)
+    except Exception:  # no scheduler events recorded (no Slurm producer running): misses unknown
+        misses = {}
+    for s in scores.values():
+        det, act = latencies.get((s.category, s.partition), ([], []))
+        s.detection_p50_s = statistics.median(det) if det else None
+        s.action_p50_s = statistics.median(act) if act else None
+        if s.partition is not None:
+            s.misses = misses.get(s.partition, 0)
+        elif s.category == "node":
+            s.misses = sum(misses.values())  # drains by people are node-level faults we did not report
+        _judge(s, policy)
+    return sorted(scores.values(), key=lambda s: (s.category, s.partition or ""))
+
+
+def _judge(s: Score, policy: Policy) -> None:
+    settings = policy.readiness
+    if s.category in settings.recommend_only:
+        s.verdict, s.missing = "never", ["configured recommend-only (readiness.recommend_only)"]
+        return
+    missing = []
+    if s.decided < settings.min_samples:
+        missing.append(f"too few samples: {s.decided} decided, need {settings.min_samples}")
+    if s.precision is not None and s.precision < settings.min_precision:
+        missing.append(f"precision {s.precision:.0%} below {settings.min_precision:.0%}")
+    s.verdict, s.missing = ("ready" if not missing else "not_yet"), missing
+
+
+def verdict_for(scores: list[Score], category: str | None, partition: str | None) -> tuple[bool, str]:
+    """Whether autonomy may be switched on for this scope, and the verdict in words.
+
+    A partition with its own history is judged on it; otherwise on the category
+    across partitions. Without a category, every category must be ready.
+    """
+
+    def pick(cat: str) -> Score | None:
+        exact = next((s for s in scores if s.category == cat and s.partition == partition), None)
+        if partition is not None and exact is not None and exact.decided:
+            return exact
+        return next((s for s in scores if s.category == cat and s.partition is None), None)
+
+    cats = [category] if category else [c for c in CATEGORIES if c != "healthy"]
+    notes, ok = [], True
+    for cat in cats:
+        s = pick(cat)
+        if s is None:
+            ok = False
+            notes.append(f"{cat}: no data")
+            continue
+        ok = ok and s.verdict == "ready"
+        notes.append(f"{cat}: {s.summary()}")
+    return ok, "; ".join(notes)
