@@ -1,0 +1,61 @@
+"""The same loop against a real Apache Kafka and a real ClickHouse server in containers.
+
+These run where a Docker engine answers (testcontainers) and are skipped with that
+reason otherwise; on these machines the identical tests run on Tansu and chDB
+(test_pipeline.py). Only the addresses differ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sinks.backends.simulated import SimulatedScheduler
+from tests.integration.scenario import NODES, incidents_of, publish_cascade, running_stack, wait_incident
+from trainmedic.broker import ensure_topics
+
+
+def _docker_answers() -> str | None:
+    try:
+        import docker  # type: ignore[import-untyped]
+
+        docker.from_env(timeout=3).ping()
+    except Exception as exc:  # any failure means: no engine to run containers on
+        return f"no Docker engine answers ({type(exc).__name__}: {str(exc)[:120]})"
+    return None
+
+
+_NO_DOCKER = _docker_answers()
+pytestmark = pytest.mark.skipif(_NO_DOCKER is not None, reason=_NO_DOCKER or "")
+
+
+@pytest.fixture(scope="module")
+def kafka_bootstrap() -> Iterator[str]:
+    from testcontainers.kafka import KafkaContainer  # type: ignore[import-untyped]
+
+    with KafkaContainer() as kafka:
+        bootstrap = kafka.get_bootstrap_server()
+        ensure_topics(bootstrap)
+        yield bootstrap
+
+
+@pytest.fixture(scope="module")
+def clickhouse_url() -> Iterator[str]:
+    from testcontainers.clickhouse import ClickHouseContainer  # type: ignore[import-untyped]
+
+    with ClickHouseContainer() as ch:
+        host, port = ch.get_container_host_ip(), ch.get_exposed_port(8123)
+        yield f"http://{ch.username}:{ch.password}@{host}:{port}"
+
+
+def test_xid79_cascade_on_real_kafka_and_clickhouse(kafka_bootstrap: str, clickhouse_url: str, tmp_path: Path) -> None:
+    sched = SimulatedScheduler(NODES + ["gpu05"], requeue_delay_s=0.5)
+    job = sched.submit("train", 4)
+    with running_stack(kafka_bootstrap, clickhouse_url, "tm_containers", sched, "autonomous", tmp_path) as stack:
+        assert stack.store is not None
+        publish_cascade(kafka_bootstrap, tmp_path, job, NODES, culprit="gpu02")
+        inc = wait_incident(stack.store, job, timeout=120)
+        assert (inc["culprit_node"], inc["category"]) == ("gpu02", "gpu_hardware")
+        assert len(incidents_of(stack.store, job)) == 1
