@@ -210,3 +210,36 @@ def test_monitor_mode_recommendation_then_approve(
     finally:
         stack.stop()
     assert sched.calls == ["drain gpu02", f"requeue {job} exclude=gpu02"]
+
+
+def test_resume_only_nodes_trainmedic_drained_and_audit_it(
+    broker: EmbeddedBroker, chdb_url: str, database: str, tmp_path: Path
+) -> None:
+    from trainmedic.client import ClientError, call
+
+    sched = SimulatedScheduler(NODES)
+    sched.drain_node("gpu01", "trainmedic inc-0123456789abcdef0123: gpu_hardware")
+    sched.drain_node("gpu03", "admin: bad PSU")
+    stack = Stack(
+        StackConfig(data_dir=tmp_path, bootstrap=broker.bootstrap, clickhouse=chdb_url, database=database, api_port=0),
+        sched,
+    ).start()
+    try:
+        assert stack.api is not None and stack.store is not None
+        store = stack.store
+        token = (tmp_path / "api-token").read_text().strip()
+        nodes = {n["node"]: n for n in call(stack.api.url, token, "GET", "/api/nodes")}
+        assert nodes["gpu01"]["drained_by_trainmedic"] and nodes["gpu01"]["incident_id"] == "inc-0123456789abcdef0123"
+        assert nodes["gpu03"]["drained"] and not nodes["gpu03"]["drained_by_trainmedic"]
+        try:
+            call(stack.api.url, token, "POST", "/api/nodes/gpu03/resume", {"operator": "alice"})
+            raise AssertionError("resuming a node someone else drained must be refused")
+        except ClientError as exc:
+            assert "409" in str(exc) and "drained by someone else" in str(exc)
+        assert sched.node_state("gpu03").drained
+        r = call(stack.api.url, token, "POST", "/api/nodes/gpu01/resume", {"operator": "alice", "comment": "reseated"})
+        assert r["status"] == "resumed" and not sched.node_state("gpu01").drained
+        row = wait_for("the return in the audit", lambda: store.query("SELECT * FROM {db}.node_returns FINAL"))[0]
+        assert (row["node"], row["incident_id"], row["operator"]) == ("gpu01", "inc-0123456789abcdef0123", "alice")
+    finally:
+        stack.stop()
