@@ -16,6 +16,7 @@ from pathlib import Path
 from producers.follow import FileFollower
 from producers.progress import ProgressParser
 from producers.publisher import Publisher
+from producers.tracebacks import TracebackGrouper
 from schemas.events import LogBatch, LogLine, ProgressBatch
 from schemas.ids import stable_id
 from schemas.topics import JOB_LOGS, JOB_PROGRESS
@@ -84,6 +85,7 @@ class JobLogProducer:
         self.progress = progress or ProgressParser()
         self.lines_published = 0
         self.progress_published = 0
+        self._groupers: dict[Path, TracebackGrouper] = {}
 
     def add_path(self, path: Path, node: str | None = None) -> None:
         if node:
@@ -95,7 +97,9 @@ class JobLogProducer:
         count = 0
         for follower in self.followers:
             raw = follower.poll()
+            grouper = self._groupers.setdefault(follower.path, TracebackGrouper())
             if not raw:
+                self._publish(follower.path, grouper.flush(now), now)
                 continue
             first = follower.lineno - len(raw) + 1
             path_node = self.node_of_path.get(follower.path)
@@ -111,24 +115,28 @@ class JobLogProducer:
                         lineno=first + i,
                     )
                 )
-            for start in range(0, len(lines), MAX_LINES_PER_BATCH):
-                chunk = lines[start : start + MAX_LINES_PER_BATCH]
-                self.publisher.publish(
-                    JOB_LOGS,
-                    LogBatch(
-                        event_id=stable_id("log", self.job_id, follower.path, chunk[0].lineno),
-                        event_time=now,
-                        job_id=self.job_id,
-                        source=str(follower.path),
-                        job_nodes=list(self.layout.job_nodes),
-                        partition=self.partition,
-                        lines=chunk,
-                    ),
-                )
-                self._publish_progress(follower.path, chunk, now)
+            grouped = [out for line in lines for out in grouper.feed(line, now)] + grouper.flush(now)
+            self._publish(follower.path, grouped, now)
             count += len(lines)
         self.lines_published += count
         return count
+
+    def _publish(self, path: Path, lines: list[LogLine], now: float) -> None:
+        for start in range(0, len(lines), MAX_LINES_PER_BATCH):
+            chunk = lines[start : start + MAX_LINES_PER_BATCH]
+            self.publisher.publish(
+                JOB_LOGS,
+                LogBatch(
+                    event_id=stable_id("log", self.job_id, path, chunk[0].lineno),
+                    event_time=now,
+                    job_id=self.job_id,
+                    source=str(path),
+                    job_nodes=list(self.layout.job_nodes),
+                    partition=self.partition,
+                    lines=chunk,
+                ),
+            )
+            self._publish_progress(path, chunk, now)
 
     def _publish_progress(self, path: Path, chunk: list[LogLine], now: float) -> None:
         samples = [s for ln in chunk if (s := self.progress.parse(ln.text, ln.ts, ln.rank, ln.node)) is not None]

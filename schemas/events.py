@@ -83,6 +83,9 @@ class LogLine(BaseModel):
     rank: int | None = Field(default=None, ge=0)
     node: str | None = None
     lineno: int = Field(ge=0)
+    # A multi-line Python traceback travels as one line: `text` is its final
+    # exception line, `context` the whole traceback.
+    context: str | None = Field(default=None, max_length=65536)
 
 
 class LogBatch(Event):

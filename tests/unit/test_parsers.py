@@ -82,3 +82,43 @@ def test_kmsg_and_journal_records() -> None:
     raw = '{"MESSAGE": [78, 86, 82, 77], "_HOSTNAME": "gpu03"}'
     assert journal_message(raw) == ("NVRM", "gpu03")
     assert journal_message("not json") is None
+
+
+def test_interleaved_tracebacks_are_grouped_per_rank() -> None:
+    from producers.tracebacks import TracebackGrouper
+    from schemas.events import LogLine
+
+    # Two ranks print tracebacks at once (rank prefixes already stripped), plus ordinary lines.
+    feed = [
+        (0, "Traceback (most recent call last):"),
+        (1, "Traceback (most recent call last):"),
+        (0, '  File "train.py", line 42, in <module>'),
+        (None, " iteration      100/  500000 | lm loss: 2.1"),
+        (1, '  File "train.py", line 42, in <module>'),
+        (0, "    loss = model(batch)"),
+        (0, "ValueError: bad batch shape"),
+        (1, "    loss = model(batch)"),
+        (1, ""),
+        (1, "During handling of the above exception, another exception occurred:"),
+        (1, ""),
+        (1, "Traceback (most recent call last):"),
+        (1, '  File "train.py", line 50, in <module>'),
+        (1, "RuntimeError: CUDA error: an illegal memory access was encountered"),
+    ]
+    g = TracebackGrouper()
+    out = []
+    for i, (rank, text) in enumerate(feed, 1):
+        out += g.feed(LogLine(text=text, ts=1.0, rank=rank, lineno=i), now=1.0)
+    assert [(x.rank, x.text) for x in out] == [
+        (None, " iteration      100/  500000 | lm loss: 2.1"),
+        (0, "ValueError: bad batch shape"),
+        (1, "RuntimeError: CUDA error: an illegal memory access was encountered"),
+    ]
+    assert out[1].context is not None and out[1].context.count("\n") == 3
+    assert out[2].context is not None and "During handling" in out[2].context and out[2].lineno == 14
+    # A traceback cut off by a dying process still comes out, once it stops growing.
+    assert g.feed(LogLine(text="Traceback (most recent call last):", ts=2.0, rank=3, lineno=20), now=2.0) == []
+    assert g.feed(LogLine(text='  File "x.py", line 1', ts=2.0, rank=3, lineno=21), now=2.0) == []
+    assert g.flush(now=2.5) == []
+    (cut,) = g.flush(now=5.0)
+    assert cut.lineno == 21 and cut.context is not None and cut.context.startswith("Traceback")
