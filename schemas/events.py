@@ -243,6 +243,7 @@ class Decision(Event):
     action: ActionKind
     mode: Mode
     executed: bool  # True: an action event was emitted; False: recommendation only
+    stop_mode: Literal["cancel", "hold"] = "cancel"  # how `stop` stops: cancel, or hold for a human
     rule: str
     reason: str
     first_signal_time: float
@@ -260,6 +261,7 @@ class Action(Event):
     node: str | None = None
     partition: str | None = None
     action: ActionKind
+    stop_mode: Literal["cancel", "hold"] = "cancel"
     reason: str
     requested_by: str
     incident_time: float

@@ -175,6 +175,18 @@ class Executor:
         if state.state in _GONE:
             run.steps.append(f"stop {a.job_id}: already {state.state}")
             return
+        if a.stop_mode == "hold":
+            # Held, not cancelled: the job keeps its place and its history for a human to look at.
+            if not (state.held and state.state == "PENDING"):
+                self.backend.hold_job(a.job_id)
+
+            def held() -> bool:
+                s = self.backend.job_state(a.job_id or "")
+                return s.held and s.state == "PENDING"
+
+            self._wait(f"job {a.job_id} held", held)
+            run.steps.append(f"stop {a.job_id}: verified held (PENDING, held for an operator)")
+            return
         self.backend.cancel_job(a.job_id)
         self._wait(f"job {a.job_id} stopped", lambda: self.backend.job_state(a.job_id or "").state in _GONE)
         run.steps.append(f"stop {a.job_id}: verified CANCELLED")

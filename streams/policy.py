@@ -6,15 +6,16 @@ load; errors name the file, the line and the field.
 
 from __future__ import annotations
 
+import fnmatch
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from schemas.events import Action, Decision, Incident
 from schemas.ids import stable_id
-from schemas.vocab import CATEGORIES, ActionKind, Category, Mode
+from schemas.vocab import CATEGORIES, SEVERITY_RANK, ActionKind, Category, Mode, Severity
 
 DEFAULT_POLICY = Path(__file__).resolve().parent.parent / "infra" / "policies" / "default.yaml"
 
@@ -40,6 +41,49 @@ class ReadinessSettings(BaseModel):
     recommend_only: list[Category] = Field(default_factory=list)  # never autonomous
 
 
+class RuleMatch(BaseModel):
+    """Every given condition must hold. Partition patterns are shell-style globs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    category: list[Category] | None = None
+    partition: str | None = None
+    min_severity: Severity | None = None
+    min_confidence: float | None = Field(default=None, ge=0.0, le=1.0)
+    culprit_known: bool | None = None
+
+    def matches(self, incident: Incident) -> bool:
+        if self.category is not None and incident.category not in self.category:
+            return False
+        if self.partition is not None and not fnmatch.fnmatchcase(incident.partition or "", self.partition):
+            return False
+        if self.min_severity is not None and SEVERITY_RANK[incident.severity] < SEVERITY_RANK[self.min_severity]:
+            return False
+        if self.min_confidence is not None and incident.confidence < self.min_confidence:
+            return False
+        return self.culprit_known is None or (incident.culprit_node is not None) == self.culprit_known
+
+
+class Rule(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=64)
+    match: RuleMatch = Field(default_factory=RuleMatch)
+    action: ActionKind
+    stop: Literal["cancel", "hold"] = "cancel"
+
+
+class RestartBudget(BaseModel):
+    """After this many restarts of one job in the window, stop it and escalate instead."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_restarts: int = Field(default=3, ge=1)
+    window_h: float = Field(default=6.0, gt=0)
+    then: Literal["stop"] = "stop"
+    stop: Literal["cancel", "hold"] = "hold"
+
+
 class Policy(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -47,7 +91,11 @@ class Policy(BaseModel):
     mode: Mode = "monitor"
     categories: dict[Category, Mode] = Field(default_factory=dict)
     partitions: dict[str, PartitionPolicy] = Field(default_factory=dict)
+    # Rules are tried in order; the first that matches decides. Otherwise `actions`.
+    rules: list[Rule] = Field(default_factory=list)
     actions: dict[Category, ActionKind]
+    stop: Literal["cancel", "hold"] = "cancel"  # how `stop` from `actions` stops a job
+    restart_budget: RestartBudget = Field(default_factory=RestartBudget)
     min_confidence: float = Field(default=0.6, ge=0.0, le=1.0)
     # Enforced by the executor (sinks/guardrails.py validates this section).
     guardrails: dict[str, Any] = Field(default_factory=dict)
@@ -174,16 +222,29 @@ def save_overlay(path: Path, overlay: ModeOverlay) -> None:
     tmp.replace(path)  # atomic: the streams worker never reads a half-written file
 
 
-def decide(policy: Policy, incident: Incident, now: float) -> tuple[Decision, Action | None]:
-    """Turn an incident into a decision, and an action when autonomy allows it."""
-    configured = policy.actions[incident.category]
+def decide(policy: Policy, incident: Incident, now: float, recent_restarts: int = 0) -> tuple[Decision, Action | None]:
+    """Turn an incident into a decision, and an action when autonomy allows it.
+
+    `recent_restarts`: restarts this policy already ordered for the job within the
+    restart budget's window (the caller counts them).
+    """
+    matched = next((r for r in policy.rules if r.match.matches(incident)), None)
+    if matched is not None:
+        configured, stop_mode, rule = matched.action, matched.stop, f"rules.{matched.name}={matched.action}"
+    else:
+        configured = policy.actions[incident.category]
+        stop_mode, rule = policy.stop, f"actions.{incident.category}={configured}"
     action: ActionKind = configured
-    rule = f"actions.{incident.category}={configured}"
     if configured == "drain_and_requeue" and incident.recommended_action != "drain_and_requeue":
         # Isolation needs a culprit node whose fault lives on it; without one a
         # drain would hit an innocent node.
         action = "requeue"
         rule += " (no isolatable culprit: requeue)"
+    budget = policy.restart_budget
+    if action in ("requeue", "drain_and_requeue") and incident.job_id and recent_restarts >= budget.max_restarts:
+        # The job keeps failing: another restart would burn more GPU-hours. Stop it for a human.
+        rule += f" (restart budget: {recent_restarts} restarts in {budget.window_h:g} h: stop and escalate)"
+        action, stop_mode = "stop", budget.stop
     if not incident.job_id and action in ("requeue", "stop"):
         action = "none"
         rule += " (no job known: nothing to restart or stop)"
@@ -208,6 +269,7 @@ def decide(policy: Policy, incident: Incident, now: float) -> tuple[Decision, Ac
         action=action,
         mode=mode,
         executed=executed,
+        stop_mode=stop_mode,
         rule=rule,
         reason="; ".join(reasons),
         first_signal_time=incident.first_signal_time,
@@ -231,8 +293,27 @@ def make_action(decision: Decision, incident_id: str, requested_by: str, now: fl
         node=decision.culprit_node,
         partition=decision.partition,
         action=decision.action,
+        stop_mode=decision.stop_mode,
         reason=f"trainmedic {incident_id}: {decision.category}",
         requested_by=requested_by,
         incident_time=decision.incident_time,
         first_signal_time=decision.first_signal_time,
     )
+
+
+def explain(policy: Policy, incident: Incident) -> list[str]:
+    """How `decide` reaches its answer for this incident, step by step (dry run)."""
+    lines = [
+        f"incident {incident.incident_id}: {incident.category} (severity {incident.severity}, confidence "
+        f"{incident.confidence:.2f}) partition {incident.partition or '-'} culprit {incident.culprit_node or '-'} "
+        f"recommended {incident.recommended_action}"
+    ]
+    for r in policy.rules:
+        lines.append(f"  rule {r.name}: {'MATCHES' if r.match.matches(incident) else 'no match'} -> {r.action}")
+    decision, action = decide(policy, incident, now=incident.event_time)
+    lines.append(f"  decision: {decision.action} by {decision.rule}")
+    lines.append(f"  mode: {decision.mode} ({decision.reason})")
+    lines.append(
+        f"  result: {'action ' + action.action_id if action else 'recommendation only'} (dry run: nothing sent)"
+    )
+    return lines

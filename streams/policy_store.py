@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import deque
 from pathlib import Path
 
 from schemas.events import Action, Decision, Incident
@@ -26,6 +27,9 @@ class PolicyStore:
         self._override: Mode | None = mode_override  # type: ignore[assignment]
         self._mtimes = self._stat()
         self._policy = self._load()
+        # Restarts this worker ordered per job: the restart budget counts them. A worker
+        # restart forgets them; the executor's own budget also reads Slurm's counter.
+        self._restarts: dict[str, deque[float]] = {}
 
     def _stat(self) -> tuple[float, float]:
         def mtime(p: Path | None) -> float:
@@ -56,4 +60,12 @@ class PolicyStore:
         return self._policy
 
     def decide(self, incident: Incident, now: float) -> tuple[Decision, Action | None]:
-        return decide(self.policy, incident, now)
+        policy = self.policy
+        window_s = policy.restart_budget.window_h * 3600
+        times = self._restarts.setdefault(incident.job_id or "", deque())
+        while times and now - times[0] > window_s:
+            times.popleft()
+        decision, action = decide(policy, incident, now, recent_restarts=len(times))
+        if action is not None and action.action in ("requeue", "drain_and_requeue") and incident.job_id:
+            times.append(now)
+        return decision, action

@@ -77,6 +77,11 @@ def _incident(row: dict[str, Any]) -> Incident:
     )
 
 
+def load_incident(store: AuditStore, incident_id: str) -> Incident | None:
+    rows = store.query("SELECT * FROM {db}.incidents FINAL WHERE incident_id = {i:String}", {"i": incident_id})
+    return _incident(rows[0]) if rows else None
+
+
 def _load(store: AuditStore, since_s: float) -> list[tuple[Incident, dict[str, Any]]]:
     rows = store.query(
         "SELECT i.*, s.decision_kind AS decision_kind, s.decision_action AS decision_action, "

@@ -237,7 +237,10 @@ class SlurmCliBackend:
         self._run(["scancel", job_id])
 
     def hold_job(self, job_id: str) -> None:
-        self._run(["scontrol", "hold", validate_job_id(job_id)])
+        job_id = validate_job_id(job_id)
+        # `scontrol hold` only holds pending jobs; a running one must be requeued held to stop it.
+        running = self.job_state(job_id).state in ("RUNNING", "CONFIGURING", "SUSPENDED")
+        self._run(["scontrol", "requeuehold" if running else "hold", job_id])
 
     def release_job(self, job_id: str) -> None:
         self._run(["scontrol", "release", validate_job_id(job_id)])

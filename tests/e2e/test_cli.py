@@ -36,6 +36,25 @@ def test_demo_json_names_the_injected_culprit(tmp_path: Path) -> None:
     assert report["job_after"]["state"] == "RUNNING"
     assert report["healthy_job"]["incidents"] == 0
     assert report["incidents_per_job"] == {report["injected"]["job_id"]: 1}
+    # The demo's audit outlives it: explain the incident under the policy in force (a dry run).
+    explain = subprocess.run(
+        [
+            *TRAINMEDIC,
+            "policy",
+            "explain",
+            "--incident",
+            report["incident"]["incident_id"],
+            "--data-dir",
+            str(tmp_path / "demo"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert explain.returncode == 0, explain.stderr
+    assert "decision: drain_and_requeue by actions.gpu_hardware=drain_and_requeue" in explain.stdout
+    assert "mode: monitor" in explain.stdout and "recommendation only" in explain.stdout
 
 
 def test_demo_monitor_mode_only_recommends(tmp_path: Path) -> None:

@@ -153,3 +153,13 @@ def test_crash_between_requeuehold_and_release_is_finished_on_redelivery() -> No
     state = sched.job_state(job)
     assert state.state == "RUNNING" and "gpu02" not in state.nodes and state.restart_count == 1
     assert "released the hold" in " ".join(result.steps)
+
+
+def test_stop_with_hold_keeps_the_job_held() -> None:
+    sched = SimulatedScheduler(NODES, requeue_delay_s=0.0)
+    job = sched.submit("t", 2)
+    a = action(None, job, kind="stop").model_copy(update={"stop_mode": "hold"})
+    result = Executor(sched, ExecutorSettings(verify_timeout_s=5, poll_interval_s=0.01)).execute(a)
+    assert result.status == "done" and "held" in result.steps[-1]
+    state = sched.job_state(job)
+    assert state.state == "PENDING" and state.held

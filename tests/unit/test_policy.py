@@ -103,3 +103,58 @@ def test_store_reloads_and_keeps_last_good(tmp_path: Path) -> None:
     path.write_text("mode: bogus\n")
     os.utime(path, (2, 2))
     assert store.policy.mode == "autonomous"
+
+
+RULES = """
+rules:
+  - name: canary-hardware-only-if-sure
+    match: {category: [gpu_hardware], partition: "canary*", min_confidence: 0.9}
+    action: drain_and_requeue
+  - name: canary-hardware-unsure
+    match: {category: [gpu_hardware], partition: "canary*"}
+    action: none
+  - name: user-bugs-hold
+    match: {category: [user_code, oom, numerical], min_severity: error}
+    action: stop
+    stop: hold
+"""
+
+
+def test_rules_first_match_wins_then_actions() -> None:
+    policy = parse_policy("mode: autonomous\n" + _actions() + RULES)
+    d, a = decide(policy, incident(partition="canary-a", confidence=0.95), 11.0)
+    assert d.rule == "rules.canary-hardware-only-if-sure=drain_and_requeue" and a is not None
+    d, a = decide(policy, incident(partition="canary-a", confidence=0.7), 11.0)
+    assert d.rule == "rules.canary-hardware-unsure=none" and d.action == "none" and a is None
+    d, a = decide(policy, incident(partition="gpu"), 11.0)
+    assert d.rule == "actions.gpu_hardware=drain_and_requeue" and a is not None
+    d, a = decide(policy, incident(category="user_code", action="stop", culprit=None), 11.0)
+    assert d.rule == "rules.user-bugs-hold=stop" and a is not None and a.stop_mode == "hold"
+
+
+def test_restart_budget_exhaustion_turns_restarts_into_stop(tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text("mode: autonomous\nrestart_budget: {max_restarts: 2, window_h: 6}\n" + _actions())
+    store = PolicyStore(path)
+    actions = []
+    for i in range(4):
+        inc = incident().model_copy(update={"incident_id": f"inc-{i}", "event_id": f"inc-{i}"})
+        _, a = store.decide(inc, now=100.0 + i)
+        assert a is not None
+        actions.append((a.action, a.stop_mode))
+    assert actions == [
+        ("drain_and_requeue", "cancel"),
+        ("drain_and_requeue", "cancel"),
+        ("stop", "hold"),
+        ("stop", "hold"),
+    ]
+    _, a = store.decide(incident().model_copy(update={"incident_id": "inc-late"}), now=100.0 + 7 * 3600)
+    assert a is not None and a.action == "drain_and_requeue"  # the window has passed
+
+
+def test_invalid_rule_names_its_line() -> None:
+    bad = (
+        "mode: monitor\n" + _actions() + "rules:\n  - name: x\n    match: {category: [gpu_hardwre]}\n    action: stop\n"
+    )
+    with pytest.raises(PolicyError, match=r"line 14: field 'rules.0.match.category.0'"):
+        parse_policy(bad, "p.yaml")

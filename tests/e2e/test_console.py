@@ -1,0 +1,340 @@
+"""The Recovery Console in a real browser, against the embedded stack.
+
+Debian's chromium and the `playwright` pip package are used as installed; nothing
+is installed at test time and `playwright install` is never run:
+
+    apt-get install -y --no-install-recommends chromium
+    .venv/bin/pip install playwright
+
+The browser test skips, naming what is missing, without them. Screenshots go to
+$TRAINMEDIC_TEST_ARTIFACTS (when set) or the test's tmp_path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, cast
+
+import httpx
+import orjson
+import pytest
+from fastapi import FastAPI
+
+from producers.publisher import Publisher
+from schemas.events import Incident
+from schemas.topics import INCIDENTS
+from sinks.backends.simulated import SimulatedScheduler
+from tests.conftest import wait_for
+from tests.integration.scenario import NODES, publish_cascade, wait_incident
+from trainmedic.api import load_or_create_token
+from trainmedic.broker import EmbeddedBroker
+from trainmedic.console import LiveFeed, console_router
+from trainmedic.console.live import LiveEvent
+from trainmedic.runtime import Stack, StackConfig
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+OTHER_JOB_NODES = ["gpu05", "gpu06", "gpu07", "gpu08"]
+
+
+def _browser_missing() -> str | None:
+    if not CHROMIUM.exists():
+        return f"{CHROMIUM} is missing: apt-get install -y --no-install-recommends chromium"
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "the playwright pip package is missing: .venv/bin/pip install playwright (no `playwright install`)"
+    return None
+
+
+def _artifacts(tmp_path: Path) -> Path:
+    out = Path(os.environ.get("TRAINMEDIC_TEST_ARTIFACTS") or tmp_path) / "console"
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _incident(n: int, produced_at: float | None = None) -> Incident:
+    extra: dict[str, Any] = {} if produced_at is None else {"produced_at": produced_at}
+    return Incident(
+        event_id=f"inc-test{n}",
+        event_time=time.time(),
+        incident_id=f"inc-test{n}",
+        job_id=str(4000 + n),
+        partition="gpu",
+        category="gpu_hardware",
+        severity="critical",
+        culprit_node="gpu02",
+        confidence=0.9,
+        recommended_action="drain_and_requeue",
+        explanation="test",
+        evidence=[],
+        anomaly_ids=[],
+        first_signal_time=time.time(),
+        **extra,
+    )
+
+
+# --- the live feed on its own -----------------------------------------------------------------------
+
+
+def test_slow_client_is_dropped_and_never_blocks_the_feed() -> None:
+    feed = LiveFeed("127.0.0.1:1", client_queue=3, replay=5)  # never started: events are fed by hand
+
+    async def scenario() -> None:
+        fast, missed, _ = feed.subscribe()
+        slow, _, _ = feed.subscribe()
+        assert missed == [] and feed.clients == 2
+        got: list[LiveEvent] = []
+
+        def producer() -> None:  # the consumer thread's side: publish never waits for a client
+            for i in range(10):
+                feed.publish("incident", "incidents", orjson.dumps({"n": i}))
+                fast_ready.wait()  # only so that the fast client takes one at a time
+                fast_ready.clear()
+
+        fast_ready = threading.Event()
+        t = threading.Thread(target=producer)
+        t.start()
+        while len(got) < 10:
+            await fast.wake.wait()
+            got.extend(fast.take())
+            fast_ready.set()
+        t.join()
+        assert [orjson.loads(e.data)["n"] for e in got] == list(range(10))
+        assert slow.dropped and feed.dropped_clients == 1 and feed.clients == 1
+        # A reconnect inside the replay ring gets what it missed; older ids get a reset.
+        again, missed, at = feed.subscribe(last_id=7)
+        assert missed is not None and [e.seq for e in missed] == [8, 9, 10] and at == 10
+        _, missed, _ = feed.subscribe(last_id=2)
+        assert missed is None
+        # The stream of a dropped client ends with an `event: dropped` line.
+        feed.client_queue = 1
+        stream = feed.stream(None, lambda: asyncio.sleep(0, result=False))
+        lines = [await anext(stream), await anext(stream)]
+        assert lines[0].startswith(b"retry:") and lines[1].startswith(b"id: 10\nevent: hello")
+        feed.publish("incident", "incidents", b"{}")
+        feed.publish("incident", "incidents", b"{}")
+        tail = [chunk async for chunk in stream]
+        assert tail == [b'event: dropped\ndata: {"reason": "the client fell behind"}\n\n']
+        again.close()
+
+    asyncio.run(scenario())
+
+
+def test_feed_starts_at_its_start_time_not_at_the_beginning(broker: EmbeddedBroker) -> None:
+    pub = Publisher(broker.bootstrap, "test")
+    pub.publish(INCIDENTS, _incident(1))
+    assert pub.flush(10) == 0
+    time.sleep(0.05)  # the old record's broker timestamp must fall before the feed's start
+    feed = LiveFeed(broker.bootstrap).start()
+    try:
+
+        async def scenario() -> list[dict[str, Any]]:
+            sub, _, _ = feed.subscribe()
+            pub.publish(INCIDENTS, _incident(2))
+            assert pub.flush(10) == 0
+            seen: list[dict[str, Any]] = []
+            while not any(e.get("incident_id") == "inc-test2" for e in seen):
+                await asyncio.wait_for(sub.wake.wait(), timeout=60)
+                seen.extend(orjson.loads(e.data) for e in sub.take() if e.kind == "incident")
+            return seen
+
+        seen = asyncio.run(scenario())
+        assert [e["incident_id"] for e in seen] == ["inc-test2"]
+        assert feed.ready.is_set() and feed.skipped_old >= 1
+    finally:
+        feed.stop()
+    assert not feed.alive
+
+
+# --- the console through the whole stack ----------------------------------------------------------------
+
+
+def _attach_console(stack: Stack) -> tuple[LiveFeed | None, str]:
+    """The console on the stack's API; attached here until api.py/runtime.py wire it themselves."""
+    assert stack.api is not None and stack.store is not None
+    token = load_or_create_token(stack.config.token_file)
+    app = cast(FastAPI, stack.api._server.config.app)
+    if any(getattr(r, "path", None) == "/api/events" for r in app.routes):
+        return None, token  # wired by create_api already
+    feed = LiveFeed(stack.bootstrap, group_prefix=f"trainmedic-console{stack.config.group_suffix}").start()
+    app.include_router(console_router(stack.store, token, feed))
+    return feed, token
+
+
+@pytest.fixture
+def console_stack(broker: EmbeddedBroker, chdb_url: str, database: str, tmp_path: Path) -> Iterator[dict[str, Any]]:
+    sched = SimulatedScheduler([*NODES, *OTHER_JOB_NODES, "gpu09"], requeue_delay_s=0.2)
+    job = sched.submit("train", 4)
+    other = sched.submit("train-2", 4)
+    assert sched.job_state(other).nodes == tuple(OTHER_JOB_NODES)
+    stack = Stack(
+        StackConfig(
+            data_dir=tmp_path / "data",
+            bootstrap=broker.bootstrap,
+            clickhouse=chdb_url,
+            database=database,
+            mode="monitor",
+            api_port=0,
+            settle_s=1.0,
+        ),
+        sched,
+    ).start()
+    feed: LiveFeed | None = None
+    try:
+        feed, token = _attach_console(stack)
+        assert stack.api is not None
+        yield {"stack": stack, "sched": sched, "job": job, "other": other, "token": token, "url": stack.api.url}
+    finally:
+        if feed is not None:
+            feed.stop()
+        stack.stop()
+
+
+def test_console_requires_the_token_and_refuses_unknown_ids(console_stack: dict[str, Any]) -> None:
+    url, token, sched = console_stack["url"], console_stack["token"], console_stack["sched"]
+    with httpx.Client(base_url=url, timeout=30) as http:
+        page = http.get("/")
+        assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+        assert "script-src 'self'" in page.headers["content-security-policy"]
+        assert page.headers["referrer-policy"] == "no-referrer"
+        assert http.get("/static/console.js").status_code == 200
+        assert http.get("/static/../api.py").status_code == 404
+        for path in ("/api/events", "/api/incidents", "/api/charts", "/api/jobs/1001/timeline", "/api/console/status"):
+            assert http.get(path).status_code == 401, path
+            assert http.get(path, headers={"Authorization": "Bearer wrong-token-1234567890"}).status_code == 401, path
+        assert http.get("/api/events", params={"token": "wrong-token-1234567890"}).status_code == 401
+        assert http.get("/api/incidents", params={"token": token}).status_code == 401  # ?token= on /api/events only
+        body = {"operator": "alice"}
+        assert http.post("/api/recommendations/dec-doesnotexist/approve", json=body).status_code == 401
+        unknown = http.post(
+            "/api/recommendations/dec-doesnotexist/approve", json=body, headers={"Authorization": f"Bearer {token}"}
+        )
+        assert unknown.status_code == 404
+        ok = http.get("/api/incidents", headers={"Authorization": f"Bearer {token}"})
+        assert ok.status_code == 200 and ok.json() == []
+        with http.stream("GET", "/api/events", params={"token": token}) as stream:
+            assert stream.status_code == 200 and stream.headers["content-type"].startswith("text/event-stream")
+            first = next(stream.iter_lines())
+            assert first.startswith("retry:")
+    assert sched.calls == []
+
+
+@pytest.mark.skipif(_browser_missing() is not None, reason=_browser_missing() or "")
+def test_console_shows_a_fault_live_and_approves_it(console_stack: dict[str, Any], tmp_path: Path) -> None:
+    from playwright.sync_api import expect, sync_playwright
+
+    stack: Stack = console_stack["stack"]
+    sched: SimulatedScheduler = console_stack["sched"]
+    job, other = console_stack["job"], console_stack["other"]
+    artifacts = _artifacts(tmp_path)
+    assert stack.store is not None
+    expect.set_options(timeout=90_000)
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 800})
+            console_errors: list[str] = []
+            page.on("console", lambda m: console_errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: console_errors.append(str(e)))
+            page.goto(console_stack["url"] + "/")
+
+            page.get_by_label("Operator token").fill("wrong-token-1234567890")
+            page.get_by_label("Your name").fill("alice")
+            page.get_by_role("button", name="Sign in").click()
+            expect(page.get_by_role("alert").filter(has_text="token was refused")).to_be_visible()
+            expect(page.get_by_role("main")).to_be_hidden()
+            console_errors.clear()  # chromium logs the refused request (401) as an error
+            page.get_by_label("Operator token").fill(console_stack["token"])
+            page.get_by_role("button", name="Sign in").click()
+            expect(page.locator("#conn")).to_have_text("Live")
+            expect(page.get_by_role("main")).to_be_visible()
+            expect(page.locator("#modes tbody")).to_contain_text("monitor")
+            expect(page.locator("#nodes-summary")).to_have_text("9 nodes, 0 drained")
+            # A mark that a reload would erase: everything below must arrive without one.
+            page.evaluate("window.__noReload = true")
+
+            publish_cascade(stack.bootstrap, tmp_path / "fault1", job, NODES, culprit="gpu02")
+            publish_cascade(stack.bootstrap, tmp_path / "fault2", other, OTHER_JOB_NODES, culprit="gpu06")
+
+            approve = page.get_by_role("button", name=re.compile(rf"^Approve drain_and_requeue gpu02 for job {job} "))
+            reject = page.get_by_role("button", name=re.compile(rf"^Reject drain_and_requeue gpu06 for job {other} "))
+            expect(approve).to_be_visible()
+            expect(reject).to_be_visible()
+            row = page.locator("#incidents tbody tr", has=approve)
+            expect(row).to_contain_text("gpu_hardware")
+            expect(row).to_contain_text("Awaiting approval")
+            log = page.get_by_role("log", name="Live activity, newest first")
+            expect(log).to_contain_text(f"New incident on job {job}: gpu_hardware, culprit gpu02")
+            expect(log).to_contain_text(f"New incident on job {other}: gpu_hardware, culprit gpu06")
+            assert page.evaluate("window.__noReload") is True
+            assert sched.calls == []  # monitor mode: nothing until an operator says so
+
+            approve.click()
+            results = page.locator("#results tbody")
+            expect(results).to_contain_text("drain_and_requeue gpu02")
+            expect(results).to_contain_text("Done")
+            expect(results).to_contain_text("drain gpu02: verified DRAIN")
+            expect(page.locator("#nodes tbody tr.drained")).to_contain_text("gpu02")
+            expect(page.locator("#nodes-summary")).to_have_text("9 nodes, 1 drained")
+            expect(log).to_contain_text(f"Approved drain_and_requeue for job {job} by alice")
+            expect(log).to_contain_text(f"Action done: drain_and_requeue gpu02 for job {job}")
+
+            reject.click()
+            dialog = page.get_by_role("dialog", name="Reject recommendation")
+            expect(dialog).to_be_visible()
+            reasons = dialog.get_by_label("Reason").locator("option").evaluate_all("os => os.map(o => o.value)")
+            assert reasons == ["", "wrong_node", "wrong_category", "not_a_fault", "not_worth_acting", "other"]
+            dialog.get_by_label("Reason").select_option("wrong_node")
+            dialog.get_by_label("Comment (optional)").fill("gpu06 was fine")
+            dialog.get_by_role("button", name="Reject", exact=True).click()
+            expect(log).to_contain_text(f"Rejected drain_and_requeue for job {other} by alice (wrong_node)")
+
+            page.get_by_role("checkbox", name="Open only").uncheck()
+            expect(page.locator("#incidents tbody")).to_contain_text("Rejected")
+            page.get_by_role("button", name=f"Show the timeline of job {job}").click()
+            timeline = page.locator("#timeline tbody")
+            expect(timeline).to_contain_text("approved drain_and_requeue by alice")
+            expect(timeline).to_contain_text("done: drain_and_requeue")
+            expect(page.locator("#latency-chart svg[role=img]")).to_be_visible()
+            expect(page.locator("#categories-chart")).to_contain_text("gpu_hardware")
+            assert page.evaluate("window.__noReload") is True
+
+            page.evaluate("window.scrollTo(0, 0)")
+            page.screenshot(path=str(artifacts / "console-1280x800.png"))
+            page.screenshot(path=str(artifacts / "console-full.png"), full_page=True)
+            print(f"\n[console] screenshots in {artifacts}")
+            assert console_errors == []
+        finally:
+            browser.close()
+
+    assert sched.calls == ["drain gpu02", f"requeue {job} exclude=gpu02"]
+    inc = wait_incident(stack.store, job)
+    act = wait_for(
+        "the approved action in the audit",
+        lambda: stack.store.query(  # type: ignore[union-attr]
+            "SELECT requested_by FROM {db}.actions FINAL WHERE incident_id = {i:String}", {"i": inc["incident_id"]}
+        ),
+    )
+    assert act[0]["requested_by"] == "operator:alice"
+    verdicts = wait_for(
+        "the rejection in the audit",
+        lambda: stack.store.query(  # type: ignore[union-attr]
+            "SELECT verdict, reason, comment FROM {db}.approvals FINAL WHERE job_id = {j:String}", {"j": other}
+        ),
+    )
+    assert verdicts == [{"verdict": "rejected", "reason": "wrong_node", "comment": "gpu06 was fine"}]
