@@ -116,3 +116,34 @@ def read_topic(bootstrap: str, topic: str, seconds: float = 3.0) -> list[bytes]:
             out.append(msg.value() or b"")
     consumer.close()
     return out
+
+
+def slurm_cmd(cluster: Cluster, *argv: str) -> str:
+    """Run a Slurm client command on the local cluster; fail the test with its stderr."""
+    proc = subprocess.run(list(argv), capture_output=True, text=True, env=cluster.env(), timeout=30, check=False)
+    assert proc.returncode == 0, f"{argv}: {proc.stderr}"
+    return proc.stdout
+
+
+@pytest.fixture
+def slurm(slurm_cluster: Cluster) -> Iterator[Any]:
+    """The Slurm CLI backend on a clean cluster: no jobs, every node undrained and idle, before and after."""
+    from sinks.backends.slurm_cli import SlurmCliBackend
+
+    backend = SlurmCliBackend(slurm_conf=slurm_cluster.slurm_conf)
+    nodes = ("gpu01", "gpu02", "gpu03", "gpu04")
+
+    def reset() -> None:
+        slurm_cmd(slurm_cluster, "scancel", "--user", "root")
+        for node in nodes:
+            if backend.node_state(node).drained:
+                backend.resume_node(node)
+        wait_for(
+            "all nodes idle",
+            lambda: all((s := backend.node_state(n)).state == "IDLE" and not s.flags for n in nodes),
+            timeout=60,
+        )
+
+    reset()
+    yield backend
+    reset()

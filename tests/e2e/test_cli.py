@@ -156,3 +156,20 @@ def test_bad_settings_fail_fast_naming_the_setting(tmp_path: Path, args: list[st
     )
     assert proc.returncode == 2
     assert needle in proc.stderr
+
+
+@pytest.mark.slurm
+def test_demo_slurm_acts_on_the_real_cluster(tmp_path: Path, slurm: object) -> None:
+    proc = subprocess.run(
+        [*TRAINMEDIC, "demo", "--slurm", "--json", "--data-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["scheduler"] == "slurm-cli"
+    assert report["incident"]["culprit"] == report["injected"]["node"]
+    assert report["action_result"]["status"] == "done", report["action_result"]
+    assert report["job_after"]["state"] == "RUNNING" and report["injected"]["node"] not in report["job_after"]["nodes"]

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,32 +18,10 @@ from schemas.codec import decode
 from schemas.events import Action, ActionResult
 from schemas.topics import ACTION_RESULTS, ACTIONS
 from sinks.backends.slurm_cli import SlurmCliBackend
-from tests.conftest import Cluster, read_topic, wait_for
-from tests.integration.scenario import NODES
+from tests.conftest import Cluster, read_topic, slurm_cmd, wait_for
 from trainmedic.broker import EmbeddedBroker
 
 pytestmark = pytest.mark.slurm
-
-
-def _sh(cluster: Cluster, *argv: str) -> str:
-    proc = subprocess.run(list(argv), capture_output=True, text=True, env=cluster.env(), timeout=30, check=False)
-    assert proc.returncode == 0, f"{argv}: {proc.stderr}"
-    return proc.stdout
-
-
-@pytest.fixture
-def slurm(slurm_cluster: Cluster) -> Iterator[SlurmCliBackend]:
-    backend = SlurmCliBackend(slurm_conf=slurm_cluster.slurm_conf)
-
-    def reset() -> None:
-        _sh(slurm_cluster, "scancel", "--user", "root")
-        for node in NODES:
-            if backend.node_state(node).drained:
-                backend.resume_node(node)
-
-    reset()
-    yield backend
-    reset()
 
 
 def _executor(bootstrap: str, cluster: Cluster, log: Path) -> subprocess.Popen[bytes]:
@@ -66,7 +43,7 @@ def test_sigkill_between_act_and_commit_acts_once(
     slurm_cluster: Cluster, slurm: SlurmCliBackend, broker: EmbeddedBroker, tmp_path: Path
 ) -> None:
     job = (
-        _sh(
+        slurm_cmd(
             slurm_cluster,
             "sbatch",
             "--parsable",

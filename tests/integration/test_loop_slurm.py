@@ -2,50 +2,22 @@
 
 from __future__ import annotations
 
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from sinks.backends.slurm_cli import SlurmCliBackend
-from tests.conftest import Cluster, wait_for
+from tests.conftest import Cluster, slurm_cmd, wait_for
 from tests.integration.scenario import NODES, publish_cascade, running_stack, wait_incident
 from trainmedic.broker import EmbeddedBroker
 
 pytestmark = pytest.mark.slurm
 
 
-def _sh(cluster: Cluster, *argv: str) -> str:
-    proc = subprocess.run(list(argv), capture_output=True, text=True, env=cluster.env(), timeout=30, check=False)
-    assert proc.returncode == 0, f"{argv}: {proc.stderr}"
-    return proc.stdout
-
-
-@pytest.fixture
-def slurm(slurm_cluster: Cluster) -> Iterator[SlurmCliBackend]:
-    backend = SlurmCliBackend(slurm_conf=slurm_cluster.slurm_conf)
-
-    def reset() -> None:
-        _sh(slurm_cluster, "scancel", "--user", "root")
-        for node in NODES:
-            if backend.node_state(node).drained:
-                backend.resume_node(node)
-        wait_for(
-            "all nodes idle",
-            lambda: all(backend.node_state(n).state == "IDLE" and not backend.node_state(n).flags for n in NODES),
-            timeout=60,
-        )
-
-    reset()
-    yield backend
-    reset()
-
-
 @pytest.fixture
 def training_job(slurm_cluster: Cluster, slurm: SlurmCliBackend) -> str:
     # 3-4 nodes: it gets all four now and can run on three once gpu02 is excluded.
-    out = _sh(
+    out = slurm_cmd(
         slurm_cluster,
         "sbatch",
         "--parsable",
