@@ -248,7 +248,8 @@ def run_demo(
 
 def _slurm_calls(report: dict[str, Any]) -> list[str]:
     res = report.get("action_result")
-    return [step.split(":")[0] for step in res["steps"]] if res else []
+    calls = [step.split(":")[0] for step in res["steps"]] if res else []
+    return [c for c in calls if c.split(" ")[0] in ("drain", "requeue", "stop")]
 
 
 def _cleanup_slurm(backend: SlurmCliBackend, job_id: str, say: Any) -> None:
