@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint unit slurm-up slurm-down clean
+.PHONY: demo test lint unit system-deps slurm-up slurm-down clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,11 +16,24 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/trainmedic demo
 
-## Lint, type-check and run every test. As root it installs and starts the local Slurm cluster.
-test: $(STAMP) lint
+## Lint, type-check and run every test. As root it installs what the tests drive (Slurm, sshd,
+## chromium from Debian) and starts the local Slurm cluster.
+test: $(STAMP) lint system-deps
 	@if [ "$$(id -u)" = 0 ]; then bash infra/slurm/start.sh; \
 	else echo "not root: the local Slurm cluster cannot start; its tests will be skipped"; fi
 	$(PY) -m pytest -ra
+
+system-deps:
+	@if [ "$$(id -u)" = 0 ]; then \
+	  missing=""; \
+	  [ -x /usr/sbin/sshd ] || missing="$$missing openssh-server"; \
+	  [ -x /usr/bin/chromium ] || missing="$$missing chromium"; \
+	  if [ -n "$$missing" ]; then \
+	    echo "installing:$$missing"; \
+	    export DEBIAN_FRONTEND=noninteractive; \
+	    apt-get update -qq && apt-get install -y -qq --no-install-recommends $$missing; \
+	  fi; \
+	else echo "not root: sshd/chromium tests skip unless already installed"; fi
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

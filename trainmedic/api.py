@@ -37,6 +37,7 @@ from streams.policy import (
     parse_policy,
     save_overlay,
 )
+from trainmedic.console import LiveFeed, console_router
 from trainmedic.readiness import readiness, verdict_for
 from trainmedic.replay import replay
 
@@ -139,6 +140,7 @@ def create_api(
     backend: SchedulerBackend,
     policy_path: Path,
     modes_path: Path,
+    feed: LiveFeed | None = None,
 ) -> FastAPI:
     api = FastAPI(title="trainmedic", version="1", docs_url=None, redoc_url=None)
     lock = threading.Lock()
@@ -390,6 +392,8 @@ def create_api(
         log.info("resumed %s (drained for %s) by %s", node, m.group(1), body.operator)
         return {"node": node, "incident_id": m.group(1), "status": "resumed"}
 
+    # The Recovery Console: its page, its live event stream and the reads it needs.
+    api.include_router(console_router(store, token, feed))
     return api
 
 

@@ -96,7 +96,7 @@ def up(
         _fail(str(exc))
     typer.echo(
         f"trainmedic is up: Kafka {stack.bootstrap}, audit {stack.store.url if stack.store else '?'}, "
-        f"scheduler {sched.name}, operator API {stack.api.url if stack.api else '-'} "
+        f"scheduler {sched.name}, operator API and console {stack.api.url + '/' if stack.api else '-'} "
         f"(token in {stack.config.token_file}), logs in {stack.logs_dir}. Ctrl-C stops."
     )
     done = threading.Event()

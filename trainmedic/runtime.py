@@ -26,6 +26,7 @@ from sinks.guardrails import GuardrailFile, Guardrails
 from streams.policy import DEFAULT_POLICY
 from trainmedic.api import ApiError, ApiServer, create_api, load_or_create_token
 from trainmedic.broker import BrokerError, EmbeddedBroker, ensure_topics, free_port
+from trainmedic.console import LiveFeed
 
 log = logging.getLogger("trainmedic.runtime")
 
@@ -78,6 +79,7 @@ class Stack:
     sink: AuditSink | None = None
     executor: ExecutorService | None = None
     api: ApiServer | None = None
+    console_feed: LiveFeed | None = None
     publisher: Publisher | None = None
     _worker: subprocess.Popen[bytes] | None = None
     _threads: list[threading.Thread] = field(default_factory=list)
@@ -158,7 +160,10 @@ class Stack:
         assert self.store is not None
         self.publisher = Publisher(self.bootstrap, "trainmedic-api")
         token = load_or_create_token(cfg.token_file)
-        api = create_api(self.store, self.publisher, token, self.backend, self.policy_path, self.modes_path)
+        self.console_feed = LiveFeed(self.bootstrap, group_prefix=f"trainmedic-console{cfg.group_suffix}").start()
+        api = create_api(
+            self.store, self.publisher, token, self.backend, self.policy_path, self.modes_path, feed=self.console_feed
+        )
         self.api = ApiServer(api, cfg.api_host, cfg.api_port or free_port())
         try:
             self.api.start()
@@ -211,12 +216,17 @@ class Stack:
             raise StackError(f"the streams worker died; its log ({self._worker_log}) ends:\n{tail}")
         if self.broker is not None and not self.broker.alive():
             raise StackError("the embedded broker died; see its log in " + str(self.logs_dir / "broker.log"))
+        if self.console_feed is not None and not self.console_feed.alive:
+            raise StackError("the console's live feed thread died; see the log above")
         for t in self._threads:
             if not t.is_alive():
                 raise StackError(f"the {t.name} thread died; see the log above")
 
     def stop(self) -> None:
         self.runtime_file.unlink(missing_ok=True)
+        if self.console_feed is not None:  # first: open event streams would keep uvicorn waiting
+            self.console_feed.stop()
+            self.console_feed = None
         if self.api is not None:
             self.api.stop()
             self.api = None

@@ -255,7 +255,7 @@
         ev.event_time,
       );
     }
-    debounce("charts", 1500, loadCharts);
+    refreshCharts();
     touchTimeline(ev.job_id);
   }
 
@@ -313,7 +313,7 @@
     }, true);
     activity(`Action ${ev.status}: ${ev.action}${ev.node ? " " + ev.node : ""} for job ${ev.job_id ?? "?"}`, ev.event_time);
     debounce("nodes", 200, loadNodes);
-    debounce("charts", 1500, loadCharts);
+    refreshCharts();
     touchTimeline(ev.job_id);
   }
 
@@ -338,6 +338,12 @@
     debounce("nodes", 200, loadNodes);
   }
 
+  function refreshCharts() {
+    // The audit sink inserts in batches: read once soon, and once more when it has surely caught up.
+    debounce("charts", 1500, loadCharts);
+    debounce("charts-late", 5000, loadCharts);
+  }
+
   function touchTimeline(jobId) {
     if (timelineJob !== null && jobId === timelineJob) debounce("timeline", 1500, () => loadTimeline(timelineJob, false));
   }
@@ -356,9 +362,10 @@
   }
 
   function flashRow(tr) {
-    // Once: a row hidden and shown again (Open only) would replay the animation.
+    // Removed on a timer, not on animationend: a row hidden meanwhile (Open only) never ends
+    // its animation and would replay it when shown again.
     tr.classList.add("new");
-    tr.addEventListener("animationend", () => tr.classList.remove("new"), { once: true });
+    setTimeout(() => tr.classList.remove("new"), 2100);
   }
 
   function renderIncident(rec, flash) {
