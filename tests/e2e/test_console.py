@@ -323,6 +323,11 @@ def test_console_shows_a_fault_live_and_approves_it(console_stack: dict[str, Any
             expect(timeline).to_contain_text("done: drain_and_requeue")
             expect(page.locator("#latency-chart svg[role=img]")).to_be_visible()
             expect(page.locator("#categories-chart")).to_contain_text("gpu_hardware")
+            # Readiness follows the verdicts live: 1 approved + 1 rejected of 2 recommendations.
+            readiness_row = page.locator("#readiness tbody tr", has_text="gpu_hardware")
+            expect(readiness_row).to_contain_text("2 of 2")
+            expect(readiness_row).to_contain_text("50%")
+            expect(readiness_row).to_contain_text("not yet")
             assert page.evaluate("window.__noReload") is True
 
             page.evaluate("window.scrollTo(0, 0)")

@@ -287,11 +287,13 @@
   function onApproval(ev) {
     upsert(ev.incident_id, { verdict: ev.verdict, reject_reason: ev.reason, operator: ev.operator });
     activity(
-      `${ev.verdict === "approved" ? "Approved" : "Rejected"} ${ev.action} for job ${ev.job_id ?? "?"} by ${ev.operator}` +
+      `${{ approved: "Approved", rejected: "Rejected", confirmed: "Confirmed" }[ev.verdict] || ev.verdict} ` +
+        `${ev.action} for job ${ev.job_id ?? "?"} by ${ev.operator}` +
         (ev.reason ? ` (${ev.reason})` : ""),
       ev.event_time,
     );
     touchTimeline(ev.job_id);
+    debounce("readiness", 500, loadReadiness);
   }
 
   function onResult(ev) {
@@ -325,9 +327,10 @@
   }
 
   function onModeChange(ev) {
+    const refused = ev.outcome === "refused" ? ` REFUSED (${ev.readiness})` : ev.forced ? " (forced)" : "";
     activity(
       `Mode ${ev.old_mode ?? "?"} \u2192 ${ev.new_mode} for partition ${ev.partition ?? "(all)"}` +
-        `${ev.category ? ", category " + ev.category : ""} by ${ev.operator}`,
+        `${ev.category ? ", category " + ev.category : ""} by ${ev.operator}${refused}`,
       ev.event_time,
     );
     debounce("modes", 200, loadModes);
@@ -563,7 +566,7 @@
 
   async function loadSnapshot() {
     snapshotLoaded = true;
-    await Promise.all([loadIncidents(), loadNodes(), loadModes(), loadCharts()]);
+    await Promise.all([loadIncidents(), loadNodes(), loadModes(), loadCharts(), loadReadiness()]);
   }
 
   async function loadIncidents() {
@@ -616,6 +619,26 @@
     const drained = nodes.filter((n) => n.drained).length;
     $("nodes-summary").textContent = `${nodes.length} nodes, ${drained} drained`;
     renderModes();
+  }
+
+  async function loadReadiness() {
+    const r = await api("/api/readiness");
+    if (r.status !== 200) return error(`Readiness could not be loaded (${r.status}): ${detail(r)}`);
+    const tbody = $("readiness").tBodies[0];
+    tbody.replaceChildren();
+    for (const s of r.body.filter((x) => x.partition === null)) {
+      const tr = tbody.insertRow();
+      const th = document.createElement("th");
+      th.scope = "row";
+      th.textContent = s.category;
+      tr.appendChild(th);
+      tr.insertCell().textContent = `${s.decided} of ${s.recommendations}`;
+      tr.insertCell().textContent = s.precision === null ? "\u2014" : `${Math.round(s.precision * 100)}%`;
+      tr.insertCell().textContent = String(s.misses);
+      const verdict = tr.insertCell();
+      verdict.appendChild(text("span", s.verdict.replace("_", " "), `badge ${s.verdict}`));
+      if (s.missing.length) verdict.append(text("span", s.missing.join("; "), "why"));
+    }
   }
 
   async function loadModes() {
