@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import orjson
 
@@ -174,15 +175,31 @@ def read_journal() -> Iterator[tuple[str, str | None]]:
 class KernelStreamProducer:
     """Publishes NVIDIA fault lines from a stream of kernel messages (kmsg, journald)."""
 
-    def __init__(self, publisher: Publisher, node: str | None = None) -> None:
+    def __init__(
+        self, publisher: Publisher, node: str | None = None, gpu_index_of: Callable[[str], int | None] | None = None
+    ) -> None:
         self.publisher = publisher
         self.node = node or socket.gethostname()
+        self.gpu_index_of = gpu_index_of
         self.published = 0
 
     def handle(self, message: str, host: str | None = None) -> bool:
         parsed = parse_kernel_line(message, host or self.node)
         if parsed is None:
             return False
-        self.publisher.publish(NODE_KERNEL, to_event(parsed, time.time()))
+        gpu = self.gpu_index_of(parsed.pci_bus_id) if self.gpu_index_of and parsed.pci_bus_id else None
+        self.publisher.publish(NODE_KERNEL, to_event(parsed, time.time(), gpu))
         self.published += 1
         return True
+
+
+def pci_key(bus_id: str) -> str:
+    """'00000000:3B:00.0' (NVML) and '0000:3b:00' (kernel Xid lines) -> '3b:00'."""
+    parts = bus_id.lower().split(".")[0].split(":")
+    return ":".join(parts[-2:])
+
+
+def nvml_gpu_index(collector: Any) -> Callable[[str], int | None]:
+    """Map a kernel line's PCI bus id to the GPU index NVML reports for it."""
+    by_pci = {pci_key(g.pci_bus_id): g.index for g in collector.gpus if g.pci_bus_id}
+    return lambda bus_id: by_pci.get(pci_key(bus_id))

@@ -111,6 +111,22 @@ def dcgm(
     _finish(pub, {"scrapes": producer.scrapes, "samples": producer.samples, "errors": producer.errors})
 
 
+def _nvml_gpu_index() -> Any:
+    """PCI bus id -> GPU index from NVML where it answers; without it Xid events carry no index."""
+    from producers.gpu_nvml import NvmlCollector, NvmlUnavailable
+    from producers.kernel import nvml_gpu_index
+
+    try:
+        collector = NvmlCollector()
+    except NvmlUnavailable as exc:
+        logging.getLogger("trainmedic.kernel").warning("%s: Xid events will carry no GPU index", exc)
+        return None
+    try:
+        return nvml_gpu_index(collector)
+    finally:
+        collector.close()
+
+
 @produce_app.command()
 def kernel(
     bootstrap: BootstrapOpt = None,
@@ -128,13 +144,14 @@ def kernel(
     _logging()
     pub = _publisher(bootstrap, data_dir, "trainmedic-kernel")
     stop = _stop_event()
+    gpu_index_of = _nvml_gpu_index()
     if file is not None:
-        follower = KernelLogProducer(pub, file, node=node)
+        follower = KernelLogProducer(pub, file, node=node, gpu_index_of=gpu_index_of)
         while not stop.wait(0.5):
             follower.poll_once()
         _finish(pub, {"published": follower.published})
         return
-    stream = KernelStreamProducer(pub, node=node)
+    stream = KernelStreamProducer(pub, node=node, gpu_index_of=gpu_index_of)
     try:
         if kmsg:
             for message in read_kmsg():

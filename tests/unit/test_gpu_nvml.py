@@ -237,3 +237,15 @@ def test_fake_mirrors_real_pynvml_signatures() -> None:
         assert list(mine.parameters) == list(real.parameters), name
     assert fake.NVMLError is pynvml.NVMLError
     assert fake.NVML_ERROR_GPU_IS_LOST == pynvml.NVML_ERROR_GPU_IS_LOST
+
+
+def test_kernel_xid_pci_bus_id_maps_to_the_nvml_gpu_index() -> None:
+    from producers.gpu_nvml import NvmlCollector
+    from producers.kernel import nvml_gpu_index, parse_kernel_line
+    from tests.fakes.fake_pynvml import FakeNvml, h100_gpus
+
+    index_of = nvml_gpu_index(NvmlCollector(FakeNvml(h100_gpus(8))))
+    parsed = parse_kernel_line("NVRM: Xid (PCI:0000:48:00): 79, pid=0, GPU has fallen off the bus.", "gpu02")
+    assert parsed is not None and parsed.pci_bus_id is not None
+    assert index_of(parsed.pci_bus_id) == 3  # 0x18 + 0x10 * 3 = 0x48
+    assert index_of("0000:ff:00") is None
