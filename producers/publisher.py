@@ -24,8 +24,12 @@ class Publisher:
     counted in `dropped` and logged, never silently lost.
     """
 
-    def __init__(self, bootstrap: str, client_id: str = "trainmedic-producer") -> None:
-        self._producer = Producer(producer_config(bootstrap, client_id))
+    def __init__(
+        self, bootstrap: str, client_id: str = "trainmedic-producer", config: dict[str, object] | None = None
+    ) -> None:
+        # `config`: librdkafka overrides, e.g. queue.buffering.max.messages (the buffer bound
+        # while the broker is away) or message.timeout.ms (how long an event may wait for it).
+        self._producer = Producer({**producer_config(bootstrap, client_id), **(config or {})})
         self._lock = threading.Lock()
         self.sent: Counter[str] = Counter()
         self.delivered: Counter[str] = Counter()
@@ -44,19 +48,21 @@ class Publisher:
         if not isinstance(event, topic.event_type):
             raise TypeError(f"topic {topic.name} carries {topic.event_type.__name__}, not {type(event).__name__}")
         payload = encode(event)
-        while True:
+        for attempt in range(2):
             try:
                 self._producer.produce(
                     topic.name, value=payload, key=partition_key(event), on_delivery=self._on_delivery
                 )
                 break
             except BufferError:
-                # Local queue full: let deliveries drain before giving up.
-                if self._producer.poll(1.0) == 0 and len(self._producer) >= 100_000:
-                    with self._lock:
-                        self.dropped[topic.name] += 1
-                    log.error("producer buffer full; dropped one %s event %s", topic.name, event.event_id)
-                    return
+                if attempt == 0:
+                    # The local buffer is at its bound: give deliveries one chance to drain it.
+                    self._producer.poll(0.5)
+                    continue
+                with self._lock:
+                    self.dropped[topic.name] += 1
+                log.error("producer buffer full; dropped one %s event %s (broker away?)", topic.name, event.event_id)
+                return
         with self._lock:
             self.sent[topic.name] += 1
         self._producer.poll(0)
