@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint unit system-deps slurm-up slurm-down clean
+.PHONY: demo test lint bench unit system-deps slurm-up slurm-down clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy schemas producers streams sinks trainmedic sim tests bench
+
+## The end-to-end benchmark (minutes): latency, accuracy, status quo, scale; reports in bench/results/.
+bench: $(STAMP)
+	$(VENV)/bin/trainmedic bench
 
 unit: $(STAMP)
 	$(PY) -m pytest tests/unit -q

@@ -15,6 +15,7 @@ import typer
 
 from schemas.vocab import CATEGORIES, MODES, REJECT_REASONS
 from trainmedic.audit_cli import audit_app, db_app
+from trainmedic.bench_cli import bench_app
 from trainmedic.policy_cli import policy_app
 from trainmedic.produce_cli import produce_app
 from trainmedic.readiness_cli import label_cmd, readiness_cmd, replay_cmd
@@ -336,6 +337,7 @@ app.add_typer(produce_app, name="produce")
 app.add_typer(audit_app, name="audit")
 app.add_typer(db_app, name="db")
 app.add_typer(policy_app, name="policy")
+app.add_typer(bench_app, name="bench")
 app.command("readiness")(readiness_cmd)
 app.command("replay")(replay_cmd)
 app.command("label")(label_cmd)
