@@ -168,8 +168,9 @@ class StragglerDetector:
         self.threshold = threshold
         self.min_slowdown = min_slowdown
         self.warmup_s = warmup_s
-        # Evidence must cover half the window: a short burst is not "persistent".
-        self.min_span_s = window_s / 2
+        # Evidence must cover 45 s (or half a shorter window): a short burst is not "persistent",
+        # and a verdict must still come within a minute of the slowdown starting.
+        self.min_span_s = min(window_s / 2, 45.0)
         self._jobs: dict[str, _Job] = {}
         self._ended: dict[str, float] = {}  # job id -> when its end was seen
         self._gpu: dict[str, deque[tuple[float, tuple[_Gpu, ...]]]] = {}
