@@ -16,6 +16,7 @@ Run: python -m streams.app worker --without-web -l info
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import logging
 import os
@@ -25,6 +26,7 @@ from typing import Any
 
 import aiokafka  # type: ignore[import-untyped]
 import faust
+from confluent_kafka import KafkaException
 from prometheus_client import start_http_server
 
 from schemas.codec import DecodeError, decode, encode
@@ -55,12 +57,13 @@ from schemas.topics import (
     partition_key,
 )
 from streams import metrics
-from streams.attribution import Attributor
+from streams.attribution import ALLOCATION_TTL_S, Attributor
 from streams.detectors.hang import HangDetector
 from streams.detectors.signatures import SignatureDetector
 from streams.detectors.straggler import StragglerDetector
 from streams.detectors.xid import XidDetector
 from streams.policy_store import PolicyStore
+from streams.recovery import read_history
 
 log = logging.getLogger("trainmedic.streams")
 
@@ -124,6 +127,47 @@ policies = PolicyStore(
     os.environ.get("TRAINMEDIC_MODE") or None,
     os.environ.get("TRAINMEDIC_MODES_FILE") or None,
 )
+
+
+_recovery_lock = asyncio.Lock()
+_recovered = False
+
+
+async def recover_state() -> None:
+    """Before the first record: take back the incidents, restarts and job placements that a
+    previous worker published, so a restart neither repeats nor forgets a decision."""
+    global _recovered
+    async with _recovery_lock:
+        if _recovered:
+            return
+        now = time.time()
+        window_s = policies.policy.restart_budget.window_h * 3600
+        try:
+            history = await asyncio.get_running_loop().run_in_executor(
+                None, read_history, BOOTSTRAP, now, attributor.hold_s, window_s, ALLOCATION_TTL_S
+            )
+        except (KafkaException, TimeoutError) as exc:
+            # Stopping here would stop all detection; going on risks one repeated incident
+            # (the executor still refuses to repeat an action id). Say so loudly and go on.
+            log.error(
+                "could not read back the previous worker's state (%s): a fault handled just before this "
+                "restart may be reported again",
+                exc,
+            )
+            _recovered = True
+            return
+        holding = attributor.restore(history.incidents, history.sched, now)
+        restarts = policies.restore(history.actions)
+        _recovered = True
+        log.info(
+            "state recovered from the topics: %d incidents (%d still holding their job), %d restarts, "
+            "%d job states, %d undecodable",
+            len(history.incidents),
+            holding,
+            restarts,
+            len(history.sched),
+            history.undecodable,
+        )
 
 
 async def publish(topic: Any, event: Event) -> None:
@@ -219,6 +263,7 @@ async def check_signals() -> None:
 
 @app.agent(attribution_topic)
 async def attribute(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
+    await recover_state()
     async for event in stream.events():
         consumed("attribute", event)
         topic = event.message.topic
@@ -251,6 +296,7 @@ async def publish_incidents() -> None:
 
 @app.agent(incidents_topic)
 async def apply_policy(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
+    await recover_state()
     async for event in stream.events():
         consumed("apply_policy", event)
         try:

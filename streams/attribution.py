@@ -12,6 +12,7 @@ clock. Ranking of candidate root causes:
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from schemas.events import Anomaly, Evidence, Incident, SchedEvent
@@ -82,7 +83,38 @@ class Attributor:
         self._alloc: dict[str, _Allocation] = {}  # job id -> allocation
         self._node_job: dict[str, str] = {}  # node -> running job id
         self._incident_times: dict[str, float] = {}
+        # anomaly id -> until: evidence already in a published incident. Catches a
+        # redelivered anomaly whose job is unknown again (its key differs from the incident's).
+        self._attributed: dict[str, float] = {}
         self.absorbed = 0
+
+    def restore(self, incidents: Sequence[Incident], sched: Sequence[SchedEvent], now: float) -> int:
+        """Take back what a previous worker published (read from the topics at start).
+
+        Replayed in time order so that a job that ran again after its incident is
+        open for new incidents, exactly as it would be had the worker never stopped.
+        Returns how many incidents still hold their job.
+        """
+        timeline: list[tuple[float, int, Incident | SchedEvent]] = [(i.event_time, 0, i) for i in incidents]
+        timeline += [(e.event_time, 1, e) for e in sched]
+        for _, _, item in sorted(timeline, key=lambda t: (t[0], t[1])):
+            if isinstance(item, SchedEvent):
+                self.observe_sched(item, item.event_time)
+            else:
+                self._restore_incident(item)
+        self._expire(now)
+        return len(self._closed)
+
+    def _restore_incident(self, inc: Incident) -> None:
+        if inc.job_id and inc.job_nodes:
+            self._set_alloc(inc.job_id, tuple(inc.job_nodes), inc.partition, inc.event_time)
+        node = inc.culprit_node or next((e.node for e in inc.evidence if e.node), None)
+        key = inc.job_id or f"node:{node or '?'}"
+        until = inc.event_time + self.hold_s
+        self._closed[key] = (until, inc.incident_id)
+        self._incident_times[inc.incident_id] = inc.event_time
+        for aid in inc.anomaly_ids:
+            self._attributed[aid] = until
 
     # -- inputs ------------------------------------------------------------------
 
@@ -120,7 +152,7 @@ class Attributor:
             job_id = self._node_job.get(anomaly.node)
         key = job_id or f"node:{anomaly.node or '?'}"
         closed = self._closed.get(key)
-        if closed and now < closed[0]:
+        if (closed and now < closed[0]) or self._attributed.get(anomaly.event_id, 0.0) > now:
             self.absorbed += 1
             return
         group = self._groups.get(key)
@@ -153,6 +185,8 @@ class Attributor:
             inc = self._incident(g, now)
             self._closed[g.key] = (now + self.hold_s, inc.incident_id)
             self._incident_times[inc.incident_id] = inc.event_time
+            for aid in inc.anomaly_ids:
+                self._attributed[aid] = now + self.hold_s
             incidents.append(inc)
         self._expire(now)
         return incidents
@@ -183,6 +217,8 @@ class Attributor:
     def _expire(self, now: float) -> None:
         for key in [k for k, (until, _) in self._closed.items() if until <= now]:
             self._incident_times.pop(self._closed.pop(key)[1], None)
+        for aid in [a for a, until in self._attributed.items() if until <= now]:
+            del self._attributed[aid]
         for job_id in [j for j, a in self._alloc.items() if now - a.seen_at > ALLOCATION_TTL_S]:
             del self._alloc[job_id]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 
 from schemas.events import Action, Decision, Incident
@@ -58,6 +59,19 @@ class PolicyStore:
                 # Keep acting on the last valid policy; a typo must not stop the service.
                 log.error("policy reload refused, keeping the previous one: %s", exc)
         return self._policy
+
+    def restore(self, actions: Sequence[Action]) -> int:
+        """Count the restarts a previous worker ordered (read back from the actions topic),
+        so that a worker restart does not reset any job's restart budget."""
+        restored, seen = 0, set()
+        for a in sorted(actions, key=lambda a: a.event_time):
+            if a.action_id in seen:
+                continue  # the same action published twice (a crash between send and commit)
+            seen.add(a.action_id)
+            if a.requested_by == "policy" and a.action in ("requeue", "drain_and_requeue") and a.job_id:
+                self._restarts.setdefault(a.job_id, deque()).append(a.event_time)
+                restored += 1
+        return restored
 
     def decide(self, incident: Incident, now: float) -> tuple[Decision, Action | None]:
         policy = self.policy

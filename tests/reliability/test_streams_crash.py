@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 from aiokafka.partitioner import murmur2  # type: ignore[import-untyped]
 
 from producers.joblogs import JobLayout, JobLogProducer
@@ -167,15 +166,6 @@ def test_worker_killed_right_after_publishing_the_incident_does_not_act_twice(
     assert sched.calls == ["drain gpu02", f"requeue {job} exclude=gpu02"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG streams/attribution.py: the attribution state (closed incidents absorbing later "
-        "anomalies for hold_s, and the node -> job map) lives only in the worker's memory. After "
-        "a worker restart a redelivered Xid anomaly (same event id) opens a NEW incident "
-        "(job=None, culprit gpu02, a different incident id) and a second drain decision/action."
-    ),
-)
 def test_redelivered_evidence_after_a_worker_restart_is_not_a_second_incident(
     broker: EmbeddedBroker, chdb_url: str, database: str, tmp_path: Path
 ) -> None:

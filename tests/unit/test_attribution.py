@@ -118,3 +118,38 @@ def test_redelivered_anomaly_counts_once_and_ids_are_stable() -> None:
         return inc.incident_id
 
     assert run() == run()
+
+
+def test_restored_incident_absorbs_redelivered_and_late_evidence_until_the_job_runs_again() -> None:
+    """A restarted worker takes back the published incidents and job states: the same
+    evidence, or more of the same cascade, is not a second incident."""
+    before = Attributor(settle_s=1.0, collateral_wait_s=5.0)
+    before.observe_sched(running("100", JOB_NODES, 1.0), now=1.0)
+    before.add(xid("gpu02", 79, 9.5), now=10.0)
+    (inc,) = before.flush(11.5)
+    assert inc.job_id == "100"
+
+    after = Attributor(settle_s=1.0, collateral_wait_s=5.0)
+    assert after.restore([inc], [running("100", JOB_NODES, 1.0)], now=20.0) == 1
+    after.add(xid("gpu02", 79, 9.5), now=20.0)  # redelivered: kernel evidence carries no job
+    after.add(nccl("gpu01", 0, 19.0), now=20.0)  # late collateral of the same fault
+    assert after.flush(40.0) == [] and after.absorbed == 2
+    # The job runs again after the incident: a new fault is a new incident, but the old
+    # Xid line read once more is still the old evidence.
+    after.observe_sched(running("100", ["gpu01", "gpu03", "gpu04", "gpu05"], 41.0), now=41.0)
+    after.add(xid("gpu02", 79, 9.5), now=42.0)
+    assert after.flush(50.0) == []
+    later = xid("gpu03", 48, 43.0).model_copy(update={"event_id": "x-gpu03-48-new"})
+    after.add(later, now=43.0)
+    (second,) = after.flush(50.0)
+    assert second.job_id == "100" and second.culprit_node == "gpu03" and second.incident_id != inc.incident_id
+
+
+def test_restore_forgets_incidents_older_than_the_hold() -> None:
+    before = Attributor(settle_s=1.0, hold_s=60.0)
+    before.add(xid("gpu02", 79, 9.5), now=10.0)
+    (inc,) = before.flush(11.5)
+    after = Attributor(settle_s=1.0, hold_s=60.0)
+    assert after.restore([inc], [], now=500.0) == 0
+    after.add(xid("gpu02", 79, 499.0).model_copy(update={"event_id": "x-new"}), now=500.0)
+    assert len(after.flush(502.0)) == 1

@@ -158,3 +158,21 @@ def test_invalid_rule_names_its_line() -> None:
     )
     with pytest.raises(PolicyError, match=r"line 14: field 'rules.0.match.category.0'"):
         parse_policy(bad, "p.yaml")
+
+
+def test_restored_restarts_count_against_the_budget_once_each(tmp_path: Path) -> None:
+    """A worker restart must not hand a crash-looping job a fresh restart budget."""
+    path = tmp_path / "p.yaml"
+    path.write_text("mode: autonomous\nrestart_budget: {max_restarts: 2, window_h: 6}\n" + _actions())
+    first = PolicyStore(path)
+    ordered = []
+    for i in range(2):
+        _, a = first.decide(incident().model_copy(update={"incident_id": f"inc-{i}"}), now=100.0 + i)
+        assert a is not None
+        ordered.append(a)
+    # The same action read back twice (published again after a crash) counts once.
+    operator = ordered[0].model_copy(update={"action_id": "act-op", "requested_by": "alice"})
+    restarted = PolicyStore(path)
+    assert restarted.restore([ordered[0], *ordered, operator]) == 2
+    _, a = restarted.decide(incident().model_copy(update={"incident_id": "inc-2"}), now=110.0)
+    assert a is not None and (a.action, a.stop_mode) == ("stop", "hold")
