@@ -318,6 +318,9 @@ class JobView:
     partition: str | None = None
     state_reason: str | None = None
     exit_code: int | None = None  # raw wait status, as squeue --json gives it
+    name: str | None = None
+    user: str | None = None
+    account: str | None = None
 
 
 @dataclass(frozen=True)
@@ -388,6 +391,9 @@ def parse_squeue(data: Mapping[str, Any]) -> dict[str, JobView]:
             partition=_opt_str(entry.get("partition")),
             state_reason=_opt_str(entry.get("state_reason")),
             exit_code=exit_code if isinstance(exit_code, int) and not isinstance(exit_code, bool) else None,
+            name=_opt_str(entry.get("name")),
+            user=_opt_str(entry.get("user_name")),
+            account=_opt_str(entry.get("account")),
         )
     return jobs
 
@@ -783,6 +789,9 @@ class SlurmProducer:
             partition=view.partition,
             reason="; ".join(reason_parts) or None,
             flags=flags,
+            job_name=view.name,
+            user=view.user,
+            account=view.account,
         )
 
 

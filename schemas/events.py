@@ -126,6 +126,10 @@ class SchedEvent(Event):
     partition: str | None = None
     reason: str | None = None
     flags: list[str] = Field(default_factory=list)
+    # Who runs the job (kind "job"): what policy rules match on besides partition.
+    job_name: str | None = None
+    user: str | None = None
+    account: str | None = None
 
 
 class ProgressSample(BaseModel):
@@ -218,6 +222,9 @@ class Incident(Event):
     job_id: str | None = None
     partition: str | None = None
     job_nodes: list[str] = Field(default_factory=list)
+    job_name: str | None = None  # from the scheduler's job state, when one was seen
+    user: str | None = None
+    account: str | None = None
     category: Category
     severity: Severity
     culprit_node: str | None = None

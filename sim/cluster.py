@@ -397,6 +397,9 @@ class SimCluster:
                 state=change,
                 nodes=list(state.nodes),
                 partition=state.partition,
+                job_name=state.name,
+                user=state.extra.get("user"),
+                account=state.extra.get("account"),
             )
             self.sched_log.append(SchedRecord(now, "job", change, state.job_id, None, state.restart_count, state.nodes))
         else:

@@ -108,6 +108,9 @@ def _incident(e: Incident) -> list[Any]:
         evidence,
         e.anomaly_ids,
         round(e.event_time - e.first_signal_time, 3),
+        e.job_name,
+        e.user,
+        e.account,
     ]
 
 
@@ -213,6 +216,9 @@ def _sched(e: SchedEvent) -> list[Any]:
         e.partition,
         e.reason,
         e.flags,
+        e.job_name,
+        e.user,
+        e.account,
     ]
 
 
@@ -293,6 +299,9 @@ TABLES: dict[str, tuple[Topic, str, _Row, list[str]]] = {
             "evidence",
             "anomaly_ids",
             "detection_latency_s",
+            "job_name",
+            "user",
+            "account",
         ],
     ),
     DECISIONS.name: (
@@ -409,6 +418,9 @@ TABLES: dict[str, tuple[Topic, str, _Row, list[str]]] = {
             "partition",
             "reason",
             "flags",
+            "job_name",
+            "user",
+            "account",
         ],
     ),
     NODE_RETURNS.name: (

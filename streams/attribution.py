@@ -42,6 +42,9 @@ class _Allocation:
     nodes: tuple[str, ...]
     partition: str | None
     seen_at: float
+    job_name: str | None = None
+    user: str | None = None
+    account: str | None = None
 
 
 def _rank(a: Anomaly) -> tuple[int, int, int, float]:
@@ -107,7 +110,7 @@ class Attributor:
 
     def _restore_incident(self, inc: Incident) -> None:
         if inc.job_id and inc.job_nodes:
-            self._set_alloc(inc.job_id, tuple(inc.job_nodes), inc.partition, inc.event_time)
+            self._set_alloc(inc.job_id, tuple(inc.job_nodes), inc.partition, inc.event_time, inc)
         node = inc.culprit_node or next((e.node for e in inc.evidence if e.node), None)
         key = inc.job_id or f"node:{node or '?'}"
         until = inc.event_time + self.hold_s
@@ -122,7 +125,7 @@ class Attributor:
         if ev.kind != "job" or not ev.job_id:
             return
         if ev.state == "RUNNING" and ev.nodes:
-            self._set_alloc(ev.job_id, tuple(ev.nodes), ev.partition, now)
+            self._set_alloc(ev.job_id, tuple(ev.nodes), ev.partition, now, ev)
             closed = self._closed.get(ev.job_id)
             if closed and ev.event_time > self._incident_time(closed[1]):
                 # The job runs again after our incident: new faults are new incidents.
@@ -199,8 +202,25 @@ class Attributor:
     def _incident_time(self, incident_id: str) -> float:
         return self._incident_times.get(incident_id, 0.0)
 
-    def _set_alloc(self, job_id: str, nodes: tuple[str, ...], partition: str | None, now: float) -> None:
-        self._alloc[job_id] = _Allocation(nodes, partition, now)
+    def _set_alloc(
+        self,
+        job_id: str,
+        nodes: tuple[str, ...],
+        partition: str | None,
+        now: float,
+        owner: SchedEvent | Incident | None = None,
+    ) -> None:
+        before = self._alloc.get(job_id)
+        # Log-derived placements carry no owner: keep what the scheduler said about it.
+        src: SchedEvent | Incident | _Allocation | None = owner or before
+        self._alloc[job_id] = _Allocation(
+            nodes,
+            partition,
+            now,
+            src.job_name if src else None,
+            src.user if src else None,
+            src.account if src else None,
+        )
         for n in nodes:
             self._node_job[n] = job_id
 
@@ -247,6 +267,9 @@ class Attributor:
             job_id=g.job_id,
             partition=partition,
             job_nodes=job_nodes,
+            job_name=alloc.job_name if alloc else None,
+            user=alloc.user if alloc else None,
+            account=alloc.account if alloc else None,
             category=category,
             severity=top.severity,
             culprit_node=culprit_node,

@@ -42,7 +42,9 @@ class ReadinessSettings(BaseModel):
 
 
 class RuleMatch(BaseModel):
-    """Every given condition must hold. Partition patterns are shell-style globs."""
+    """Every given condition must hold. Partition, job name, user and account are
+    shell-style globs; an incident whose job owner is unknown (no scheduler state
+    seen for it) does not match a rule that asks for one."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -51,12 +53,21 @@ class RuleMatch(BaseModel):
     min_severity: Severity | None = None
     min_confidence: float | None = Field(default=None, ge=0.0, le=1.0)
     culprit_known: bool | None = None
+    job_name: str | None = None
+    user: str | None = None
+    account: str | None = None
 
     def matches(self, incident: Incident) -> bool:
         if self.category is not None and incident.category not in self.category:
             return False
-        if self.partition is not None and not fnmatch.fnmatchcase(incident.partition or "", self.partition):
-            return False
+        for pattern, value in (
+            (self.partition, incident.partition),
+            (self.job_name, incident.job_name),
+            (self.user, incident.user),
+            (self.account, incident.account),
+        ):
+            if pattern is not None and not fnmatch.fnmatchcase(value or "", pattern):
+                return False
         if self.min_severity is not None and SEVERITY_RANK[incident.severity] < SEVERITY_RANK[self.min_severity]:
             return False
         if self.min_confidence is not None and incident.confidence < self.min_confidence:
@@ -306,7 +317,9 @@ def explain(policy: Policy, incident: Incident) -> list[str]:
     lines = [
         f"incident {incident.incident_id}: {incident.category} (severity {incident.severity}, confidence "
         f"{incident.confidence:.2f}) partition {incident.partition or '-'} culprit {incident.culprit_node or '-'} "
-        f"recommended {incident.recommended_action}"
+        f"recommended {incident.recommended_action}",
+        f"  job {incident.job_id or '-'} name {incident.job_name or '-'} user {incident.user or '-'} "
+        f"account {incident.account or '-'}",
     ]
     for r in policy.rules:
         lines.append(f"  rule {r.name}: {'MATCHES' if r.match.matches(incident) else 'no match'} -> {r.action}")

@@ -70,6 +70,9 @@ class DemoWorld:
                 state=change,
                 nodes=list(state.nodes),
                 partition=state.partition,
+                job_name=state.name,
+                user=state.extra.get("user"),
+                account=state.extra.get("account"),
             ),
         )
 

@@ -7,6 +7,8 @@ Every test starts and ends with no job of root's and gpu01..gpu04 idle, undraine
 from __future__ import annotations
 
 import json
+import os
+import pwd
 import shutil
 import subprocess
 import threading
@@ -127,6 +129,8 @@ def test_job_and_node_changes_restart_and_idempotent_ids(
     assert running.previous_state == "PENDING"
     assert running.nodes and set(running.nodes) <= set(NODES)
     assert running.partition == "gpu"
+    # Who runs it, for policy rules that match on the job's name, user or account.
+    assert (running.job_name, running.user) == ("tm-producer", pwd.getpwuid(os.getuid()).pw_name)
 
     idle = sorted(set(NODES) - set(running.nodes))
     drained = idle[-1]

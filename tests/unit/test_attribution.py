@@ -153,3 +153,15 @@ def test_restore_forgets_incidents_older_than_the_hold() -> None:
     assert after.restore([inc], [], now=500.0) == 0
     after.add(xid("gpu02", 79, 499.0).model_copy(update={"event_id": "x-new"}), now=500.0)
     assert len(after.flush(502.0)) == 1
+
+
+def test_incident_carries_the_job_owner_from_the_scheduler() -> None:
+    a = Attributor(settle_s=1.0)
+    owner = running("100", JOB_NODES, 1.0).model_copy(
+        update={"job_name": "pretrain-70b", "user": "alice", "account": "llm"}
+    )
+    a.observe_sched(owner, now=1.0)
+    a.add(nccl("gpu01", 0, 9.0), now=9.0)  # log evidence re-states the placement, without an owner
+    a.add(xid("gpu02", 79, 9.5), now=10.0)
+    (inc,) = a.flush(11.5)
+    assert (inc.job_id, inc.job_name, inc.user, inc.account) == ("100", "pretrain-70b", "alice", "llm")

@@ -6,7 +6,7 @@ import pytest
 
 from schemas.events import Evidence, Incident
 from schemas.vocab import ActionKind, Category
-from streams.policy import PolicyError, decide, load_policy, parse_policy
+from streams.policy import PolicyError, decide, explain, load_policy, parse_policy
 from streams.policy_store import PolicyStore
 
 
@@ -176,3 +176,33 @@ def test_restored_restarts_count_against_the_budget_once_each(tmp_path: Path) ->
     assert restarted.restore([ordered[0], *ordered, operator]) == 2
     _, a = restarted.decide(incident().model_copy(update={"incident_id": "inc-2"}), now=110.0)
     assert a is not None and (a.action, a.stop_mode) == ("stop", "hold")
+
+
+OWNER_RULES = """
+rules:
+  - name: research-sweeps-only-recommend
+    match: {account: "research-*", job_name: "sweep-*"}
+    action: none
+  - name: alice-holds
+    match: {user: alice, category: [gpu_hardware]}
+    action: stop
+    stop: hold
+"""
+
+
+def test_rules_match_job_name_user_and_account_globs() -> None:
+    policy = parse_policy("mode: autonomous\n" + _actions() + OWNER_RULES)
+
+    def owned(**owner: str) -> Incident:
+        return incident().model_copy(update=owner)
+
+    d, _ = decide(policy, owned(account="research-nlp", job_name="sweep-17", user="bob"), 11.0)
+    assert d.rule == "rules.research-sweeps-only-recommend=none"
+    d, _ = decide(policy, owned(account="research-nlp", job_name="pretrain-70b", user="bob"), 11.0)
+    assert d.rule == "actions.gpu_hardware=drain_and_requeue"  # both globs must hold
+    d, a = decide(policy, owned(user="alice"), 11.0)
+    assert d.rule == "rules.alice-holds=stop" and a is not None and a.stop_mode == "hold"
+    # No scheduler state seen for the job: an owner rule cannot vouch for it.
+    d, _ = decide(policy, incident(), 11.0)
+    assert d.rule == "actions.gpu_hardware=drain_and_requeue"
+    assert "name - user alice account -" in "\n".join(explain(policy, owned(user="alice")))
