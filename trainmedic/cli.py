@@ -52,7 +52,10 @@ def up(
         Optional[str], typer.Option(help="Override the policy's mode everywhere: monitor|autonomous.")
     ] = None,
     backend: Annotated[
-        str, typer.Option(help="Scheduler backend: slurm-cli (this host), slurm-ssh (a login node) or simulated.")
+        str,
+        typer.Option(
+            help="Scheduler backend: slurm-cli (this host), slurm-ssh (a login node), pyslurm (in-process, untested) or simulated."
+        ),
     ] = "slurm-cli",
     api_port: Annotated[int, typer.Option(help="Port of the operator API (approvals, modes, nodes).")] = 8477,
     api_host: Annotated[
@@ -184,7 +187,8 @@ def _backend(
     remote_slurm_conf: str | None = None,
 ) -> Any:
     """The scheduler backend: slurm-cli runs Slurm's CLI here (munge auth); slurm-ssh runs it on a
-    login node over SSH with strict host-key checking; simulated is the demo's in-memory scheduler."""
+    login node over SSH with strict host-key checking; pyslurm calls libslurm in-process (Slurm
+    23.02+, untested here); simulated is the demo's in-memory scheduler."""
     if name == "slurm-cli":
         from sinks.backends.slurm_cli import SlurmCliBackend
 
@@ -207,7 +211,15 @@ def _backend(
         from sinks.backends.simulated import SimulatedScheduler
 
         return SimulatedScheduler([])
-    _fail(f"--backend {name!r}: expected slurm-cli, slurm-ssh or simulated")
+    if name == "pyslurm":
+        from sinks.backends.base import BackendError
+        from sinks.backends.pyslurm_backend import PyslurmBackend
+
+        try:
+            return PyslurmBackend()
+        except BackendError as exc:
+            _fail(f"--backend pyslurm: {exc}")
+    _fail(f"--backend {name!r}: expected slurm-cli, slurm-ssh, pyslurm or simulated")
 
 
 @app.command("executor")

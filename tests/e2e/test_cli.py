@@ -173,3 +173,16 @@ def test_demo_slurm_acts_on_the_real_cluster(tmp_path: Path, slurm: object) -> N
     assert report["incident"]["culprit"] == report["injected"]["node"]
     assert report["action_result"]["status"] == "done", report["action_result"]
     assert report["job_after"]["state"] == "RUNNING" and report["injected"]["node"] not in report["job_after"]["nodes"]
+
+
+def test_pyslurm_backend_without_pyslurm_fails_fast_with_the_install_hint(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [*TRAINMEDIC, "up", "--backend", "pyslurm", "--data-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert "--backend pyslurm: pyslurm is not installed (pip install 'trainmedic[pyslurm]'" in proc.stderr
+    assert list(tmp_path.iterdir()) == []  # refused before anything started
