@@ -7,14 +7,22 @@ published it. Latencies are differences of these.
 
 from __future__ import annotations
 
+import math
 import time
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_serializer
 
 from schemas.vocab import ActionKind, Category, Guardrail, Mode, RejectReason, ResultStatus, Role, Severity, Source
 
 SCHEMA_VERSION = 1
+
+
+# Upper bound of any event time: 2200-01-01 UTC, inside ClickHouse DateTime64's range
+# (to 2299). A time outside [epoch, this] or not finite is a broken clock or a forged
+# event; it is refused at decode (dead letter) instead of failing an audit insert later.
+MAX_EVENT_TIME = 7_258_118_400.0
+Timestamp = Annotated[float, Field(ge=0.0, le=MAX_EVENT_TIME, allow_inf_nan=False)]
 
 
 def now() -> float:
@@ -29,8 +37,8 @@ class Event(BaseModel):
 
     schema_version: Literal[1] = 1  # == SCHEMA_VERSION
     event_id: str = Field(min_length=1, max_length=200)
-    event_time: float
-    produced_at: float = Field(default_factory=now)
+    event_time: Timestamp
+    produced_at: Timestamp = Field(default_factory=now)
 
 
 # --- signals -----------------------------------------------------------------
@@ -79,7 +87,7 @@ class LogLine(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     text: str = Field(max_length=65536)
-    ts: float  # when the line was written, or first seen by the tailer
+    ts: Timestamp  # when the line was written, or first seen by the tailer
     rank: int | None = Field(default=None, ge=0)
     node: str | None = None
     lineno: int = Field(ge=0)
@@ -137,7 +145,7 @@ class ProgressSample(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    ts: float  # when the line was written (or first seen)
+    ts: Timestamp  # when the line was written (or first seen)
     rank: int | None = Field(default=None, ge=0)
     node: str | None = None
     step: int | None = Field(default=None, ge=0)
@@ -149,6 +157,14 @@ class ProgressSample(BaseModel):
     # (a hang detector must not fire then), "eval" for evaluation passes.
     phase: Literal["train", "checkpoint", "eval"] = "train"
     format: str  # which parser recognised it: megatron, lightning, hf, torchtitan, deepspeed, custom
+
+    @field_serializer("loss", "grad_norm", when_used="json")
+    def _non_finite_as_text(self, value: float | None) -> float | str | None:
+        # JSON has no NaN/inf and orjson would write null ("no loss reported"), losing
+        # exactly the signal the numerical detector needs; the decoder reads these back.
+        if value is None or math.isfinite(value):
+            return value
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
 
 
 class ProgressBatch(Event):
@@ -209,7 +225,7 @@ class Evidence(BaseModel):
     signature: str
     node: str | None = None
     rank: int | None = None
-    time: float
+    time: Timestamp
     line: str
     role: Role
 
@@ -234,7 +250,7 @@ class Incident(Event):
     explanation: str
     evidence: list[Evidence]
     anomaly_ids: list[str]
-    first_signal_time: float  # earliest evidence: the start of detection latency
+    first_signal_time: Timestamp  # earliest evidence: the start of detection latency
 
 
 class Decision(Event):
@@ -253,8 +269,8 @@ class Decision(Event):
     stop_mode: Literal["cancel", "hold"] = "cancel"  # how `stop` stops: cancel, or hold for a human
     rule: str
     reason: str
-    first_signal_time: float
-    incident_time: float
+    first_signal_time: Timestamp
+    incident_time: Timestamp
 
 
 class Action(Event):
@@ -271,8 +287,8 @@ class Action(Event):
     stop_mode: Literal["cancel", "hold"] = "cancel"
     reason: str
     requested_by: str
-    incident_time: float
-    first_signal_time: float
+    incident_time: Timestamp
+    first_signal_time: Timestamp
 
 
 class ActionResult(Event):
@@ -288,10 +304,10 @@ class ActionResult(Event):
     backend: str
     steps: list[str]
     error: str | None = None
-    started_at: float
-    verified_at: float | None = None
-    incident_time: float
-    first_signal_time: float
+    started_at: Timestamp
+    verified_at: Timestamp | None = None
+    incident_time: Timestamp
+    first_signal_time: Timestamp
 
 
 class Approval(Event):

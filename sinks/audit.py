@@ -31,6 +31,7 @@ from confluent_kafka import Consumer, KafkaError, Message
 
 from schemas.clients import consumer_config
 from schemas.codec import DecodeError, decode
+from schemas.deadletter import make_dead_letter
 from schemas.events import (
     Action,
     ActionResult,
@@ -736,9 +737,13 @@ class AuditSink:
             try:
                 event: Event = decode(topic.event_type, msg.value() or b"")
             except DecodeError as exc:
-                # The streams dead-letter bad input; a bad record here is a bug: log it, keep going.
+                # Not the event it claims to be: kept as a dead letter, with the reason, instead.
                 self.undecodable += 1
-                log.error("audit: skipped undecodable %s record at offset %s: %s", msg.topic(), msg.offset(), exc)
+                log.error("audit: undecodable %s record at offset %s: %s", msg.topic(), msg.offset(), exc)
+                letter = make_dead_letter(
+                    "sinks.audit", msg.topic() or "", msg.partition(), msg.offset(), str(exc), msg.value()
+                )
+                rows["dead_letters"].append(_dead(letter))
                 continue
             rows[table].append(to_row(event))
         return rows

@@ -19,8 +19,9 @@ from confluent_kafka import Consumer, KafkaError, Producer
 
 from schemas.clients import consumer_config, producer_config
 from schemas.codec import DecodeError, decode, encode
+from schemas.deadletter import make_dead_letter
 from schemas.events import Action, ActionResult, GuardrailTrip
-from schemas.topics import ACTION_RESULTS, ACTIONS, GUARDRAIL_TRIPS, partition_key
+from schemas.topics import ACTION_RESULTS, ACTIONS, DEADLETTER, GUARDRAIL_TRIPS, partition_key
 from sinks import metrics
 from sinks.backends.base import BackendError, JobState, SchedulerBackend
 from sinks.guardrails import GuardrailFile, Guardrails
@@ -276,9 +277,21 @@ class ExecutorService:
                 try:
                     action = decode(Action, msg.value() or b"")
                 except DecodeError as exc:
-                    # An action we cannot read is never guessed at; skip it, loudly.
+                    # An action we cannot read is never guessed at: dead-letter it, loudly.
                     self.rejected += 1
                     log.error("rejected undecodable action at %s/%s: %s", msg.partition(), msg.offset(), exc)
+                    letter = make_dead_letter(
+                        "sinks.executor",
+                        msg.topic() or ACTIONS.name,
+                        msg.partition(),
+                        msg.offset(),
+                        str(exc),
+                        msg.value(),
+                    )
+                    self._producer.produce(DEADLETTER.name, key=partition_key(letter), value=encode(letter))
+                    if self._producer.flush(30) != 0:
+                        log.error("dead letter for %s/%s not delivered; not committing", msg.partition(), msg.offset())
+                        continue
                     self._consumer.commit(message=msg, asynchronous=False)
                     continue
                 _, ts_ms = msg.timestamp()

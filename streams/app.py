@@ -17,7 +17,6 @@ Run: python -m streams.app worker --without-web -l info
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 import os
 import time
@@ -30,9 +29,9 @@ from confluent_kafka import KafkaException
 from prometheus_client import start_http_server
 
 from schemas.codec import DecodeError, decode, encode
+from schemas.deadletter import make_dead_letter
 from schemas.events import (
     Anomaly,
-    DeadLetter,
     Event,
     GpuSample,
     Incident,
@@ -41,7 +40,6 @@ from schemas.events import (
     ProgressBatch,
     SchedEvent,
 )
-from schemas.ids import stable_id
 from schemas.topics import (
     ACTIONS,
     ANOMALIES,
@@ -187,19 +185,7 @@ async def dead_letter(component: str, event: Any, reason: str) -> None:
     payload = event.value if isinstance(event.value, bytes) else bytes(str(event.value), "utf-8")
     log.warning("dead letter from %s@%s/%s: %s", msg.topic, msg.partition, msg.offset, reason)
     metrics.DEAD_LETTERS.labels(component).inc()
-    await publish(
-        deadletter_out,
-        DeadLetter(
-            event_id=stable_id("dlq", msg.topic, msg.partition, msg.offset),
-            event_time=time.time(),
-            component=component,
-            original_topic=msg.topic,
-            original_partition=msg.partition,
-            original_offset=msg.offset,
-            reason=reason,
-            payload_b64=base64.b64encode(payload).decode(),
-        ),
-    )
+    await publish(deadletter_out, make_dead_letter(component, msg.topic, msg.partition, msg.offset, reason, payload))
 
 
 @app.agent(logs_topic)

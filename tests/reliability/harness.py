@@ -231,3 +231,40 @@ def audit_counts(folder: Path, database: str, optimize: bool = True) -> dict[str
         raise HarnessError(f"counting the audit failed: {proc.stderr[-3000:]}")
     counts: dict[str, dict[str, int]] = json.loads(proc.stdout.strip().splitlines()[-1])
     return counts
+
+
+# --- figures for bench/reliability.py ------------------------------------------------------
+
+ROWS_ENV = "TRAINMEDIC_RELIABILITY_ROWS"
+
+
+def report_row(
+    fault: str,
+    *,
+    sent: int,
+    landed: int,
+    duplicates: int,
+    actions_expected: int,
+    actions_taken: int,
+    where: str = "audit",
+    note: str = "",
+) -> None:
+    """A reliability test's figures, written (after its assertions held) when bench/reliability.py
+    runs the tests; a plain test run writes nothing. `landed`: events found afterwards in `where`;
+    `duplicates`: events found more than once there; actions: scheduler changes (drains,
+    requeues, cancels) expected and made."""
+    path = os.environ.get(ROWS_ENV)
+    if not path:
+        return
+    row = {
+        "fault": fault,
+        "sent": sent,
+        "landed": landed,
+        "where": where,
+        "duplicates": duplicates,
+        "actions_expected": actions_expected,
+        "actions_taken": actions_taken,
+        "note": note,
+    }
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(row) + "\n")
