@@ -58,7 +58,10 @@ def parse_since(text: str) -> timedelta:
     m = _DURATION.fullmatch(text.strip().lower())
     if not m or int(m.group(1)) == 0:
         raise ValueError(f"{text!r} is not a duration: expected a positive number and a unit, like 30m, 24h or 7d")
-    return timedelta(seconds=int(m.group(1)) * _UNIT_S[m.group(2)])
+    try:
+        return timedelta(seconds=int(m.group(1)) * _UNIT_S[m.group(2)])
+    except OverflowError:
+        raise ValueError(f"{text!r} is too long a duration (at most {timedelta.max.days} days)") from None
 
 
 def _utc(value: Any) -> Any:

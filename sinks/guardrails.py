@@ -50,6 +50,10 @@ def parse_guardrails(text: str, origin: str) -> GuardrailSettings:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         raise GuardrailConfigError(f"{origin}: not valid YAML: {exc}") from None
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+        # PyYAML's constructors raise plain Python errors (`2020-02-30`, `!!bool x`); a live
+        # reload must refuse the file, not raise into the executor.
+        raise GuardrailConfigError(f"{origin}: not valid YAML: {type(exc).__name__}: {exc}"[:500]) from None
     section = data.get("guardrails", {}) if isinstance(data, dict) else {}
     try:
         return GuardrailSettings.model_validate(section or {})

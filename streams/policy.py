@@ -181,6 +181,10 @@ def parse_policy(text: str, origin: str = "<policy>") -> Policy:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise PolicyError(f"{origin}: not valid YAML: {exc}") from None
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+        # PyYAML's constructors raise plain Python errors for values like `2020-02-30` or
+        # `!!bool x`, and the parser recurses on deep nesting: still the file's fault.
+        raise PolicyError(f"{origin}: not valid YAML: {type(exc).__name__}: {exc}"[:500]) from None
     if not isinstance(data, dict):
         raise PolicyError(f"{origin}: line 1: expected a mapping with 'mode' and 'actions'")
     try:

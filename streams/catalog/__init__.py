@@ -36,7 +36,8 @@ class Signature(BaseModel):
     def _compiles(cls, value: str) -> str:
         try:
             re.compile(value)
-        except re.error as exc:
+        except (re.error, OverflowError, RecursionError) as exc:
+            # re raises the latter two for huge repeat counts and very deep nesting.
             raise ValueError(f"not a valid regular expression: {exc}") from None
         return value
 
