@@ -21,7 +21,7 @@ import pytest
 from producers.publisher import Publisher
 from schemas.events import GpuMetrics, GpuSample
 from schemas.topics import GPU_SAMPLES
-from tests.reliability.harness import read_all, wait_until
+from tests.reliability.harness import read_all, report_row, wait_until
 from trainmedic.broker import EmbeddedBroker, ensure_topics, free_port
 
 OUTAGE_S = float(os.environ.get("TRAINMEDIC_OUTAGE_S", "5"))
@@ -114,6 +114,16 @@ def test_buffered_events_reach_the_new_broker_and_overflow_is_counted(caplog: py
         assert not missing, f"{len(missing)} events published during the outage neither arrived nor counted"
         # What the new broker holds = what was sent during and after the outage - what was dropped.
         assert len(set(after) & set(arrived)) == len(after) - dropped
+        report_row(
+            f"broker down {OUTAGE_S:g} s while producers run",
+            sent=len(steady.ids),
+            landed=delivered,
+            where="broker",
+            duplicates=len(arrived) - len(set(arrived)),
+            actions_expected=0,
+            actions_taken=0,
+            note=f"{dropped} over the buffer bound dropped, each counted and logged with its id",
+        )
     finally:
         steady.stop.set()
         first.stop()

@@ -23,6 +23,7 @@ from tests.reliability.harness import (
     committed,
     incident,
     produce,
+    report_row,
     wait_until,
 )
 from trainmedic.broker import EmbeddedBroker, free_port
@@ -54,6 +55,19 @@ def _assert_exactly_once(folder: Path) -> dict[str, dict[str, int]]:
     return counts
 
 
+def _report(fault: str, counts: dict[str, dict[str, int]], note: str) -> None:
+    tables = ("anomalies", "incidents")
+    report_row(
+        fault,
+        sent=N_ANOMALIES + N_INCIDENTS,
+        landed=sum(counts[t]["final"] for t in tables),
+        duplicates=sum(counts[t]["after_optimize"] - counts[t]["distinct"] for t in tables),
+        actions_expected=0,
+        actions_taken=0,
+        note=note,
+    )
+
+
 def test_sigkill_mid_batch_then_restart_lands_every_event_once(broker: EmbeddedBroker, tmp_path: Path) -> None:
     folder, group = tmp_path / "chdb", "audit-crash"
     produced = produce(broker.bootstrap, _events("kill"))
@@ -78,7 +92,11 @@ def test_sigkill_mid_batch_then_restart_lands_every_event_once(broker: EmbeddedB
     inserted_total = inserted_before_kill + sum(second.inserted(t) for t in ("anomalies", "incidents"))
     assert inserted_total > N_ANOMALIES + N_INCIDENTS
     # ... and still one row per event.
-    _assert_exactly_once(folder)
+    _report(
+        "audit sink SIGKILLed mid-batch, restarted",
+        _assert_exactly_once(folder),
+        f"{inserted_total - N_ANOMALIES - N_INCIDENTS} rows of the killed batch inserted again, folded by event id",
+    )
 
 
 def test_clickhouse_outage_retries_with_backoff_and_commits_nothing_until_it_is_back(
@@ -110,7 +128,11 @@ def test_clickhouse_outage_retries_with_backoff_and_commits_nothing_until_it_is_
     wait_until("every offset committed after the outage", lambda: all_committed(broker.bootstrap, group, produced))
     assert sink.stop() == 0
     assert re.search(r"^INSERTED incidents \d+$", sink.text(), re.M)
-    _assert_exactly_once(folder)
+    _report(
+        "ClickHouse refuses inserts, then comes back",
+        _assert_exactly_once(folder),
+        f"retried with backoff {waits[0]:g} s -> {waits[-1]:g} s; no offset committed meanwhile",
+    )
 
 
 def test_outage_then_sigkill_then_restart_with_a_working_store(broker: EmbeddedBroker, tmp_path: Path) -> None:
@@ -129,7 +151,7 @@ def test_outage_then_sigkill_then_restart_with_a_working_store(broker: EmbeddedB
     again = SinkProcess(tmp_path / "sink2.log", *_sink_args(broker, folder, group))
     wait_until("every offset committed by the new sink", lambda: all_committed(broker.bootstrap, group, produced))
     assert again.stop() == 0
-    _assert_exactly_once(folder)
+    _report("sink SIGKILLed during a ClickHouse outage", _assert_exactly_once(folder), "new sink, working store")
 
 
 def test_unreachable_clickhouse_server_is_refused_at_start_naming_the_url() -> None:

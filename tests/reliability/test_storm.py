@@ -18,7 +18,7 @@ from schemas.topics import ANOMALIES
 from sinks.audit import AuditStore
 from sinks.backends.simulated import SimulatedScheduler
 from tests.conftest import wait_for
-from tests.reliability.harness import anomaly, produce
+from tests.reliability.harness import anomaly, produce, report_row
 from trainmedic.broker import EmbeddedBroker, free_port
 from trainmedic.runtime import Stack, StackConfig
 
@@ -138,5 +138,15 @@ def test_ten_thousand_anomalies_in_a_minute(
         assert watch.failures == [], watch.failures[:5]
         assert watch.answered >= 3, "the console was polled during the storm"
         assert watch.ages, "the worker's lag gauge was exposed during the storm"
+        report_row(
+            f"alert storm: {ANOMALIES_TOTAL} anomalies in a minute, {JOBS} jobs",
+            sent=ANOMALIES_TOTAL,
+            landed=_count(store, "SELECT count() AS n FROM {db}.anomalies FINAL"),
+            duplicates=_count(store, "SELECT count() - uniqExact(event_id) AS n FROM {db}.anomalies"),
+            actions_expected=2 * MAX_DRAINS,  # drain + requeue each
+            actions_taken=len(sched.calls),
+            note=f"{JOBS} incidents, {JOBS - MAX_DRAINS} blast-radius trips; console answered {watch.answered} "
+            f"requests, 0 failed; lag gauge max {max(watch.ages):.1f} s",
+        )
     finally:
         stack.stop()

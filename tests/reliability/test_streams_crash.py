@@ -16,7 +16,7 @@ from sinks.audit import AuditStore
 from sinks.backends.simulated import SimulatedScheduler
 from tests.conftest import wait_for
 from tests.integration.scenario import NODES, RANKS_PER_NODE, incidents_of, write_cascade
-from tests.reliability.harness import anomaly, produce
+from tests.reliability.harness import anomaly, produce, report_row
 from trainmedic.broker import EmbeddedBroker
 from trainmedic.runtime import Stack, StackConfig
 
@@ -24,6 +24,26 @@ from trainmedic.runtime import Stack, StackConfig
 def _count(store: AuditStore, table: str, job: str, final: bool = True) -> int:
     sql = f"SELECT count() AS n FROM {{db}}.{table} {'FINAL' if final else ''} WHERE job_id = {{j:String}}"
     return int(store.query(sql, {"j": job})[0]["n"])
+
+
+def _report(fault: str, store: AuditStore, calls: list[str], note: str) -> None:
+    raw = store.query("SELECT count() AS n FROM {db}.incidents WHERE NOT startsWith(ifNull(job_id, ''), '9')")
+    final = len(_fault_rows(store, "incidents"))
+    report_row(
+        fault,
+        sent=1,
+        landed=final,
+        where="incidents (1 fault)",
+        duplicates=int(raw[0]["n"]) - final,
+        actions_expected=2,
+        actions_taken=len(calls),
+        note=note,
+    )
+
+
+def _calls_for(sched: SimulatedScheduler, job: str) -> list[str]:
+    """The scheduler calls of the injected fault (not of the marker faults)."""
+    return [c for c in sched.calls if "gpu02" in c or f" {job} " in f"{c} "]
 
 
 def _partition(key: str) -> int:
@@ -95,6 +115,12 @@ def test_worker_killed_between_halves_of_a_fault_still_yields_one_incident(
         assert _count(store, "incidents", job) == 1
         assert _count(store, "decisions", job) == 1
         assert _count(store, "actions", job) == 1
+        _report(
+            "streams worker SIGKILLed between the halves of a fault",
+            store,
+            _calls_for(sched, job),
+            "collateral before the kill, root cause after",
+        )
     finally:
         stack.stop()
     assert sched.calls == ["drain gpu02", f"requeue {job} exclude=gpu02"]
@@ -161,6 +187,12 @@ def test_worker_killed_right_after_publishing_the_incident_does_not_act_twice(
         assert len(incidents) == 1, [(i["incident_id"], i["job_id"], i["anomaly_ids"]) for i in incidents]
         assert len(_fault_rows(store, "decisions")) == 1
         assert len(_fault_rows(store, "actions")) == 1
+        _report(
+            "streams worker SIGKILLed right after publishing the incident",
+            store,
+            _calls_for(sched, job),
+            "uncommitted evidence reprocessed by the new worker",
+        )
     finally:
         stack.stop()
     assert sched.calls == ["drain gpu02", f"requeue {job} exclude=gpu02"]
@@ -190,5 +222,11 @@ def test_redelivered_evidence_after_a_worker_restart_is_not_a_second_incident(
         incidents = _fault_rows(store, "incidents")
         assert len(incidents) == 1, [(i["incident_id"], i["job_id"], i["culprit_node"]) for i in incidents]
         assert len(_fault_rows(store, "actions")) == 1
+        _report(
+            "worker restart, then the same Xid line read again",
+            store,
+            _calls_for(sched, job),
+            "state read back from the topics at start",
+        )
     finally:
         stack.stop()
