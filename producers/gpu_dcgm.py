@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import re
 import socket
 import threading
 import time
@@ -39,6 +40,12 @@ MIB = 1024 * 1024
 # above it), the int64 ones are near 2**63. No field mapped here gets anywhere near 2**47.
 DCGM_BLANK_FLOOR = float(2**47)
 MAX_BODY_BYTES = 32 * MIB
+# The `gpu` label is an index: ASCII digits only (str.isdigit() also takes '²', which int() refuses).
+_GPU_INDEX = re.compile(r"[0-9]{1,6}")
+# GpuSample.node's bound: a longer Hostname label cannot be published.
+MAX_NODE_CHARS = 128
+# orjson writes integers up to 64 bits; a reading past that is not a real one.
+_INT64 = range(-(2**63), 2**63)
 
 
 @dataclass(frozen=True)
@@ -134,9 +141,17 @@ def parse_exposition(text: str, default_node: str) -> dict[str, list[GpuMetrics]
     identity: dict[tuple[str, int], tuple[str | None, str | None]] = {}
     for name, labels, value in _series(text):
         gpu_label = labels.get("gpu", "")
-        if not gpu_label.isdigit() or math.isnan(value) or value >= DCGM_BLANK_FLOOR:
+        node = labels.get("Hostname") or default_node
+        # One bad series is skipped, never the whole scrape. A non-finite value (int(-inf)
+        # raises) or one past DCGM's blank sentinels, of either sign, is "not supported": None.
+        if (
+            not _GPU_INDEX.fullmatch(gpu_label)
+            or len(node) > MAX_NODE_CHARS
+            or not math.isfinite(value)
+            or abs(value) >= DCGM_BLANK_FLOOR
+        ):
             continue
-        key = (labels.get("Hostname") or default_node, int(gpu_label))
+        key = (node, int(gpu_label))
         fields = raw.setdefault(key, {})
         fields[name] = max(value, fields.get(name, value))
         if identity.get(key, (None, None)) == (None, None):
@@ -166,6 +181,10 @@ def _to_metrics(index: int, fields: dict[str, float], uuid: str | None, pci_bus_
         fb_total = values["memory_used_bytes"] + fb_free + fb_reserved
     values["memory_total_bytes"] = fb_total
     last_xid = values.pop("_last_xid", 0)
+    # Below the blank floor a MiB value can still pass 2**63 bytes: unpublishable, so unknown.
+    for target, value in values.items():
+        if type(value) is int and value not in _INT64:
+            values[target] = None
     return GpuMetrics(
         index=index, uuid=uuid, pci_bus_id=pci_bus_id, xid_events=[last_xid] if last_xid else [], **values
     )

@@ -62,7 +62,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from pydantic.alias_generators import to_camel
 
 from producers.publisher import Publisher
-from schemas.events import HealthEvent
+from schemas.events import MAX_EVENT_TIME, HealthEvent
 from schemas.ids import stable_id
 from schemas.topics import HEALTH_EXTERNAL
 
@@ -115,15 +115,23 @@ class IngestConfigError(ValueError):
 
 # --------------------------------------------------------------------- timestamps
 def parse_timestamp(value: object) -> float:
-    """RFC 3339 text, epoch seconds, or protobuf's {"seconds", "nanos"} -> epoch seconds."""
+    """RFC 3339 text, epoch seconds, or protobuf's {"seconds", "nanos"} -> epoch seconds.
+
+    Raises ValueError for anything else, including numbers out of range.
+    """
     if isinstance(value, bool):
         raise ValueError("expected an RFC 3339 timestamp or epoch seconds, got a boolean")
     if isinstance(value, int | float):
-        seconds = float(value)
+        try:
+            seconds = float(value)
+        except OverflowError:  # an int past float's range (the JSON parser allows any size)
+            raise ValueError("epoch seconds out of range") from None
         if not math.isfinite(seconds) or seconds < 0:
             raise ValueError(f"epoch seconds must be finite and >= 0, got {value!r}")
         if seconds > 1e11:
             raise ValueError(f"{value!r} looks like milliseconds; send epoch seconds")
+        if seconds > MAX_EVENT_TIME:
+            raise ValueError(f"epoch seconds {value!r} are after 2200-01-01")
         return seconds
     if isinstance(value, str):
         try:
@@ -132,14 +140,18 @@ def parse_timestamp(value: object) -> float:
             raise ValueError(f"not an RFC 3339 timestamp: {value[:64]!r}") from None
         if parsed.tzinfo is None:
             raise ValueError(f"timestamp {value[:64]!r} has no time zone (add Z or +hh:mm)")
-        return parsed.timestamp()
+        # The same range as epoch seconds: events carry times from 1970 to 2200 (schemas.events).
+        return parse_timestamp(parsed.timestamp())
     if isinstance(value, dict) and set(value) <= {"seconds", "nanos"} and "seconds" in value:
         secs, nanos = value.get("seconds"), value.get("nanos", 0)
-        if isinstance(secs, int | str) and isinstance(nanos, int) and not isinstance(secs, bool):
+        # protobuf's Timestamp.nanos is 0..999,999,999 (and a huge one overflows nanos / 1e9).
+        if isinstance(secs, int | str) and not isinstance(secs, bool) and type(nanos) is int and 0 <= nanos < 10**9:
             try:
-                return parse_timestamp(int(secs)) + nanos / 1e9
+                whole = parse_timestamp(int(secs))
             except ValueError:
                 pass
+            else:
+                return parse_timestamp(whole + nanos / 1e9)  # the fraction may still cross the bound
     raise ValueError("expected an RFC 3339 timestamp, epoch seconds or {seconds, nanos}")
 
 

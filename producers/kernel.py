@@ -24,14 +24,29 @@ from schemas.topics import NODE_KERNEL
 _SYSLOG = re.compile(
     r"^(?:[A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d|\d{4}-\d\d-\d\dT\S+)\s+(?P<host>[A-Za-z0-9._-]+)\s+kernel:\s?"
 )
+# Numbers are ASCII [0-9]: \d (and str.isdigit) also accept digits int() refuses, like '²'.
 _XID = re.compile(
-    r"NVRM: Xid \(PCI:(?P<pci>[0-9A-Fa-f:.]+)\): (?P<xid>\d+),\s*(?:pid=(?P<pid>'?<?[\w]+>?'?),\s*)?"
+    r"NVRM: Xid \(PCI:(?P<pci>[0-9A-Fa-f:.]+)\): (?P<xid>[0-9]+),\s*(?:pid=(?P<pid>'?<?[\w]+>?'?),\s*)?"
     r"(?:name=(?P<name>[^,]*),\s*)?"
 )
-_SXID = re.compile(r"SXid \(PCI:(?P<pci>[0-9A-Fa-f:.]+)\): (?P<xid>\d+)")
+_SXID = re.compile(r"SXid \(PCI:(?P<pci>[0-9A-Fa-f:.]+)\): (?P<xid>[0-9]+)")
 _FALLEN = re.compile(
     r"NVRM: GPU (?:at PCI:)?(?P<pci>[0-9A-Fa-f]{4}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}(?:\.\d)?):? .*fallen off the bus"
 )
+# Xid codes and pids are small (pid_max is at most 2**22): a longer number is garbage, and past
+# 64 bits it could not even be published (orjson refuses it), so it becomes None.
+_MAX_FIELD_INT = 2**31 - 1
+_FIELD_DIGITS = len(str(_MAX_FIELD_INT))
+# KernelEvent.node's bound; Linux host names are at most 64 characters.
+MAX_NODE_CHARS = 128
+
+
+def _small_int(text: str | None) -> int | None:
+    """ASCII digits -> int when it fits an int32, else None (never int()'s ValueError)."""
+    if not text or len(text) > _FIELD_DIGITS or not (text.isascii() and text.isdigit()):
+        return None
+    value = int(text)
+    return value if value <= _MAX_FIELD_INT else None
 
 
 @dataclass(frozen=True)
@@ -61,14 +76,16 @@ def parse_kernel_line(line: str, default_node: str) -> ParsedKernelLine | None:
             kind="xid",
             node=node,
             text=text,
-            xid=int(m.group("xid")),
+            xid=_small_int(m.group("xid")),
             pci_bus_id=m.group("pci"),
-            pid=int(pid_raw) if pid_raw.isdigit() else None,
+            pid=_small_int(pid_raw),
             process_name=(m.group("name") or None),
         )
     m = _SXID.search(line)
     if m:
-        return ParsedKernelLine(kind="sxid", node=node, text=text, xid=int(m.group("xid")), pci_bus_id=m.group("pci"))
+        return ParsedKernelLine(
+            kind="sxid", node=node, text=text, xid=_small_int(m.group("xid")), pci_bus_id=m.group("pci")
+        )
     m = _FALLEN.search(line)
     if m:
         return ParsedKernelLine(kind="fallen_off_bus", node=node, text=text, pci_bus_id=m.group("pci"))
@@ -76,11 +93,14 @@ def parse_kernel_line(line: str, default_node: str) -> ParsedKernelLine | None:
 
 
 def to_event(parsed: ParsedKernelLine, seen_at: float, gpu_index: int | None = None) -> KernelEvent:
+    """The event to publish. A node name over KernelEvent's 128 characters (a garbled syslog
+    host or _HOSTNAME) is cut to fit rather than raising: the fault line is still worth
+    publishing, and the cut name matches no real node, so no action lands on a wrong one."""
     return KernelEvent(
         # The line's own text (with its kernel timestamp) identifies it: a re-read is a duplicate.
         event_id=stable_id("kern", parsed.node, parsed.text),
         event_time=seen_at,
-        node=parsed.node,
+        node=parsed.node[:MAX_NODE_CHARS],
         kind=parsed.kind,  # type: ignore[arg-type]
         xid=parsed.xid,
         pci_bus_id=parsed.pci_bus_id,
@@ -151,6 +171,8 @@ def journal_message(line: str) -> tuple[str, str | None] | None:
         return None
     msg = entry.get("MESSAGE") if isinstance(entry, dict) else None
     if isinstance(msg, list):  # journald stores non-UTF-8 messages as byte arrays
+        if not all(type(b) is int and 0 <= b <= 255 for b in msg):
+            return None  # not a byte array (bytes() would raise): not an entry we can read
         msg = bytes(msg).decode("utf-8", errors="replace")
     if not isinstance(msg, str):
         return None

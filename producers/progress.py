@@ -45,6 +45,8 @@ CheckpointMarker = Literal["start", "end"]
 
 MAX_BAR_CHARS = 4096
 CUSTOM_GROUPS = frozenset({"step", "step_time_s", "step_time_ms", "loss", "grad_norm", "tokens_per_s"})
+# Integers go on the wire as int64 (orjson refuses anything past 64 bits).
+MAX_INT = 2**63 - 1
 
 
 def checkpoint_marker(sample: ProgressSample) -> CheckpointMarker | None:
@@ -71,13 +73,26 @@ def to_float(text: str) -> float | None:
         return None
 
 
+def _fit(value: int) -> int | None:
+    # A count past int64 is garbage and could not be published: drop the field, keep the sample.
+    return value if 0 <= value <= MAX_INT else None
+
+
+def _to_int(digits: str | None) -> int | None:
+    """A pattern's digit group -> int, None when it does not fit an int64. The length test
+    comes first: int() refuses 4,300+ digits with a ValueError."""
+    if digits is None or len(digits) > len(str(MAX_INT)):
+        return None
+    return _fit(int(digits))
+
+
 def _to_step(text: str | None) -> int | None:
     if text is None:
         return None
     v = to_float(text)
     if v is None or not math.isfinite(v) or v < 0:
         return None
-    return int(v)
+    return _fit(int(v))
 
 
 def _nonneg(v: float | None) -> float | None:
@@ -175,7 +190,8 @@ class ProgressParser:
         for p in custom_patterns:
             try:
                 rx = re.compile(p)
-            except re.error as e:
+            # re also raises OverflowError (a{4294967296}) and RecursionError (deep nesting).
+            except (re.error, OverflowError, RecursionError) as e:
                 raise ValueError(f"progress pattern {p!r}: {e}") from e
             names = set(rx.groupindex)
             unknown = names - CUSTOM_GROUPS
@@ -221,7 +237,7 @@ class ProgressParser:
             if rx.search(text) is None:
                 continue
             sm = step_rx.search(text) if step_rx is not None else None
-            step = int(sm.group(1)) if sm else None
+            step = _to_int(sm.group(1)) if sm else None
             return ProgressSample(
                 ts=ts,
                 rank=rank,
@@ -253,15 +269,17 @@ class ProgressParser:
                         break
             g = _MEGATRON_GRAD.search(text)
             tokens: float | None = None
-            sps, seqlen = _MEGATRON_SPS.search(text), _MEGATRON_SEQLEN.search(text)
-            if sps and seqlen:
+            sps, seqlen_m = _MEGATRON_SPS.search(text), _MEGATRON_SEQLEN.search(text)
+            seqlen = _to_int(seqlen_m.group(1)) if seqlen_m else None
+            if sps and seqlen is not None:
                 rate = to_float(sps.group(1))
-                tokens = _nonneg(rate * int(seqlen.group(1))) if rate is not None else None
+                # float * int64 cannot overflow (it may give inf, which _nonneg drops).
+                tokens = _nonneg(rate * seqlen) if rate is not None else None
             return ProgressSample(
                 ts=ts,
                 rank=rank,
                 node=node,
-                step=int(m.group(1)),
+                step=_to_int(m.group(1)),
                 step_time_s=step_time / 1000.0 if step_time is not None else None,
                 loss=loss,
                 grad_norm=to_float(g.group(1)) if g else None,
@@ -277,7 +295,7 @@ class ProgressParser:
                 ts=ts,
                 rank=rank,
                 node=node,
-                step=int(v.group(1)),
+                step=_to_int(v.group(1)),
                 loss=to_float(vl.group(1)) if vl else None,
                 phase="eval",
                 format="megatron",
@@ -290,7 +308,7 @@ class ProgressParser:
             return None
         gs = _NEMO_STEP.search(text)
         it = _NEMO_ITER.search(text)
-        step = _to_step(gs.group(1)) if gs else (int(it.group(1)) if it else None)
+        step = _to_step(gs.group(1)) if gs else (_to_int(it.group(1)) if it else None)
         if step is None:
             return None
         loss = _NEMO_LOSS.search(text)
@@ -314,6 +332,7 @@ class ProgressParser:
         if m is None:
             return None
         desc = m.group("desc")
+        lightning = False
         epoch: int | None = None
         if desc:
             e = _LIGHTNING_DESC.match(desc)
@@ -323,8 +342,9 @@ class ProgressParser:
                     return ProgressSample(ts=ts, rank=rank, node=node, phase="eval", format="lightning")
                 # 'Map:', 'Loading checkpoint shards:', 'Training:' (before the first step): not steps.
                 return None
-            epoch = int(e.group(1))
-        n, total = int(m.group("n")), int(m.group("total"))
+            lightning = True
+            epoch = _to_int(e.group(1))
+        n, total = _to_int(m.group("n")), _to_int(m.group("total"))
         step_time: float | None = None
         postfix: dict[str, str] = {}
         for item in m.group("info").split(", ")[1:]:
@@ -336,16 +356,19 @@ class ProgressParser:
                 step_time = _nonneg(to_float(item[:-4]))
             elif item.endswith("it/s"):
                 rate = to_float(item[:-4])
-                step_time = 1.0 / rate if rate and math.isfinite(rate) and rate > 0 else None
+                # 1.0 / 5e-324 is inf: the quotient needs the same check as a printed time.
+                step_time = _nonneg(1.0 / rate) if rate and math.isfinite(rate) and rate > 0 else None
         if "train_step_timing in s" in postfix:
             step_time = _nonneg(to_float(postfix["train_step_timing in s"]))
-        if epoch is None:
+        if not lightning:
             step: int | None = n
         elif "global_step" in postfix:
             step = _to_step(postfix["global_step"])
+        elif epoch is None or n is None or total is None:
+            step = None
         else:
             # Lightning's bar counts batches within the epoch; epoch * batches + n keeps it monotonic.
-            step = epoch * total + n if total else n
+            step = _fit(epoch * total + n) if total else n
         loss: float | None = None
         for key in ("reduced_train_loss", "train_loss", "train_loss_step", "loss"):
             if key in postfix:
@@ -359,7 +382,7 @@ class ProgressParser:
             step_time_s=step_time,
             loss=loss,
             grad_norm=to_float(postfix["grad_norm"]) if "grad_norm" in postfix else None,
-            format="hf" if epoch is None else "lightning",
+            format="lightning" if lightning else "hf",
         )
 
     @staticmethod
@@ -401,7 +424,7 @@ class ProgressParser:
             ts=ts,
             rank=rank,
             node=node,
-            step=int(m.group(1)),
+            step=_to_int(m.group(1)),
             loss=to_float(m.group(2)),
             grad_norm=to_float(g.group(1)) if g else None,
             tokens_per_s=_nonneg(to_float(tps.group(1))) if tps else None,
@@ -418,7 +441,7 @@ class ProgressParser:
                 ts=ts,
                 rank=rank,
                 node=node,
-                step=int(m.group(1)),
+                step=_to_int(m.group(1)),
                 loss=to_float(m.group(2)),
                 step_time_s=_nonneg(to_float(m.group(3))),
                 format="deepspeed",
@@ -431,7 +454,7 @@ class ProgressParser:
             return None
         if m is None:
             return None
-        return ProgressSample(ts=ts, rank=rank, node=node, step=int(m.group(1)), format="deepspeed")
+        return ProgressSample(ts=ts, rank=rank, node=node, step=_to_int(m.group(1)), format="deepspeed")
 
     # -- custom ------------------------------------------------------------------------------
 

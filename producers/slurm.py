@@ -213,7 +213,10 @@ def _split_top_level(text: str) -> list[str]:
     return [item.strip() for item in items]
 
 
-_RANGE = re.compile(r"(\d+)(?:-(\d+))?")
+# ASCII digits, and few of them: int() refuses 4,300+ digits with a plain ValueError, which
+# _safe_expand (catching HostlistError only) would let through.
+_RANGE = re.compile(r"([0-9]+)(?:-([0-9]+))?")
+_MAX_DIGITS = 18  # always fits an int64; real node numbers are a few digits
 
 
 def _expand_name(item: str, budget: int) -> list[str]:
@@ -241,6 +244,8 @@ def _expand_ranges(body: str, item: str) -> list[str]:
         if m is None:
             raise HostlistError(f"bad range {spec!r} in hostlist {item!r}")
         lo_text, hi_text = m.group(1), m.group(2)
+        if max(len(lo_text), len(hi_text or "")) > _MAX_DIGITS:
+            raise HostlistError(f"number too long in range {spec[:40]!r} in hostlist {item[:80]!r}")
         lo = int(lo_text)
         hi = int(hi_text) if hi_text is not None else lo
         if hi < lo:
@@ -340,8 +345,11 @@ class NodeView:
 def _load_document(text: str, what: str) -> dict[str, Any]:
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as exc:
+    # JSONDecodeError is a ValueError; so is an integer past int()'s 4,300 digits.
+    except ValueError as exc:
         raise SlurmCommandError(f"{what}: output is not JSON: {exc}") from exc
+    except RecursionError:
+        raise SlurmCommandError(f"{what}: output is nested too deeply to parse") from None
     if not isinstance(data, dict):
         raise SlurmCommandError(f"{what}: expected a JSON object, got {type(data).__name__}")
     errors = data.get("errors") or []
@@ -359,6 +367,12 @@ def _int(value: object) -> int:
         return int(str(value))
     except (TypeError, ValueError):
         return 0
+
+
+def _list(value: object) -> list[Any]:
+    # A field that should be a list but is not (a number, or a string that would iterate
+    # by character) is read as empty rather than failing the whole poll.
+    return value if isinstance(value, list) else []
 
 
 def _opt_str(value: object) -> str | None:
@@ -410,7 +424,7 @@ def parse_sinfo(data: Mapping[str, Any]) -> dict[str, NodeView]:
         name = str(entry["name"])
         # Some versions put flags into the state string ("IDLE+DRAIN").
         base, *inline = str(entry.get("state") or "UNKNOWN").upper().split("+")
-        flags = [str(f).upper() for f in entry.get("state_flags") or []]
+        flags = [str(f).upper() for f in _list(entry.get("state_flags"))]
         flags.extend(f for f in inline if f and f not in flags)
         nodes[name] = NodeView(
             name=name,
@@ -418,7 +432,7 @@ def parse_sinfo(data: Mapping[str, Any]) -> dict[str, NodeView]:
             flags=tuple(sorted(set(flags))),
             reason=_opt_str(entry.get("reason")),
             reason_time=_int(entry.get("reason_changed_at")),
-            partitions=tuple(str(p) for p in entry.get("partitions") or []),
+            partitions=tuple(str(p) for p in _list(entry.get("partitions"))),
         )
     return nodes
 

@@ -143,3 +143,21 @@ def test_bench_quick_detects_every_fault(tmp_path: Path) -> None:
     for kind in injected:
         assert f"`{kind}`" in md
     assert "status quo" in md
+
+
+def test_fuzz_run_of_the_log_and_kernel_parsers_finds_nothing(tmp_path: Path) -> None:
+    """A short atheris run (bench/fuzz.py): any exception a parser lets out is a finding and
+    fails this test, with the crashing input saved for `--reproduce`."""
+    report = tmp_path / "fuzz.md"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.fuzz", "--runs", "3000", "--report", str(report)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(report.with_suffix(".json").read_text())
+    assert {name: t["result"] for name, t in doc["targets"].items()} == {"logs": "ok", "kernel": "ok"}
+    assert all(t["runs"] == 3000 for t in doc["targets"].values())
