@@ -141,19 +141,35 @@ def create_api(
     policy_path: Path,
     modes_path: Path,
     feed: LiveFeed | None = None,
+    viewer_token: str | None = None,
 ) -> FastAPI:
+    """`token` is the operator's: everything. `viewer_token` (optional) reads only: the console,
+    recommendations, modes, readiness, nodes and replays, but no approval, label, mode change
+    or resume (403 "operator role required")."""
     api = FastAPI(title="trainmedic", version="1", docs_url=None, redoc_url=None)
     lock = threading.Lock()
     decided: dict[str, str] = {}  # decision id -> verdict, for decisions answered in this run
 
-    def authorized(authorization: Annotated[str | None, Header()] = None) -> None:
-        given = (authorization or "").removeprefix("Bearer ").strip()
-        if not given or not hmac.compare_digest(given.encode(), token.encode()):
-            raise HTTPException(
-                status_code=401, detail="missing or wrong token", headers={"WWW-Authenticate": "Bearer"}
-            )
+    def role_of(authorization: str | None) -> str:
+        given = (authorization or "").removeprefix("Bearer ").strip().encode()
+        # Both comparisons always run: which token matched must not show in the timing.
+        operator = bool(given) and hmac.compare_digest(given, token.encode())
+        viewer = bool(given) and viewer_token is not None and hmac.compare_digest(given, viewer_token.encode())
+        if operator:
+            return "operator"
+        if viewer:
+            return "viewer"
+        raise HTTPException(status_code=401, detail="missing or wrong token", headers={"WWW-Authenticate": "Bearer"})
 
-    auth = [Depends(authorized)]
+    def operator_only(authorization: Annotated[str | None, Header()] = None) -> None:
+        if role_of(authorization) != "operator":
+            raise HTTPException(status_code=403, detail="operator role required (this token may only read)")
+
+    def any_role(authorization: Annotated[str | None, Header()] = None) -> None:
+        role_of(authorization)
+
+    auth = [Depends(operator_only)]
+    read = [Depends(any_role)]
 
     def recommendation(decision_id: str) -> Decision:
         rows = store.query("SELECT * FROM {db}.decisions FINAL WHERE decision_id = {d:String}", {"d": decision_id})
@@ -192,7 +208,7 @@ def create_api(
     def health() -> dict[str, bool]:
         return {"ok": True}
 
-    @api.get("/api/recommendations", dependencies=auth)
+    @api.get("/api/recommendations", dependencies=read)
     def recommendations() -> list[dict[str, Any]]:
         rows = store.query(
             "SELECT decision_id, incident_id, job_id, partition, category, culprit_node, action, reason, event_time "
@@ -230,7 +246,7 @@ def create_api(
         log.info("rejected %s by %s (%s)", decision_id, body.operator, body.reason)
         return {"decision_id": decision_id, "status": "rejected"}
 
-    @api.get("/api/modes", dependencies=auth)
+    @api.get("/api/modes", dependencies=read)
     def modes() -> dict[str, Any]:
         policy = load_policy(policy_path).with_overlay(load_overlay(modes_path))
         return policy.model_dump(mode="json", include={"mode", "categories", "partitions"})
@@ -301,12 +317,12 @@ def create_api(
         )
         return {"old_mode": old, "new_mode": body.mode, "partition": body.partition, "category": body.category}
 
-    @api.get("/api/readiness", dependencies=auth)
+    @api.get("/api/readiness", dependencies=read)
     def get_readiness(since_days: float = 30.0) -> list[dict[str, Any]]:
         policy = load_policy(policy_path).with_overlay(load_overlay(modes_path))
         return [s.as_dict() for s in readiness(store, policy, since_s=time.time() - since_days * 86400)]
 
-    @api.post("/api/replay", dependencies=auth)
+    @api.post("/api/replay", dependencies=read)
     def post_replay(body: ReplayBody) -> dict[str, Any]:
         try:
             policy = parse_policy(body.policy_yaml, body.policy_name)
@@ -341,7 +357,7 @@ def create_api(
             raise HTTPException(status_code=503, detail="Kafka did not confirm the label; retry")
         return {"decision_id": decision_id, "verdict": body.verdict}
 
-    @api.get("/api/nodes", dependencies=auth)
+    @api.get("/api/nodes", dependencies=read)
     def nodes() -> list[dict[str, Any]]:
         out = []
         for n in backend.list_nodes():
@@ -393,7 +409,7 @@ def create_api(
         return {"node": node, "incident_id": m.group(1), "status": "resumed"}
 
     # The Recovery Console: its page, its live event stream and the reads it needs.
-    api.include_router(console_router(store, token, feed))
+    api.include_router(console_router(store, [token, *([viewer_token] if viewer_token else [])], feed))
     return api
 
 

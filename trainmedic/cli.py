@@ -101,7 +101,8 @@ def up(
     typer.echo(
         f"trainmedic is up: Kafka {stack.bootstrap}, audit {stack.store.url if stack.store else '?'}, "
         f"scheduler {sched.name}, operator API and console {stack.api.url + '/' if stack.api else '-'} "
-        f"(token in {stack.config.token_file}), logs in {stack.logs_dir}. Ctrl-C stops."
+        f"(operator token in {stack.config.token_file}, read-only token in {stack.config.viewer_token_file}), "
+        f"logs in {stack.logs_dir}. Ctrl-C stops."
     )
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())

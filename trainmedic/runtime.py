@@ -57,6 +57,11 @@ class StackConfig:
     def token_file(self) -> Path:
         return self.data_dir / "api-token"
 
+    @property
+    def viewer_token_file(self) -> Path:
+        """A read-only token: the console and the GET endpoints, no approvals or changes."""
+        return self.data_dir / "api-viewer-token"
+
 
 def check_bootstrap(bootstrap: str, timeout: float = 10.0) -> None:
     for part in bootstrap.split(","):
@@ -160,9 +165,17 @@ class Stack:
         assert self.store is not None
         self.publisher = Publisher(self.bootstrap, "trainmedic-api")
         token = load_or_create_token(cfg.token_file)
+        viewer_token = load_or_create_token(cfg.viewer_token_file)
         self.console_feed = LiveFeed(self.bootstrap, group_prefix=f"trainmedic-console{cfg.group_suffix}").start()
         api = create_api(
-            self.store, self.publisher, token, self.backend, self.policy_path, self.modes_path, feed=self.console_feed
+            self.store,
+            self.publisher,
+            token,
+            self.backend,
+            self.policy_path,
+            self.modes_path,
+            feed=self.console_feed,
+            viewer_token=viewer_token,
         )
         self.api = ApiServer(api, cfg.api_host, cfg.api_port or free_port())
         try:

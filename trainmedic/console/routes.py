@@ -26,6 +26,7 @@ import math
 import mimetypes
 import re
 import time
+from collections.abc import Sequence
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import Annotated, Any
@@ -200,7 +201,7 @@ def _static_files(static_dir: Path) -> dict[str, Path]:
 
 def console_router(
     store: AuditStore,
-    token: str,
+    token: str | Sequence[str],
     feed: LiveFeed | None,
     *,
     static_dir: Path = STATIC_DIR,
@@ -208,10 +209,13 @@ def console_router(
     """The console's routes: include with `api.include_router(console_router(store, token, feed))`."""
     router = APIRouter()
     files = _static_files(static_dir)
-    expected = token.encode()
+    # The console only reads: the operator's and the viewer's token both open it. Approve
+    # and reject go to the operator API, which checks the role.
+    expected = [t.encode() for t in ([token] if isinstance(token, str) else token)]
 
     def token_ok(given: str | None) -> bool:
-        return bool(given) and hmac.compare_digest((given or "").encode(), expected)
+        raw = (given or "").encode()
+        return bool(given) and sum(hmac.compare_digest(raw, e) for e in expected) > 0
 
     def bearer(authorization: str | None) -> str | None:
         return (authorization or "").removeprefix("Bearer ").strip() or None
