@@ -33,11 +33,10 @@ COLUMNS = ("fault injected", "events sent", "events found", "where", "duplicates
 def run(outage_s: float, out: Path) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         rows_path = Path(tmp) / "rows.jsonl"
-        junit = Path(tmp) / "junit.xml"
         env = dict(os.environ, TRAINMEDIC_RELIABILITY_ROWS=str(rows_path), TRAINMEDIC_OUTAGE_S=f"{outage_s:g}")
         started = time.time()
         proc = subprocess.run(
-            [sys.executable, "-m", "pytest", TESTS, "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"],
+            [sys.executable, "-m", "pytest", TESTS, "-q", "-p", "no:cacheprovider", "--tb=short", "--show-capture=no"],
             cwd=REPO,
             env=env,
             capture_output=True,
