@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from confluent_kafka import Consumer, KafkaError, Producer
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
 
-from schemas.clients import consumer_config, producer_config
+from schemas.clients import consumer_config, producer_config, read_records
 from schemas.codec import DecodeError, decode, encode
 from schemas.deadletter import make_dead_letter
 from schemas.events import Action, ActionResult, GuardrailTrip
@@ -226,6 +226,7 @@ class ExecutorService:
     ) -> None:
         self.executor = executor
         self.guardrails = guardrails or Guardrails(GuardrailFile(None), executor.backend)
+        self._bootstrap = bootstrap
         self._consumer = Consumer(consumer_config(bootstrap, executor.settings.group, client_id))
         self._producer = Producer(producer_config(bootstrap, client_id))
         self.stop_event = threading.Event()
@@ -263,7 +264,32 @@ class ExecutorService:
                 metrics.ACTION_LATENCY.observe(max(0.0, result.verified_at - action.incident_time))
         return result
 
+    def restore(self) -> None:
+        """Read back the results of the actions carried out within the guardrails' horizon."""
+        now = time.time()
+        try:
+            records = read_records(self._bootstrap, ACTION_RESULTS.name, now - self.guardrails.horizon_s)
+        except (KafkaException, TimeoutError) as exc:
+            log.error(
+                "could not read back earlier action results (%s): guardrail counts start from zero; the "
+                "partition drain fraction (read from the scheduler) still applies",
+                exc,
+            )
+            return
+        results = []
+        for _, value in records:
+            try:
+                results.append(decode(ActionResult, value))
+            except DecodeError:
+                continue  # the audit sink dead-letters it
+        log.info(
+            "guardrails: %d carried-out action(s) read back from %s",
+            self.guardrails.restore(results),
+            ACTION_RESULTS.name,
+        )
+
     def run(self) -> None:
+        self.restore()
         self._consumer.subscribe([ACTIONS.name])
         try:
             while not self.stop_event.is_set():

@@ -2,9 +2,12 @@
 
 Settings live in the `guardrails:` section of the policy file and are reread
 when the file changes, so the kill switch takes effect without a restart.
-Counters of recent drains and requeues are kept in memory (an executor restart
-forgets them); the per-job budget also reads Slurm's own restart counter, which
-survives restarts.
+Counters of recent drains and requeues are kept in memory and read back from
+the action.results topic when the executor starts, so a restart forgets
+nothing; the per-job budget also reads Slurm's own restart counter. Two
+executor replicas each count only what they did themselves (plus what they
+read at start): the partition drain fraction, read from the scheduler on every
+drain, is the cap they share.
 """
 
 from __future__ import annotations
@@ -13,13 +16,13 @@ import logging
 import os
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from schemas.events import Action
+from schemas.events import Action, ActionResult
 from schemas.vocab import Guardrail
 from sinks.backends.base import SchedulerBackend
 
@@ -102,12 +105,34 @@ class Guardrails:
         self._drains: deque[tuple[float, str]] = deque()
         self._requeues: dict[str, deque[float]] = {}
         self._node_acted: dict[str, float] = {}
+        self._done: set[str] = set()  # action ids carried out (this run, or read back at start)
+
+    @property
+    def horizon_s(self) -> float:
+        """How far back carried-out actions still count against a guardrail."""
+        s = self.settings()
+        return max(s.drain_window_s, s.restart_window_s, s.node_cooldown_s)
+
+    def restore(self, results: Sequence[ActionResult]) -> int:
+        """Count the actions a previous executor carried out (read back from action.results at
+        start), so that a restart does not reset the blast radius, cooldowns or restart budget."""
+        restored = 0
+        for r in sorted(results, key=lambda r: r.started_at):
+            if r.status != "done" or r.action_id in self._done:
+                continue
+            self._count(r.action_id, r.action, r.node, r.job_id, r.started_at)
+            restored += 1
+        return restored
 
     def check(self, action: Action, now: float) -> Trip | None:
         s = self.settings()
         if s.kill_switch:
             return "kill_switch", "the global kill switch is on: no scheduler action is taken"
         if action.action == "none":
+            return None
+        if action.action_id in self._done:
+            # Already carried out (a redelivery after a crash): the executor recognises it and
+            # publishes the same result again; refusing it now would overwrite "done".
             return None
         if (
             action.requested_by == "policy"
@@ -172,9 +197,15 @@ class Guardrails:
 
     def record(self, action: Action, now: float) -> None:
         """Count an action that was carried out."""
+        self._count(action.action_id, action.action, action.node, action.job_id, now)
+
+    def _count(self, action_id: str, kind: str, node: str | None, job_id: str | None, at: float) -> None:
         with self._lock:
-            if action.node and action.action == "drain_and_requeue":
-                self._drains.append((now, action.node))
-                self._node_acted[action.node] = now
-            if action.job_id and action.action in ("requeue", "drain_and_requeue"):
-                self._requeues.setdefault(action.job_id, deque()).append(now)
+            if action_id in self._done:
+                return
+            self._done.add(action_id)
+            if node and kind == "drain_and_requeue":
+                self._drains.append((at, node))
+                self._node_acted[node] = max(at, self._node_acted.get(node, 0.0))
+            if job_id and kind in ("requeue", "drain_and_requeue"):
+                self._requeues.setdefault(job_id, deque()).append(at)

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from schemas.events import Action
+from schemas.events import Action, ActionResult
 from sinks.backends.simulated import SimulatedScheduler
 from sinks.executor import Executor, ExecutorSettings
 from sinks.guardrails import GuardrailConfigError, GuardrailFile, Guardrails, GuardrailSettings, parse_guardrails
@@ -163,3 +163,40 @@ def test_stop_with_hold_keeps_the_job_held() -> None:
     assert result.status == "done" and "held" in result.steps[-1]
     state = sched.job_state(job)
     assert state.state == "PENDING" and state.held
+
+
+def _result(a: Action, status: str, at: float) -> ActionResult:
+    return ActionResult(
+        event_id=f"res-{a.action_id}",
+        event_time=at,
+        action_id=a.action_id,
+        incident_id=a.incident_id,
+        job_id=a.job_id,
+        node=a.node,
+        action=a.action,
+        status=status,  # type: ignore[arg-type]
+        backend="simulated",
+        steps=[],
+        started_at=at,
+        incident_time=1.0,
+        first_signal_time=0.5,
+    )
+
+
+def test_restored_results_keep_the_blast_radius_and_cooldown_across_a_restart() -> None:
+    sched = SimulatedScheduler(NODES)
+    settings = {"max_drains_per_window": 1, "drain_window_s": 600, "max_drain_fraction": 1.0, "node_cooldown_s": 300}
+    done, failed = action("gpu01", None, incident="inc-1"), action("gpu03", None, incident="inc-3")
+    restarted = rails(sched, **settings)
+    # Read back twice (a result published again after a crash) and a failure: one drain counts.
+    assert (
+        restarted.restore([_result(done, "done", 10.0), _result(done, "done", 10.0), _result(failed, "failed", 11.0)])
+        == 1
+    )
+    trip = restarted.check(action("gpu02", None, incident="inc-2"), 20.0)
+    assert trip is not None and trip[0] == "blast_radius" and "gpu01" in trip[1]
+    trip = restarted.check(action("gpu01", None, incident="inc-9"), 100.0)
+    assert trip is not None and trip[0] == "node_cooldown"
+    # The redelivered action itself is not refused: the executor recognises it as done.
+    assert restarted.check(done, 20.0) is None
+    assert restarted.check(action("gpu02", None, incident="inc-2"), 700.0) is None  # the window has passed
