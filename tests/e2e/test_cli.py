@@ -186,3 +186,32 @@ def test_pyslurm_backend_without_pyslurm_fails_fast_with_the_install_hint(tmp_pa
     assert proc.returncode == 2
     assert "--backend pyslurm: pyslurm is not installed (pip install 'trainmedic[pyslurm]'" in proc.stderr
     assert list(tmp_path.iterdir()) == []  # refused before anything started
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--backend", "slurm-ssh", "--ssh", "root@127.0.0.1", "--ssh-key", "/nonexistent/id_ed25519"], "--ssh-key"),
+        (["--backend", "simulated", "--clickhouse", "http://127.0.0.1:9"], "http://127.0.0.1:9"),
+        (["--backend", "simulated", "--policy", "{policy}"], "unknown category"),
+    ],
+)
+def test_more_bad_settings_fail_fast_naming_the_setting(tmp_path: Path, args: list[str], needle: str) -> None:
+    """A missing SSH key, an unreachable ClickHouse and a policy with an unknown category stop
+    `up` before it starts anything, with the setting in the message."""
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("mode: monitor\nactions:\n  gpu_hardwre: stop\n")
+    known_hosts = tmp_path / "known_hosts"
+    known_hosts.write_text("")
+    args = [a.replace("{policy}", str(policy)) for a in args]
+    if "slurm-ssh" in args:
+        args += ["--known-hosts", str(known_hosts)]
+    proc = subprocess.run(
+        [*TRAINMEDIC, "up", *args, "--data-dir", str(tmp_path / "var")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert needle in proc.stderr, proc.stderr[-2000:]
