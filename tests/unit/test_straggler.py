@@ -96,7 +96,7 @@ def test_one_thermal_straggler_among_four_nodes() -> None:
     assert a.line.startswith("gpu02: HW slowdown, HW thermal slowdown on GPU 5; ")
     assert "GPU 5 SM clock 1125 MHz vs 1981 MHz on the other nodes (43% lower)" in a.line
     assert "its ranks 4-7 step 38% slower than the other nodes' median (2.76 s vs 2.00 s)" in a.line
-    assert a.line.endswith("over the last 120 s")
+    assert a.line.endswith("over the last 90 s")
     # Warm-up (120 s) plus 45 s of persistent evidence before the verdict, not earlier.
     assert T0 + 165 <= a.event_time <= T0 + 185
 
@@ -124,7 +124,7 @@ def test_step_time_evidence_alone() -> None:
     assert a.node == "gpu02" and a.category == "node" and a.source == "job_log"
     assert (
         a.line
-        == "gpu02: its ranks 4-7 step 38% slower than the other nodes' median (2.76 s vs 2.00 s) over the last 120 s"
+        == "gpu02: its ranks 4-7 step 38% slower than the other nodes' median (2.76 s vs 2.00 s) over the last 90 s"
     )
 
 
@@ -223,3 +223,24 @@ def test_helpers() -> None:
     assert slowdown_reason("sw_thermal") == "SW thermal slowdown" and slowdown_reason("hw_slowdown") == "HW slowdown"
     for other in ("power_cap", "gpu_idle", "SwPowerCap", "sync_boost", "unknown_0x800"):
         assert slowdown_reason(other) is None, other
+
+
+def test_throttling_that_starts_mid_run_is_a_straggler_within_a_minute() -> None:
+    """The target: a straggler verdict within 60 s of the slowdown starting (past warm-up),
+    with samples every second and the worker's 2 s check cadence."""
+    det = StragglerDetector()
+    running(det, NODES4)
+    onset = T0 + 400
+
+    def late_thermal(node: str, idx: int, t: float) -> tuple[float, float, float, list[str]]:
+        return thermal_gpu5_on_gpu02(node, idx, t) if t >= onset else healthy_gpu(node, idx, t)
+
+    found: list[Anomaly] = []
+    t = T0
+    while t <= onset + 120 and not found:
+        found = drive(det, NODES4, t, t + 1.0, late_thermal, every=1.0, check=False)
+        found += det.check(t + 1.0)
+        t += 2.0
+    (a,) = found
+    assert a.node == "gpu02" and a.category == "gpu_hardware"
+    assert onset + 30 <= a.event_time <= onset + 60, a.event_time - onset
