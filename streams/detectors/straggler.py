@@ -53,6 +53,7 @@ MAX_STEP_SAMPLES_PER_NODE = 20000
 MAX_GPU_SAMPLES_PER_NODE = 4096
 JOB_TTL_S = 3600.0
 _RECENT_BATCHES = 256
+_BUCKET_S = 5.0  # GPU readings of one job compared within buckets this long
 
 # Normalised throttle-reason names (lower case, letters only) -> how an operator says it.
 # producers.gpu_nvml / gpu_dcgm use dcgm-exporter's clock_event names (hw_thermal, ...);
@@ -349,21 +350,37 @@ class StragglerDetector:
         for (node, _), o in self._outliers(step_medians, higher_is_worse=True).items():
             verdicts[node].step = o
 
-        per_gpu: dict[tuple[str, int], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+        # Each GPU reading is judged against the job's other GPUs at the same moment (5 s
+        # buckets): a checkpoint or an eval pass drops every GPU of the job at once and must
+        # not make a straggler out of whichever GPUs happened to sample more of it.
+        raw: dict[tuple[str, int], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+        ratio: dict[tuple[str, int], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         times: dict[tuple[str, int], list[float]] = defaultdict(list)
         reasons: dict[tuple[str, int], Counter[str]] = defaultdict(Counter)
+        readings: list[tuple[tuple[str, int], str, int, float]] = []
+        bucket_values: dict[tuple[str, int], list[float]] = defaultdict(list)
+        bucket_nodes: dict[tuple[str, int], set[str]] = defaultdict(set)
         for node in nodes:
             for t, gpus in self._gpu.get(node, ()):
                 if t < lo or t > now:
                     continue
+                b = int(t // _BUCKET_S)
                 for g in gpus:
                     key = (node, g.index)
                     times[key].append(t)
                     for metric, value in (("SM clock", g.sm_clock), ("power", g.power), ("utilization", g.util)):
                         if value is not None:
-                            per_gpu[key][metric].append(value)
+                            raw[key][metric].append(value)
+                            readings.append((key, metric, b, value))
+                            bucket_values[(metric, b)].append(value)
+                            bucket_nodes[(metric, b)].add(node)
                     if g.slowdown:  # most samples have none; Counter.update showed in the profile
                         reasons[key].update(set(g.slowdown))
+        bucket_median = {mb: statistics.median(vs) for mb, vs in bucket_values.items() if len(bucket_nodes[mb]) >= 2}
+        for key, metric, b, value in readings:
+            m = bucket_median.get((metric, b))
+            if m is not None and m > 0:
+                ratio[key][metric].append(value / m)
         eligible = {k for k, ts in times.items() if self._persistent(sorted(ts))}
         for key in eligible:
             persistent = sorted(r for r, c in reasons[key].items() if c * 2 >= len(times[key]))
@@ -371,10 +388,9 @@ class StragglerDetector:
                 verdicts[key[0]].slowdown[key[1]] = persistent
         outliers: dict[str, dict[tuple[str, int], _Outlier]] = {}
         for metric in ("SM clock", "power", "utilization"):
+            # Decided on each GPU's median ratio to its peers of the moment (1.0: like them).
             medians = {
-                k: statistics.median(per_gpu[k][metric])
-                for k in eligible
-                if len(per_gpu[k][metric]) >= self.min_samples
+                k: statistics.median(ratio[k][metric]) for k in eligible if len(ratio[k][metric]) >= self.min_samples
             }
             outliers[metric] = self._outliers(medians, higher_is_worse=False)
             for key in eligible:
@@ -387,6 +403,12 @@ class StragglerDetector:
                     x = medians[key]
                     if p > 0 and (p - x) / p >= self.min_slowdown:
                         outliers[metric][key] = _Outlier(value=x, peers=p, rel=(p - x) / p)
+            # Operators read MHz, W and %: explain with the raw window medians.
+            raw_medians = {k: statistics.median(raw[k][metric]) for k in outliers[metric] if raw[k][metric]}
+            for key, o in list(outliers[metric].items()):
+                others = [statistics.median(raw[k][metric]) for k in eligible if k[0] != key[0] and raw[k][metric]]
+                if key in raw_medians and others:
+                    outliers[metric][key] = _Outlier(value=raw_medians[key], peers=statistics.median(others), rel=o.rel)
         for key in eligible:
             hits = {metric: o[key] for metric, o in outliers.items() if key in o}
             throttled = key[1] in verdicts[key[0]].slowdown

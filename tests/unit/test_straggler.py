@@ -244,3 +244,32 @@ def test_throttling_that_starts_mid_run_is_a_straggler_within_a_minute() -> None
     (a,) = found
     assert a.node == "gpu02" and a.category == "gpu_hardware"
     assert onset + 30 <= a.event_time <= onset + 60, a.event_time - onset
+
+
+def test_job_wide_checkpoint_dips_sampled_a_little_differently_are_not_a_straggler() -> None:
+    """Found by the 128-node bench: every GPU of a job drops during checkpoints (half of the
+    time here); a node whose samples land half a second later catches one more dip sample per
+    window, and its window medians fall to the dip's level while its peers' sit in between.
+    Compared with its peers of the same moment, it is exactly like them."""
+    det = StragglerDetector()
+    running(det, NODES4)
+
+    def load(t: float) -> tuple[float, float, float, list[str]]:
+        if (t - T0) % 90 < 45:
+            return 1980.0, 190.0, 15.0, []  # checkpoint: clocks up, little work
+        return 1980.0, 650.0, 98.0, []
+
+    found: list[Anomaly] = []
+    t = T0
+    while t <= T0 + 600:
+        for node in NODES4:
+            at = t + (0.5 if node == "gpu03" else 0.0)
+            gpus = [
+                GpuMetrics(index=i, sm_clock_mhz=c, power_w=p, utilization_pct=u)
+                for i, (c, p, u, _) in enumerate([load(at)] * GPUS_PER_NODE)
+            ]
+            det.observe_gpu(GpuSample(event_id=f"g-{node}-{at}", event_time=at, node=node, gpus=gpus), at)
+        if int(t) % 2 == 0:
+            found += det.check(t + 0.5)
+        t += 1.0
+    assert found == []
