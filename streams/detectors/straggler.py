@@ -9,10 +9,13 @@ Evidence, over a sliding window of `window_s` seconds (samples older than the jo
   data-parallel training every rank waits for the slowest in each collective, so their printed
   step times are alike; this evidence matters when ranks time their own compute, or when only
   some ranks report.
-- **GPU throughput** per GPU: window medians of SM clock, power and utilization, and whether the
-  GPU reports a hardware or thermal slowdown throttle reason (``hw_slowdown``, ``hw_thermal``,
+- **GPU throughput** per GPU: SM clock, power and utilization, each reading divided by the
+  median of the job's GPUs in the same 5 s (so a checkpoint or eval pass that slows every GPU
+  of the job cancels out), then the window median of those ratios; and whether the GPU reports
+  a hardware or thermal slowdown throttle reason (``hw_slowdown``, ``hw_thermal``,
   ``sw_thermal``, ``hw_power_brake`` as producers.gpu_nvml and gpu_dcgm name them, or NVML's
   ``HwThermalSlowdown`` and nvidia-smi's spellings) in at least half of its samples.
+  Explanations quote the raw window medians (MHz, W, %).
 
 Robust statistics. For each metric, over all nodes (step time) or all GPUs (GPU metrics) of the
 job: the median ``m`` and the median absolute deviation ``MAD``; the modified z-score of a value
