@@ -19,13 +19,12 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
-import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench.machine import machine
 from producers.joblogs import split_rank_prefix
 from producers.progress import ProgressParser
 from schemas.events import GpuMetrics, GpuSample, ProgressBatch, ProgressSample, SchedEvent
@@ -38,17 +37,6 @@ PROGRESS = REPO / "tests" / "fixtures" / "progress"
 LOGS = REPO / "tests" / "fixtures" / "logs"
 TARGETS = {"parser_non_matching_lines_per_s": 100_000.0}
 T0 = 1_700_000_000.0
-
-
-def machine() -> dict[str, Any]:
-    model = platform.processor()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        model = next(
-            (ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines() if ln.startswith("model name")),
-            model,
-        )
-    return {"cpu": model, "cores": os.cpu_count(), "python": platform.python_version(), "kernel": platform.release()}
 
 
 def rate(n: int, fn: Callable[[], object]) -> float:

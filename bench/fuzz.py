@@ -29,7 +29,6 @@ import datetime as dt
 import importlib.util
 import json
 import os
-import platform
 import re
 import shlex
 import subprocess
@@ -40,6 +39,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
+
+from bench.machine import machine
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -446,17 +447,6 @@ def reproduce(target: str, path: Path) -> int:
     """Run one saved input through a target once, with atheris's own report."""
     cmd = [sys.executable, "-m", "bench.fuzz", "--child", target, "--", str(path)]
     return subprocess.run(cmd, cwd=REPO, check=False).returncode
-
-
-def machine() -> dict[str, Any]:
-    model = platform.processor()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        model = next(
-            (ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines() if ln.startswith("model name")),
-            model,
-        )
-    return {"cpu": model, "cores": os.cpu_count(), "python": platform.python_version(), "kernel": platform.release()}
 
 
 def summary_line(target: str, r: dict[str, Any]) -> str:

@@ -35,7 +35,6 @@ import json
 import logging
 import math
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -49,6 +48,8 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+
+from bench.machine import machine
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -1038,33 +1039,6 @@ def payload_microbench(nodes: int, seconds: float = 10.0) -> dict[str, Any]:
 
 
 # --- orchestration ---------------------------------------------------------------------------------------
-
-
-def machine() -> dict[str, Any]:
-    model = platform.processor()
-    with contextlib.suppress(OSError):
-        model = next(
-            (
-                ln.split(":", 1)[1].strip()
-                for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")
-            ),
-            model,
-        )
-    mem = None
-    with contextlib.suppress(OSError, StopIteration, ValueError):
-        mem = round(
-            int(next(x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemTotal")).split()[1])
-            / 1e6,
-            1,
-        )
-    return {
-        "cpu": model,
-        "cores": os.cpu_count(),
-        "mem_gb": mem,
-        "python": platform.python_version(),
-        "kernel": platform.release(),
-    }
 
 
 def run_child(cfg: ScenarioConfig, out_dir: Path, timeout_s: float) -> dict[str, Any]:

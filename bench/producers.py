@@ -20,7 +20,6 @@ import datetime as dt
 import http.server
 import json
 import os
-import platform
 import random
 import subprocess
 import sys
@@ -31,6 +30,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from bench.machine import machine
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -204,18 +205,6 @@ def measure_tailer(bootstrap: str, lines: int) -> dict[str, Any]:
         "undelivered": left,
         "meets_target": rate >= TARGETS["tailer_lines_per_s"] and left == 0,
     }
-
-
-def machine() -> dict[str, Any]:
-    model = next(
-        (
-            ln.split(":", 1)[1].strip()
-            for ln in Path("/proc/cpuinfo").read_text().splitlines()
-            if ln.startswith("model name")
-        ),
-        platform.processor(),
-    )
-    return {"cpu": model, "cores": os.cpu_count(), "python": platform.python_version(), "kernel": platform.release()}
 
 
 def markdown(result: dict[str, Any]) -> str:

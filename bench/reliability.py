@@ -17,13 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from bench.machine import machine
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = "tests/reliability"
@@ -47,7 +48,7 @@ def run(outage_s: float, out: Path) -> dict[str, Any]:
     summary = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
     doc = {
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        "machine": machine(),
         "outage_s": outage_s,
         "seconds": round(time.time() - started, 1),
         "pytest": summary,
@@ -79,10 +80,12 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def render(doc: dict[str, Any]) -> str:
+    m = doc["machine"]
     lines = [
         "# Reliability run",
         "",
-        f"{doc['when']} on {doc['machine']}; `python -m bench.reliability` ran `pytest {TESTS}` "
+        f"{doc['when']} on {m['cores']} cores ({m['cpu']}), Python {m['python']}; "
+        f"`python -m bench.reliability` ran `pytest {TESTS}` "
         f"in {doc['seconds']} s: **{doc['pytest']}**.",
         "",
         "Each row is written by a test after its assertions held. *Events found*: events of the "
