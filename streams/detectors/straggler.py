@@ -412,9 +412,11 @@ class StragglerDetector:
                     if p > 0 and (p - x) / p >= self.min_slowdown:
                         outliers[metric][key] = _Outlier(value=x, peers=p, rel=(p - x) / p)
             # Operators read MHz, W and %: explain with the raw window medians.
-            raw_medians = {k: statistics.median(raw[k][metric]) for k in outliers[metric] if raw[k][metric]}
+            if not outliers[metric]:
+                continue
+            raw_medians = {k: statistics.median(raw[k][metric]) for k in eligible if raw[k][metric]}
             for key, o in list(outliers[metric].items()):
-                others = [statistics.median(raw[k][metric]) for k in eligible if k[0] != key[0] and raw[k][metric]]
+                others = [v for k, v in raw_medians.items() if k[0] != key[0]]
                 if key in raw_medians and others:
                     outliers[metric][key] = _Outlier(value=raw_medians[key], peers=statistics.median(others), rel=o.rel)
         for key in eligible:
