@@ -214,6 +214,9 @@ def run_demo(
                 60,
                 stack,
             )
+            # What the Slurm producer tells a deployment: where the job runs. Without it a Xid
+            # that comes before the job's first log anomaly has no job to join (a race under load).
+            world.publish_sched("job", "RUNNING", backend.job_state(slurm_job))
             victim, healthy = world.watch(slurm_job), None
         for n in NODES if sim is not None else victim.nodes():
             kern = victim.kern_path(n)
