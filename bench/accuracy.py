@@ -33,7 +33,7 @@ from schemas.vocab import ACTIONS, CATEGORIES
 from trainmedic.diagnose import diagnose_paths
 
 REPO = Path(__file__).resolve().parents[1]
-CORPUS = REPO / "tests" / "fixtures" / "corpus"
+CORPUS = REPO / "tests" / "fixtures" / "corpus" / "dev"
 RESULTS = REPO / "bench" / "results"
 LABEL_FILE = "label.yaml"
 TARGETS: dict[str, float] = {"category_accuracy": 0.95, "culprit_accuracy": 0.95, "false_actions_on_healthy": 0}

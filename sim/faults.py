@@ -234,7 +234,7 @@ XID74_MESSAGE = (
     "[449410.332316] NVRM: Xid (PCI:0003:00:00): 74, pid='<unknown>', name=<unknown>, "
     "NVLink: fatal error detected on link 14(0x0, 0x0, 0x10000, 0x0, 0x0, 0x0, 0x0)"
 )
-# tests/fixtures/corpus/gpu_cuda_ecc_uncorrectable/job.out
+# tests/fixtures/corpus/dev/gpu_cuda_ecc_uncorrectable/job.out
 CUDA_ECC_LINES = (
     "RuntimeError: CUDA error: uncorrectable ECC error encountered",
     "CUDA kernel errors might be asynchronously reported at some other API call, so the stacktrace below might be incorrect.",
@@ -248,7 +248,7 @@ WATCHDOG_LINE = (
     "timeout: WorkNCCL(SeqNum=7753, OpType=_REDUCE_SCATTER_BASE, NumelIn=544997376, NumelOut=68124672, "
     "Timeout(ms)=600000) ran for 600061 milliseconds before timing out."
 )
-# tests/fixtures/corpus/ic_ib_port_error_flapping_link/job.out: the node's eight ranks (pid:tid differ).
+# tests/fixtures/corpus/dev/ic_ib_port_error_flapping_link/job.out: the node's eight ranks (pid:tid differ).
 IB_PORT_ERROR_LINES = tuple(
     f"gpu01:{pid} [0] transport/net_ib.cc:93 NCCL WARN NET/IB : Got async event : port error"
     for pid in (
@@ -265,28 +265,28 @@ IB_PORT_ERROR_LINES = tuple(
 # tests/unit/test_catalog.py (ib_link_down, the kernel's own example) and its healthy list (Link ACTIVE).
 IB_KERNEL_DOWN = "mlx5_core 0000:08:00.0 mlx5_0: Port: 1 Link DOWN"
 IB_KERNEL_UP = "mlx5_core 0000:ab:00.0 mlx5_5: Port: 1 Link ACTIVE"
-# tests/fixtures/corpus/oom_cuda_zero3_80gb/job.out (the line break after "If" is in the source).
+# tests/fixtures/corpus/dev/oom_cuda_zero3_80gb/job.out (the line break after "If" is in the source).
 OOM_LINES = (
     "OutOfMemoryError: CUDA out of memory. Tried to allocate 172.00 MiB (GPU 0; 79.35 GiB total capacity; "
     "73.95 GiB already allocated; 12.19 MiB free; 76.80 GiB reserved in total by PyTorch) If ",
     "reserved memory is >> allocated memory try setting max_split_size_mb to avoid fragmentation.  "
     "See documentation for Memory Management and PYTORCH_CUDA_ALLOC_CONF",
 )
-# tests/fixtures/corpus/num_megatron_grad_norm_nan/job.out, first line: the format of a diverged step.
+# tests/fixtures/corpus/dev/num_megatron_grad_norm_nan/job.out, first line: the format of a diverged step.
 NAN_ITERATION_LINE = (
     " iteration     5426/  250000 | consumed samples:        43408 | consumed tokens:     88899584 | "
     "elapsed time per iteration (ms): 4247.9 | learning rate: 2.999E-04 | global batch size:     8 | "
     "loss scale: 1.0 | grad norm: nan | actual seqlen:  2048 | number of skipped iterations:   0 | "
     "number of nan iterations:   0 | samples per second: 1.883 | TFLOPs: 78.36 |"
 )
-# tests/fixtures/corpus/user_valueerror_bad_config/job.out
+# tests/fixtures/corpus/dev/user_valueerror_bad_config/job.out
 USER_EXCEPTION_LINES = (
     "    return cls.__new__(cls, value)",
     '  File "/gpfswork/rech/cnw/commun/conda/shared-m4-2023-02-28/lib/python3.8/enum.py", line 663, in __new__',
     "    raise ve_exc",
     "ValueError: 'jsonl' is not a valid LoggingTypes",
 )
-# tests/fixtures/corpus/storage_enospc_checkpoint_save/job.out
+# tests/fixtures/corpus/dev/storage_enospc_checkpoint_save/job.out
 _ENOSPC_PREFIX = "2023-04-29 06:01:12.977 [177/train/578 (pid 28936)] [09c561ee-a44c-4795-967c-7183a83b3160] "
 STORAGE_FULL_LINES = tuple(
     _ENOSPC_PREFIX + t
@@ -300,7 +300,7 @@ STORAGE_FULL_LINES = tuple(
         "OSError: [Errno 28] No space left on device",
     )
 )
-# tests/fixtures/corpus/node_failure_after_cuda_error/job.out and node_failure_during_validation/job.out
+# tests/fixtures/corpus/dev/node_failure_after_cuda_error/job.out and node_failure_during_validation/job.out
 SRUN_NODE_FAILURE = "srun: error: Node failure on gpu03"
 SRUN_STEP_ABORTED = "srun: Job step aborted: Waiting up to 62 seconds for job step to finish."
 STEP_CANCELLED_NODE_FAILURE = (
@@ -318,14 +318,14 @@ NCCL_INIT_LINES = (
     "gpu01:1379562:1379562 [0] NCCL INFO NET/Socket : Using [0]enp36s0f1:10.0.0.1<0>",
     "gpu01:1379562:1379562 [0] NCCL INFO Using network Socket",
 )
-# tests/fixtures/corpus/healthy_megatron_gpt2_345m/job.out
+# tests/fixtures/corpus/dev/healthy_megatron_gpt2_345m/job.out
 USER_WARNING_LINES = (
     "/usr/local/lib/python3.8/dist-packages/torch/distributed/distributed_c10d.py:2603: UserWarning: "
     "torch.distributed._all_gather_base is a private function and will be deprecated. Please use "
     "torch.distributed.all_gather_into_tensor instead.",
     "  warnings.warn(",
 )
-# tests/fixtures/corpus/healthy_deepspeed_overflow_recovers/job.out (fp16 loss-scale warm-up)
+# tests/fixtures/corpus/dev/healthy_deepspeed_overflow_recovers/job.out (fp16 loss-scale warm-up)
 OVERFLOW_LINE = (
     "[2024-09-11 17:52:18,030] [INFO] [loss_scaler.py:183:update_scale] [deepspeed] OVERFLOW! Rank 0 Skipping "
     "step. Attempted loss scale: 4294967296, reducing to 2147483648"
@@ -342,18 +342,18 @@ CKPT_END_LINE = "  successfully saved checkpoint at iteration     400 to custome
 FIXTURE_TEXTS: dict[str, tuple[str, ...]] = {
     "logs/xid79_kern.log": XID79_KERN,
     "logs/xid48_kern.log": (XID48_KERN, XID64_KERN),
-    "corpus/gpu_cuda_ecc_uncorrectable/job.out": CUDA_ECC_LINES,
+    "corpus/dev/gpu_cuda_ecc_uncorrectable/job.out": CUDA_ECC_LINES,
     "logs/nccl_watchdog_timeout.log": (WATCHDOG_LINE,),
-    "corpus/ic_ib_port_error_flapping_link/job.out": IB_PORT_ERROR_LINES,
-    "corpus/oom_cuda_zero3_80gb/job.out": OOM_LINES,
-    "corpus/num_megatron_grad_norm_nan/job.out": (NAN_ITERATION_LINE,),
-    "corpus/user_valueerror_bad_config/job.out": USER_EXCEPTION_LINES,
-    "corpus/storage_enospc_checkpoint_save/job.out": STORAGE_FULL_LINES,
-    "corpus/node_failure_after_cuda_error/job.out": (SRUN_NODE_FAILURE, SRUN_STEP_ABORTED),
-    "corpus/node_failure_during_validation/job.out": (STEP_CANCELLED_NODE_FAILURE,),
+    "corpus/dev/ic_ib_port_error_flapping_link/job.out": IB_PORT_ERROR_LINES,
+    "corpus/dev/oom_cuda_zero3_80gb/job.out": OOM_LINES,
+    "corpus/dev/num_megatron_grad_norm_nan/job.out": (NAN_ITERATION_LINE,),
+    "corpus/dev/user_valueerror_bad_config/job.out": USER_EXCEPTION_LINES,
+    "corpus/dev/storage_enospc_checkpoint_save/job.out": STORAGE_FULL_LINES,
+    "corpus/dev/node_failure_after_cuda_error/job.out": (SRUN_NODE_FAILURE, SRUN_STEP_ABORTED),
+    "corpus/dev/node_failure_during_validation/job.out": (STEP_CANCELLED_NODE_FAILURE,),
     "logs/healthy_training.log": NCCL_INIT_LINES,
-    "corpus/healthy_megatron_gpt2_345m/job.out": USER_WARNING_LINES,
-    "corpus/healthy_deepspeed_overflow_recovers/job.out": (OVERFLOW_LINE,),
+    "corpus/dev/healthy_megatron_gpt2_345m/job.out": USER_WARNING_LINES,
+    "corpus/dev/healthy_deepspeed_overflow_recovers/job.out": (OVERFLOW_LINE,),
     "progress/megatron.log": (ITERATION_LINE, CKPT_START_LINE, CKPT_END_LINE),
 }
 

@@ -21,7 +21,7 @@ from streams.detectors.signatures import SignatureDetector
 from streams.detectors.xid import XidDetector
 from tests.conftest import FIXTURES
 
-CORPUS = FIXTURES / "corpus"
+CORPUS = FIXTURES / "corpus" / "dev"
 DETECTOR = SignatureDetector()
 ENTRIES: dict[str, Signature] = {s.id: s for s in default_signatures()}
 
@@ -220,7 +220,7 @@ REAL_LINES: dict[str, list[str]] = {
         # https://github.com/vpetren/gradnorm_tf/issues/17
         "epoch: 3451 loss: nan",
         # https://github.com/liyih/RCTrans/issues/6
-        (FIXTURES / "corpus" / "num_mmdet_loss_nan" / "job.out").read_text().splitlines()[0],
+        (CORPUS / "num_mmdet_loss_nan" / "job.out").read_text().splitlines()[0],
         # https://github.com/intel/ipex-llm/issues/1486
         "2017-08-20 16:11:46 INFO  DistriOptimizer$:295 - [Epoch 64 740096/1281167][Iteration 45459][Wall Clock "
         "197340.717246379s] Train 1792 in 4.006890034seconds. Throughput is 447.22968 records/second. Loss is "

@@ -19,7 +19,7 @@ from schemas.vocab import ACTIONS, CATEGORIES, Role, Source
 from tests.conftest import FIXTURES
 
 REPO = Path(__file__).resolve().parents[2]
-CORPUS = FIXTURES / "corpus"
+CORPUS = FIXTURES / "corpus" / "dev"
 TOP_KEYS = {"category", "culprit", "culprit_rank", "action", "confidence", "explanation", "evidence", "files"}
 EVIDENCE_KEYS = {"source", "signature", "node", "rank", "role", "line"}
 
