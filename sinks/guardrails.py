@@ -19,11 +19,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from schemas.events import Action, ActionResult
 from schemas.vocab import Guardrail
+from schemas.yamlsafe import YamlError, load_yaml
 from sinks.backends.base import SchedulerBackend
 
 log = logging.getLogger("trainmedic.guardrails")
@@ -50,13 +50,11 @@ class GuardrailSettings(BaseModel):
 
 def parse_guardrails(text: str, origin: str) -> GuardrailSettings:
     try:
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as exc:
-        raise GuardrailConfigError(f"{origin}: not valid YAML: {exc}") from None
-    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
-        # PyYAML's constructors raise plain Python errors (`2020-02-30`, `!!bool x`); a live
-        # reload must refuse the file, not raise into the executor.
-        raise GuardrailConfigError(f"{origin}: not valid YAML: {type(exc).__name__}: {exc}"[:500]) from None
+        # Bounded (size, depth, aliases): a live reload must refuse a bad file, not raise into
+        # or stall the executor.
+        data = load_yaml(text, origin) or {}
+    except YamlError as exc:
+        raise GuardrailConfigError(str(exc)) from None
     section = data.get("guardrails", {}) if isinstance(data, dict) else {}
     try:
         return GuardrailSettings.model_validate(section or {})

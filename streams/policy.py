@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from schemas.events import Action, Decision, Incident
 from schemas.ids import stable_id
 from schemas.vocab import CATEGORIES, SEVERITY_RANK, ActionKind, Category, Mode, Severity
+from schemas.yamlsafe import FILE_LIMITS, YamlError, YamlLimits, compose_yaml, construct_yaml, load_yaml
 
 DEFAULT_POLICY = Path(__file__).resolve().parent.parent / "infra" / "policies" / "default.yaml"
 
@@ -175,16 +176,15 @@ def _line_of(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
     return line
 
 
-def parse_policy(text: str, origin: str = "<policy>") -> Policy:
+def parse_policy(text: str, origin: str = "<policy>", limits: YamlLimits = FILE_LIMITS) -> Policy:
+    """`limits`: FILE_LIMITS for files, API_LIMITS (no aliases) for request bodies."""
     try:
-        root = yaml.compose(text)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise PolicyError(f"{origin}: not valid YAML: {exc}") from None
-    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
-        # PyYAML's constructors raise plain Python errors for values like `2020-02-30` or
-        # `!!bool x`, and the parser recurses on deep nesting: still the file's fault.
-        raise PolicyError(f"{origin}: not valid YAML: {type(exc).__name__}: {exc}"[:500]) from None
+        # One bounded parse: alias bombs, deep nesting and oversize text are refused
+        # before anything walks the data (schemas/yamlsafe.py).
+        root = compose_yaml(text, origin, limits)
+        data = construct_yaml(root, origin)
+    except YamlError as exc:
+        raise PolicyError(str(exc)) from None
     if not isinstance(data, dict):
         raise PolicyError(f"{origin}: line 1: expected a mapping with 'mode' and 'actions'")
     try:
@@ -222,8 +222,8 @@ def load_overlay(path: Path) -> ModeOverlay:
     if not path.exists():
         return ModeOverlay()
     try:
-        return ModeOverlay.model_validate(yaml.safe_load(path.read_text()) or {})
-    except (yaml.YAMLError, ValidationError) as exc:
+        return ModeOverlay.model_validate(load_yaml(path.read_text(), str(path)) or {})
+    except (YamlError, ValidationError) as exc:
         raise PolicyError(f"{path}: invalid mode overlay: {exc}") from None
 
 

@@ -7,10 +7,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from schemas.vocab import Category, Role, Severity
+from schemas.yamlsafe import YamlError, load_yaml
 
 CATALOG_DIR = Path(__file__).parent
 
@@ -60,9 +60,9 @@ class XidEntry(BaseModel):
 
 def _load_list(path: Path) -> list[object]:
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise CatalogError(f"{path}: not valid YAML: {exc}") from None
+        data = load_yaml(path.read_text(), str(path))
+    except YamlError as exc:
+        raise CatalogError(str(exc)) from None
     if not isinstance(data, list):
         raise CatalogError(f"{path}: expected a list of entries")
     return data
