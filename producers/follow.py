@@ -1,13 +1,23 @@
-"""Follow a growing text file: new complete lines, through rotation and truncation."""
+"""Follow a growing text file: new complete lines, through rotation and truncation.
+
+A follower can resume from a saved `FilePosition`: the same file (by inode) at
+the saved offset; or, when the file was rotated while the producer was away,
+the rest of the rotated file (found by its inode next to the path) and then
+the new file from its start. So no line is skipped across a restart.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+from producers.position import FilePosition
+
 MAX_LINE_BYTES = 64 * 1024
+log = logging.getLogger("trainmedic.follow")
 
 
 @dataclass
@@ -16,21 +26,65 @@ class FileFollower:
     from_start: bool = True
     lineno: int = 0
     truncated_lines: int = 0  # over-long lines cut to MAX_LINE_BYTES
+    resume: FilePosition | None = None
+    # Not from the start and nothing to resume: read back this many bytes before the end
+    # (a fault line written just before the producer started is not missed).
+    lookback_bytes: int = 0
     _fh: BinaryIO | None = None
     _inode: int | None = None
     _partial: bytes = b""
     _pending: list[str] = field(default_factory=list)
 
+    def position(self) -> FilePosition | None:
+        """Up to the last complete line handed out (a partial line is read again after a restart)."""
+        if self._fh is None or self._inode is None:
+            return self.resume
+        return FilePosition(self._inode, self._fh.tell() - len(self._partial), self.lineno)
+
     def _open(self) -> bool:
+        if self.resume is not None and self._inode is None:
+            resume, self.resume = self.resume, None
+            if self._resume(resume):
+                return True
         try:
             fh = open(self.path, "rb")  # noqa: SIM115 - kept open while following
         except OSError:
             return False
         st = os.fstat(fh.fileno())
+        partial = b""
         if not self.from_start and self._inode is None:
-            fh.seek(st.st_size)
-        self._fh, self._inode, self._partial = fh, st.st_ino, b""
+            start = max(0, st.st_size - self.lookback_bytes)
+            fh.seek(start)
+            if start > 0:
+                fh.readline()  # the cut line before the look-back window is not a line of ours
+        self._fh, self._inode, self._partial = fh, st.st_ino, partial
         return True
+
+    def _resume(self, pos: FilePosition) -> bool:
+        """Open the file the saved position is in, at that position; False to start afresh."""
+        candidates = [self.path, *sorted(self.path.parent.glob(self.path.name + ".*"))]
+        for candidate in candidates:
+            try:
+                st = os.stat(candidate)
+            except OSError:
+                continue
+            if st.st_ino != pos.inode:
+                continue
+            if st.st_size < pos.offset:
+                log.warning("%s: shorter than its saved position (truncated?): reading it from the start", candidate)
+                break
+            fh = open(candidate, "rb")  # noqa: SIM115 - kept open while following
+            fh.seek(pos.offset)
+            self._fh, self._inode, self._partial, self.lineno = fh, pos.inode, b"", pos.lineno
+            # A rotated file: poll() drains it, then moves on to the new file at self.path.
+            return True
+        else:
+            log.warning(
+                "%s: the file of the saved position is gone: reading the current file from the start", self.path
+            )
+        self.from_start = True
+        self.lineno = pos.lineno
+        return False
 
     def poll(self, max_bytes: int = 8 * 1024 * 1024) -> list[str]:
         """Complete lines appended since the last call (decoded, newline stripped)."""

@@ -19,6 +19,7 @@ from pathlib import Path
 import orjson
 
 from producers.joblogs import JobLayout, JobLogProducer
+from producers.position import FilePosition, PositionStore
 from producers.publisher import Publisher
 from producers.slurm import LocalRunner, Runner, SlurmCommandError, expand_hostlist
 
@@ -57,6 +58,7 @@ class JobDiscovery:
         only_node: str | None = None,
         timeout_s: float = 30.0,
         tailer_factory: Callable[[JobFiles], JobLogProducer] | None = None,
+        positions: PositionStore | None = None,
     ) -> None:
         self.publisher = publisher
         self.runner = runner or LocalRunner()
@@ -64,9 +66,17 @@ class JobDiscovery:
         self.timeout_s = timeout_s
         self.tailers: dict[tuple[str, int], JobLogProducer] = {}
         self.errors = 0
+        self.tailer_errors = 0
+        self.positions = positions
         self._factory = tailer_factory or self._tailer
 
     def _tailer(self, job: JobFiles) -> JobLogProducer:
+        resume: dict[Path, FilePosition] = {}
+        if self.positions is not None:
+            for path in job.paths:
+                pos = self.positions.file(f"job:{job.job_id}:{path}")
+                if pos is not None:
+                    resume[path] = pos
         return JobLogProducer(
             self.publisher,
             job.job_id,
@@ -74,11 +84,21 @@ class JobDiscovery:
             JobLayout(job.nodes, job.ranks_per_node),
             partition=job.partition,
             from_start=True,
+            resume=resume,
         )
+
+    def current_positions(self) -> dict[str, FilePosition]:
+        out: dict[str, FilePosition] = {}
+        for tailer in self.tailers.values():
+            out.update(tailer.positions())
+        return out
 
     def running_jobs(self) -> dict[str, int]:
         """RUNNING job id -> restart count."""
-        data = orjson.loads(self.runner(["squeue", "--json"], self.timeout_s))
+        # A node-local discoverer asks about its own node only. Slurm 22.05's --json ignores
+        # the filter (the whole queue comes back), so the node check below stays.
+        argv = ["squeue", "--json", "--nodelist", self.only_node] if self.only_node else ["squeue", "--json"]
+        data = orjson.loads(self.runner(argv, self.timeout_s))
         out = {}
         for j in data.get("jobs") or []:
             if str(j.get("job_state", "")).upper() != "RUNNING":
@@ -105,7 +125,10 @@ class JobDiscovery:
             log.warning("job discovery: squeue failed: %s", exc)
             running = {jid: r for (jid, r) in self.tailers}  # keep following what we have
         for key in [k for k in self.tailers if running.get(k[0]) != k[1]]:
-            self.tailers.pop(key).close()
+            gone = self.tailers.pop(key)
+            gone.close()
+            if self.positions is not None and key[0] not in running:
+                self.positions.forget(list(gone.positions()))
         for job_id, restarts in running.items():
             if (job_id, restarts) in self.tailers:
                 continue
@@ -119,7 +142,16 @@ class JobDiscovery:
                 continue
             self.tailers[(job_id, restarts)] = self._factory(job)
             log.info("following job %s (restart %d): %s", job_id, restarts, ", ".join(map(str, job.paths)))
-        return sum(t.poll_once() for t in self.tailers.values())
+        return sum(self._poll_tailer(key, t) for key, t in list(self.tailers.items()))
+
+    def _poll_tailer(self, key: tuple[str, int], tailer: JobLogProducer) -> int:
+        """One job's failure is logged and counted; it never stops the others' monitoring."""
+        try:
+            return tailer.poll_once()
+        except Exception:  # noqa: BLE001 - isolate any one job's bad input
+            self.tailer_errors += 1
+            log.exception("job discovery: following job %s (restart %d) failed; other jobs go on", *key)
+            return 0
 
     def run(self, stop_event: threading.Event, interval_s: float = 1.0) -> None:
         while not stop_event.is_set():

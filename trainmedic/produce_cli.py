@@ -6,12 +6,16 @@ import json
 import logging
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
 from producers.publisher import Publisher
+
+if TYPE_CHECKING:
+    from producers.position import Checkpointer, PositionStore
 
 produce_app = typer.Typer(
     help="Run a signal producer: gpu (NVML), dcgm, kernel, logs, slurm, ingest. Each publishes to Kafka.",
@@ -33,9 +37,11 @@ def _fail(msg: str) -> None:
 def _publisher(bootstrap: str | None, data_dir: Path, client_id: str) -> Publisher:
     from trainmedic.runtime import StackError, check_bootstrap
 
+    runtime_file: Path | None = None
     if not bootstrap:
+        runtime_file = data_dir / "runtime.json"
         try:
-            bootstrap = json.loads((data_dir / "runtime.json").read_text())["bootstrap"]
+            bootstrap = json.loads(runtime_file.read_text())["bootstrap"]
         except (OSError, ValueError, KeyError):
             _fail(f"--bootstrap not given and no running `trainmedic up` found in {data_dir}")
     assert bootstrap
@@ -43,7 +49,28 @@ def _publisher(bootstrap: str | None, data_dir: Path, client_id: str) -> Publish
         check_bootstrap(bootstrap)
     except StackError as exc:
         _fail(str(exc))
-    return Publisher(bootstrap, client_id)
+    # A local `up` may be restarted with its broker elsewhere: follow runtime.json then.
+    return Publisher(bootstrap, client_id, bootstrap_file=runtime_file)
+
+
+StateDirOpt = Annotated[
+    Optional[Path], typer.Option(help="Where read positions are kept across restarts (default DATA_DIR/producers).")
+]
+LookbackOpt = Annotated[
+    float, typer.Option(help="With no saved position: read back this many seconds of kernel messages.")
+]
+# A file has no index by time: its look-back is the last bytes before the end.
+FILE_LOOKBACK_BYTES = 1024 * 1024
+
+
+def _positions(state_dir: Path | None, data_dir: Path, name: str) -> PositionStore:
+    from producers.position import PositionStore
+
+    return PositionStore((state_dir or data_dir / "producers") / f"{name}.json")
+
+
+def _flushed(pub: Publisher) -> Callable[[float], bool]:
+    return lambda timeout: pub.flush(timeout) == 0
 
 
 def _stop_event() -> threading.Event:
@@ -53,12 +80,14 @@ def _stop_event() -> threading.Event:
     return stop
 
 
-def _finish(pub: Publisher, counters: dict[str, Any]) -> None:
-    left = pub.flush(10)
+def _finish(pub: Publisher, counters: dict[str, Any], checkpoint: Checkpointer | None = None) -> None:
+    saved = checkpoint.save(timeout=10) if checkpoint is not None else False
+    left = pub.close(10)
     dropped = sum(pub.dropped.values())
     typer.echo(
         f"stopped: {json.dumps(counters)}; delivered {sum(pub.delivered.values())}, "
-        f"dropped {dropped}, still queued {left}"
+        f"dropped {dropped}, dead-lettered {sum(pub.dead_lettered.values())}, still queued {left}"
+        + ("" if checkpoint is None else f"; position {'saved' if saved else 'NOT saved (undelivered events)'}")
     )
 
 
@@ -132,12 +161,17 @@ def kernel(
     bootstrap: BootstrapOpt = None,
     data_dir: DataDirOpt = Path("var"),
     node: NodeOpt = None,
-    file: Annotated[Optional[Path], typer.Option(help="Follow this file (kern.log, syslog).")] = None,
+    file: Annotated[
+        Optional[Path], typer.Option(help="Follow this file (Debian kern.log, RHEL /var/log/messages, syslog).")
+    ] = None,
     kmsg: Annotated[bool, typer.Option(help="Read /dev/kmsg (root).")] = False,
     journal: Annotated[bool, typer.Option(help="Read `journalctl -k -f -o json`.")] = False,
+    state_dir: StateDirOpt = None,
+    lookback: LookbackOpt = 600.0,
 ) -> None:
-    """NVRM Xid / SXid / fallen-off-the-bus lines from the kernel log."""
-    from producers.kernel import KernelLogProducer, KernelStreamProducer, read_journal, read_kmsg
+    """NVRM Xid / SXid / fallen-off-the-bus lines from the kernel log, resuming where it stopped."""
+    from producers.kernel import KernelLogProducer, KernelStreamProducer, boot_id, read_journal, read_kmsg
+    from producers.position import Checkpointer
 
     if sum((file is not None, kmsg, journal)) != 1:
         _fail("give exactly one of --file PATH, --kmsg, --journal")
@@ -145,27 +179,53 @@ def kernel(
     pub = _publisher(bootstrap, data_dir, "trainmedic-kernel")
     stop = _stop_event()
     gpu_index_of = _nvml_gpu_index()
+    store = _positions(state_dir, data_dir, "kernel")
     if file is not None:
-        follower = KernelLogProducer(pub, file, node=node, gpu_index_of=gpu_index_of)
+        key = f"file:{file}"
+        follower = KernelLogProducer(
+            pub,
+            file,
+            node=node,
+            gpu_index_of=gpu_index_of,
+            resume=store.file(key),
+            lookback_bytes=FILE_LOOKBACK_BYTES,
+        )
+        checkpoint = Checkpointer(store, follower.positions, _flushed(pub))
         while not stop.wait(0.5):
             follower.poll_once()
-        _finish(pub, {"published": follower.published})
+            checkpoint.maybe_save()
+        _finish(pub, {"published": follower.published}, checkpoint)
         return
     stream = KernelStreamProducer(pub, node=node, gpu_index_of=gpu_index_of)
+    # The stream's position: the journal cursor, or the kmsg sequence number within this boot.
+    last: dict[str, Any] = {}
+    checkpoint = Checkpointer(store, lambda: dict(last), _flushed(pub))
     try:
         if kmsg:
-            for message in read_kmsg():
+            saved = store.get("kmsg")
+            same_boot = isinstance(saved, dict) and saved.get("boot_id") == boot_id()
+            after = int(saved["seq"]) if same_boot and isinstance(saved.get("seq"), int) else None
+            for message, seq in read_kmsg(after_seq=after, lookback_s=lookback):
                 stream.handle(message)
+                if seq is not None:
+                    last["kmsg"] = {"boot_id": boot_id(), "seq": seq}
+                checkpoint.maybe_save()
                 if stop.is_set():
                     break
         else:
-            for message, host in read_journal():
+            cursor = store.get("journal")
+            for message, host, entry_cursor in read_journal(
+                cursor if isinstance(cursor, str) else None, lookback_s=lookback
+            ):
                 stream.handle(message, host)
+                if entry_cursor:
+                    last["journal"] = entry_cursor
+                checkpoint.maybe_save()
                 if stop.is_set():
                     break
     except OSError as exc:
         _fail(f"cannot read the kernel log: {exc}")
-    _finish(pub, {"published": stream.published})
+    _finish(pub, {"published": stream.published}, checkpoint)
 
 
 @produce_app.command()
@@ -178,29 +238,48 @@ def logs(
     ranks_per_node: Annotated[Optional[int], typer.Option(help="Ranks per node (block layout).")] = None,
     discover: Annotated[bool, typer.Option(help="Find running jobs' StdOut/StdErr from Slurm.")] = False,
     only_node: Annotated[Optional[str], typer.Option(help="With --discover: only jobs running on this node.")] = None,
+    interval: Annotated[float, typer.Option(help="With --discover: seconds between Slurm queries.")] = 1.0,
+    state_dir: StateDirOpt = None,
 ) -> None:
     """Follow training logs (rotation, truncation, srun/torchrun rank prefixes) and publish them."""
     from producers.jobdiscovery import JobDiscovery
     from producers.joblogs import JobLayout, JobLogProducer
+    from producers.position import Checkpointer
 
     if discover == bool(job):
         _fail("give either --discover or --job ID --path FILE")
+    if interval <= 0:
+        _fail("--interval must be > 0")
     _logging()
     pub = _publisher(bootstrap, data_dir, "trainmedic-logs")
     stop = _stop_event()
     if discover:
-        finder = JobDiscovery(pub, only_node=only_node)
-        finder.run(stop)
-        _finish(pub, {"jobs": len(finder.tailers), "errors": finder.errors})
+        store = _positions(state_dir, data_dir, f"logs-discover-{only_node or 'all'}")
+        finder = JobDiscovery(pub, only_node=only_node, positions=store)
+        checkpoint = Checkpointer(store, finder.current_positions, _flushed(pub))
+        while not stop.is_set():
+            finder.poll_once()
+            checkpoint.maybe_save()
+            stop.wait(interval)
+        for t in finder.tailers.values():
+            t.drain()
+        _finish(pub, {"jobs": len(finder.tailers), "errors": finder.errors}, checkpoint)
+        for t in finder.tailers.values():
+            t.close()
         return
     if not path:
         _fail("--job needs at least one --path")
     assert job and path
     layout = JobLayout(tuple(n for n in (nodes or "").split(",") if n), ranks_per_node)
-    tailer = JobLogProducer(pub, job, path, layout)
+    store = _positions(state_dir, data_dir, f"logs-job-{job}")
+    resume = {p: pos for p in path if (pos := store.file(f"job:{job}:{p}")) is not None}
+    tailer = JobLogProducer(pub, job, path, layout, resume=resume)
+    checkpoint = Checkpointer(store, tailer.positions, _flushed(pub))
     while not stop.wait(0.2):
         tailer.poll_once()
-    _finish(pub, {"lines": tailer.lines_published})
+        checkpoint.maybe_save()
+    tailer.drain()
+    _finish(pub, {"lines": tailer.lines_published}, checkpoint)
 
 
 @produce_app.command()

@@ -9,13 +9,14 @@ import pytest
 from confluent_kafka import Consumer
 
 from producers.jobdiscovery import JobDiscovery
+from producers.joblogs import JobLogProducer
 from producers.publisher import Publisher
 from producers.slurm import LocalRunner
 from schemas.clients import consumer_config
 from schemas.codec import decode
 from schemas.events import LogBatch
 from schemas.topics import JOB_LOGS
-from tests.conftest import Cluster, wait_for
+from tests.conftest import Cluster, read_topic, wait_for
 from trainmedic.broker import EmbeddedBroker
 
 pytestmark = pytest.mark.slurm
@@ -54,3 +55,40 @@ def test_discovers_stdout_and_publishes_ranked_lines(
         assert (line.rank, line.node, line.text) == (1, follower.layout.job_nodes[0], "hello from rank one")
     finally:
         subprocess.run(["scancel", job], env=slurm_cluster.env(), timeout=30, check=False)
+
+
+def test_one_job_whose_tailer_fails_does_not_stop_the_others(
+    slurm_cluster: Cluster, broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    jobs = []
+    for name in ("bad", "good"):
+        proc = subprocess.run(
+            ["sbatch", "--parsable", f"--output={tmp_path / name}-%j.out", "--wrap", f"echo {name} line; sleep 600"],
+            capture_output=True,
+            text=True,
+            env=slurm_cluster.env(),
+            timeout=30,
+            check=True,
+        )
+        jobs.append(proc.stdout.strip().split(";")[0])
+    bad, good = jobs
+
+    class Failing(JobLogProducer):
+        def poll_once(self) -> int:
+            raise RuntimeError("injected: this job's input breaks its tailer")
+
+    try:
+        pub = Publisher(broker.bootstrap, "test")
+        finder = JobDiscovery(pub, runner=LocalRunner(slurm_cluster.slurm_conf))
+        default = finder._factory
+        finder._factory = lambda job: (  # type: ignore[method-assign]
+            Failing(pub, job.job_id, list(job.paths)) if job.job_id == bad else default(job)
+        )
+        wait_for("the good job's line", lambda: finder.poll_once() >= 1 or None, timeout=60)
+        assert finder.tailer_errors >= 1
+        assert {k[0] for k in finder.tailers} >= {bad, good}  # the failing job is still watched
+        assert pub.flush(10) == 0
+        batches = [decode(LogBatch, raw) for raw in read_topic(broker.bootstrap, JOB_LOGS.name, 2.0)]
+        assert {b.job_id for b in batches} == {good}
+    finally:
+        subprocess.run(["scancel", *jobs], env=slurm_cluster.env(), timeout=30, check=False)
