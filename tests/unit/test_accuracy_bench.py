@@ -72,7 +72,7 @@ def test_culprit_rank_is_scored_and_unknown_category_accepted(corpus: Path, tmp_
     label = corpus / "dev" / "gpu_xid79_nccl_timeouts" / "label.yaml"
     data = yaml.safe_load(label.read_text())
     label.write_text(yaml.safe_dump({**data, "culprit_rank": 7}))
-    copy_case("user_segfault_barrier", corpus / "dev" / "unknown_crash", category="unknown", action="none")
+    copy_case("unknown_segfault_barrier", corpus / "dev" / "unknown_crash")
     out = tmp_path / "out"
     assert run(corpus, out, "--split", "dev") == 0
     res = json.loads((out / "accuracy-dev.json").read_text())["splits"]["dev"]
