@@ -22,7 +22,31 @@ from schemas.ids import stable_id
 from schemas.topics import JOB_LOGS, JOB_PROGRESS
 
 _SRUN_LABEL = re.compile(r"^\s*(\d{1,6}): ")
-_TORCHRUN_RANK = re.compile(r"^\[(?:rank|default)(\d{1,6})\]:\s?")
+# torchrun: "[rank3]:" is the global rank (c10d's log prefix); "[default3]:" is
+# "[{role}{local_rank}]:" of torchrun --tee, a LOCAL rank (the GPU index on its node).
+_TORCHRUN_RANK = re.compile(r"^\[rank(\d{1,6})\]:\s?")
+_TORCHRUN_LOCAL = re.compile(r"^\[default(\d{1,6})\]:\s?")
+# OpenMPI --tag-output: "[jobid,rank]<stdout>:" (the second number is MPI_COMM_WORLD rank),
+# sometimes behind a timestamp of --timestamp-output or of the collector.
+_MPI_TAG = re.compile(r"^(?P<pre>\d{4}-\d\d-\d\dT[\d:.]+Z?: )?\[\d{1,6},(?P<rank>\d{1,6})\]<std(?:out|err|diag)>:\s?")
+# The rank named inside a c10d message: "[Rank 12]", "[PG 0 (default_pg) Rank 12]",
+# "[PG ID 2 PG GUID 3 Rank 2]": the number after "Rank", never the PG's.
+_C10D_RANK = re.compile(r"\[(?:PG [^\]]*?)?Rank (\d{1,6})\]")
+_HOST = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
+# Where the line itself names the host that wrote it, most specific first.
+_HOST_FORMS = (
+    # NCCL: "host:pid:tid [cudaDev] NCCL ..." (cudaDev: the GPU index on that host).
+    # Also behind a timestamp; a host name has a letter (so "10:53:25 [0]" is no host).
+    re.compile(rf"(?:^|\s)(?P<host>(?=[\w.-]*[A-Za-z]){_HOST}):\d+:\d+ \[(?P<gpu>\d{{1,3}})\] "),
+    # srun: "srun: error: HOST: task N: ..." / "tasks 0-3: ..." (a single task is its rank).
+    re.compile(rf"^srun: error: (?P<host>{_HOST}): tasks? (?:(?P<rank>\d+)(?=:)|[\d,-]+)"),
+    # syslog / journal: "Mon DD HH:MM:SS HOST ident[pid]: ..." and RFC 5424 / ISO stamps.
+    re.compile(rf"^[A-Z][a-z]{{2}} [ \d]\d \d\d:\d\d:\d\d (?P<host>{_HOST}) [\w./-]+(?:\[\d+\])?: "),
+    re.compile(rf"^\d{{4}}-\d\d-\d\dT[\d:.]+(?:Z|[+-]\d\d:?\d\d) (?P<host>{_HOST}) [\w./-]+(?:\[\d+\])?: "),
+    # Monitoring exports naming the instance: Prometheus labels 'instance="gpu03:9400"', 'Hostname=gpu03'.
+    re.compile(rf"\binstance=\"(?P<host>{_HOST}?)(?::\d+)?\""),
+    re.compile(rf"\b[Hh]ostname[=:] ?\"?(?P<host>{_HOST})"),
+)
 MAX_LINES_PER_BATCH = 1000
 
 
@@ -30,11 +54,32 @@ MAX_LINES_PER_BATCH = 1000
 class RankedText:
     rank: int | None
     text: str
+    host: str | None = None  # the node the line says wrote it
+    gpu: int | None = None  # the GPU index on that node (NCCL's cudaDev, torchrun's local rank)
+
+
+def _host_of(text: str) -> tuple[str | None, int | None, int | None]:
+    for form in _HOST_FORMS:
+        m = form.search(text)
+        if m:
+            g = m.groupdict()
+            return g["host"], int(g["gpu"]) if g.get("gpu") else None, int(g["rank"]) if g.get("rank") else None
+    return None, None, None
 
 
 def split_rank_prefix(line: str) -> RankedText:
-    """Strip the launcher's prefixes; the innermost rank wins (torchrun inside srun)."""
+    """Strip the launchers' prefixes and say which rank, host and GPU the line is from.
+
+    Prefixes nest (torchrun inside srun, mpirun tags): the innermost rank wins. Host-naming
+    forms (NCCL's host:pid:tid, syslog, srun's "HOST: task N") stay in the text: catalog
+    patterns match on them.
+    """
     rank: int | None = None
+    gpu: int | None = None
+    m = _MPI_TAG.match(line)
+    if m:
+        rank = int(m.group("rank"))
+        line = (m.group("pre") or "") + line[m.end() :]
     m = _SRUN_LABEL.match(line)
     if m:
         rank = int(m.group(1))
@@ -43,7 +88,16 @@ def split_rank_prefix(line: str) -> RankedText:
     if m:
         rank = int(m.group(1))
         line = line[m.end() :]
-    return RankedText(rank, line)
+    else:
+        m = _TORCHRUN_LOCAL.match(line)
+        if m:
+            gpu = int(m.group(1))
+            line = line[m.end() :]
+    host, host_gpu, host_rank = _host_of(line)
+    if rank is None:
+        m = _C10D_RANK.search(line)
+        rank = int(m.group(1)) if m else host_rank
+    return RankedText(rank, line, host, host_gpu if host_gpu is not None else gpu)
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,7 @@ class LogLine(BaseModel):
     ts: Timestamp  # when the line was written, or first seen by the tailer
     rank: int | None = Field(default=None, ge=0)
     node: str | None = None
+    gpu: int | None = Field(default=None, ge=0)  # GPU index on `node`, when the line says
     lineno: int = Field(ge=0)
     # A multi-line Python traceback travels as one line: `text` is its final
     # exception line, `context` the whole traceback.
@@ -198,6 +199,20 @@ class HealthEvent(Event):
 # --- what the streams conclude ---------------------------------------------------
 
 
+class RankActivity(BaseModel):
+    """What another rank of the job was last seen doing (rank-local work such as a
+    checkpoint save or validation, or having finished training) when a collective
+    timed out: the context that tells a timeout's cause from its symptom."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rank: int | None = None
+    node: str | None = None
+    activity: str = Field(min_length=1, max_length=64)  # an id of streams/catalog/activities.yaml
+    time: Timestamp
+    line: str = Field(default="", max_length=512)
+
+
 class Anomaly(Event):
     """One detector hit: a signal that something may be wrong."""
 
@@ -216,6 +231,12 @@ class Anomaly(Event):
     job_nodes: list[str] = Field(default_factory=list)
     line: str = Field(default="", max_length=4096)
     meaning: str = ""
+    gpu: int | None = Field(default=None, ge=0)  # GPU index on `node`, when the signal names it
+    # Values the signature read out of the line (named groups), e.g. a collective's
+    # timeout_ms, seq and op: what attribution reasons with besides the category.
+    facts: dict[str, str] = Field(default_factory=dict)
+    # For collateral signals (collective timeouts): what the job's other ranks were last doing.
+    activity: list[RankActivity] = Field(default_factory=list, max_length=64)
 
 
 class Evidence(BaseModel):
@@ -228,6 +249,7 @@ class Evidence(BaseModel):
     time: Timestamp
     line: str
     role: Role
+    gpu: int | None = None
 
 
 class Incident(Event):
@@ -245,8 +267,16 @@ class Incident(Event):
     severity: Severity
     culprit_node: str | None = None
     culprit_rank: int | None = None
+    culprit_gpu: int | None = None  # GPU index on the culprit node, when the evidence names it
     confidence: float = Field(ge=0.0, le=1.0)
     recommended_action: ActionKind
+    # The culprit node against the scheduler's placement of the job: True one of its nodes,
+    # False not one of them (a job's output named a foreign node), None placement unknown.
+    culprit_in_job: bool | None = None
+    # Whether isolating the culprit may be carried out (streams.policy.isolation: a node of the
+    # job per the scheduler, or the node whose own kernel/GPU reported the fault), and why not.
+    isolatable: bool = False
+    isolation_note: str = Field(default="", max_length=1024)
     explanation: str
     evidence: list[Evidence]
     anomaly_ids: list[str]
@@ -263,6 +293,8 @@ class Decision(Event):
     partition: str | None = None
     category: Category
     culprit_node: str | None = None
+    culprit_rank: int | None = None
+    culprit_gpu: int | None = None
     action: ActionKind
     mode: Mode
     executed: bool  # True: an action event was emitted; False: recommendation only

@@ -13,6 +13,9 @@ Category = Literal[
     "numerical",
     "storage",
     "node",
+    # A crash was seen (non-zero exit, traceback, Killed, a signal) but no known cause:
+    # "needs a person". Never triggers an action (the policy refuses to map it to one).
+    "unknown",
     "healthy",
 ]
 ActionKind = Literal["drain_and_requeue", "requeue", "stop", "none"]
@@ -34,3 +37,6 @@ REJECT_REASONS: tuple[str, ...] = get_args(RejectReason)
 GUARDRAILS: tuple[str, ...] = get_args(Guardrail)
 SEVERITIES: tuple[str, ...] = get_args(Severity)
 SEVERITY_RANK = {name: i for i, name in enumerate(SEVERITIES)}
+# Categories no policy may act on: nothing is wrong, or nobody knows what is. Readiness
+# scores neither (there is no autonomy to earn for them).
+NEVER_ACTS: tuple[str, ...] = ("unknown", "healthy")

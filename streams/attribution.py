@@ -1,25 +1,27 @@
 """Attribution: group one job's anomalies inside a window into ONE incident.
 
 Pure logic with explicit state; the Faust agent only feeds it records and a
-clock. Ranking of candidate root causes:
-  1. root-role evidence beats collateral (NCCL timeouts on ranks that merely
-     waited for the culprit);
-  2. then severity (critical > error > warning);
-  3. then the source: kernel / scheduler (hardware, node facts) over job logs;
-  4. then the earliest in time (the first failure).
+clock. Which signal is the cause and which are collateral is streams/causal.py:
+a recognised root cause over collateral symptoms over bare crash markers, then
+severity, source and the earliest in time; the same error on every rank of one
+node is that node's; collective timeouts alone are judged by their context.
+
+The incident states facts: category, culprit node / rank / GPU, confidence,
+evidence, whether the culprit is one of the job's nodes per the scheduler, and
+whether isolating it may be carried out (streams.policy.isolation).
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from schemas.events import Anomaly, Evidence, Incident, SchedEvent
 from schemas.ids import stable_id
-from schemas.vocab import SEVERITY_RANK, ActionKind, Category
+from schemas.vocab import ActionKind, Category
+from streams.causal import judge, tier
+from streams.policy import isolation
 
-_SOURCE_RANK = {"kernel": 3, "scheduler": 2, "gpu": 2, "external": 1, "job_log": 0}
 MAX_EVIDENCE = 50
 # Jobs that finished are forgotten after this long, to bound memory.
 ALLOCATION_TTL_S = 24 * 3600.0
@@ -34,7 +36,8 @@ class _Group:
 
     @property
     def has_root(self) -> bool:
-        return any(a.role == "root" for a in self.anomalies)
+        # A recognised cause; collateral symptoms and bare crash markers wait for one.
+        return any(tier(a) == 2 for a in self.anomalies)
 
 
 @dataclass
@@ -45,24 +48,20 @@ class _Allocation:
     job_name: str | None = None
     user: str | None = None
     account: str | None = None
+    # The placement is the scheduler's (a SchedEvent, or an incident that had one), not
+    # what a job's log batches claim: only then can a culprit be checked against the job.
+    from_scheduler: bool = False
 
 
-def _rank(a: Anomaly) -> tuple[int, int, int, float]:
-    return (
-        1 if a.role == "root" else 0,
-        SEVERITY_RANK[a.severity],
-        _SOURCE_RANK[a.source],
-        -a.event_time,
-    )
-
-
-def recommended_action(category: Category, culprit: str | None, isolate: bool) -> ActionKind:
-    if category == "healthy":
+def recommended_action(category: Category, isolate: bool) -> ActionKind:
+    """What the fault calls for, whatever is known of where it is: isolation is never
+    downgraded to a plain restart for want of a node (policy decides what may be done)."""
+    if category in ("healthy", "unknown"):
         return "none"
     if category in ("user_code", "oom", "numerical", "storage"):
         # A restart would fail again the same way.
         return "stop"
-    if isolate and culprit:
+    if category in ("gpu_hardware", "node") or isolate:
         return "drain_and_requeue"
     return "requeue"
 
@@ -211,6 +210,12 @@ class Attributor:
         owner: SchedEvent | Incident | None = None,
     ) -> None:
         before = self._alloc.get(job_id)
+        scheduler = isinstance(owner, SchedEvent) or (isinstance(owner, Incident) and owner.culprit_in_job is not None)
+        if owner is None and before is not None and before.from_scheduler:
+            # A log batch re-stating (or mis-stating) the placement never replaces the
+            # scheduler's: a job's output must not choose which nodes count as the job's.
+            nodes, partition = before.nodes, before.partition or partition
+            scheduler = True
         # Log-derived placements carry no owner: keep what the scheduler said about it.
         src: SchedEvent | Incident | _Allocation | None = owner or before
         self._alloc[job_id] = _Allocation(
@@ -220,6 +225,7 @@ class Attributor:
             src.job_name if src else None,
             src.user if src else None,
             src.account if src else None,
+            scheduler,
         )
         for n in nodes:
             self._node_job[n] = job_id
@@ -243,24 +249,17 @@ class Attributor:
             del self._alloc[job_id]
 
     def _incident(self, g: _Group, now: float) -> Incident:
-        ranked = sorted(g.anomalies, key=_rank, reverse=True)
-        top = ranked[0]
         alloc = self._alloc.get(g.job_id) if g.job_id else None
-        job_nodes = list(alloc.nodes) if alloc else list(top.job_nodes)
+        job_nodes = list(alloc.nodes) if alloc else list(g.anomalies[0].job_nodes)
+        v = judge(g.anomalies, job_nodes)
+        top = v.top
         partition = top.partition or (alloc.partition if alloc else None)
-        category: Category = top.category
-        culprit_node = top.node if top.role == "root" else None
-        culprit_rank = top.rank if top.role == "root" else None
-        isolate = top.isolate and top.role == "root"
-        confidence, explanation = self._explain(g, top, ranked, job_nodes)
-        if top.role == "collateral":
-            silent = self._silent_node(g, job_nodes)
-            if silent:
-                explanation += f"; {silent} is the only node of the job that reported nothing: suspect it"
-        action = recommended_action(category, culprit_node, isolate)
+        culprit_in_job = (
+            (v.culprit_node in alloc.nodes) if (alloc and alloc.from_scheduler and v.culprit_node) else None
+        )
         first = min(a.event_time for a in g.anomalies)
         incident_id = stable_id("inc", g.key, min(a.event_id for a in g.anomalies))
-        return Incident(
+        draft = Incident(
             event_id=incident_id,
             incident_id=incident_id,
             event_time=now,
@@ -270,13 +269,15 @@ class Attributor:
             job_name=alloc.job_name if alloc else None,
             user=alloc.user if alloc else None,
             account=alloc.account if alloc else None,
-            category=category,
-            severity=top.severity,
-            culprit_node=culprit_node,
-            culprit_rank=culprit_rank,
-            confidence=confidence,
-            recommended_action=action,
-            explanation=explanation,
+            category=v.category,
+            severity=v.severity,
+            culprit_node=v.culprit_node,
+            culprit_rank=v.culprit_rank,
+            culprit_gpu=v.culprit_gpu,
+            culprit_in_job=culprit_in_job,
+            confidence=v.confidence,
+            recommended_action=recommended_action(v.category, v.isolate),
+            explanation=v.explanation,
             evidence=[
                 Evidence(
                     source=a.source,
@@ -286,45 +287,14 @@ class Attributor:
                     time=a.event_time,
                     line=a.line,
                     role=a.role,
+                    gpu=a.gpu,
                 )
-                for a in ranked[:MAX_EVIDENCE]
+                for a in v.ranked[:MAX_EVIDENCE]
             ],
             anomaly_ids=sorted(a.event_id for a in g.anomalies),
             first_signal_time=first,
         )
-
-    @staticmethod
-    def _explain(g: _Group, top: Anomaly, ranked: list[Anomaly], job_nodes: list[str]) -> tuple[float, str]:
-        roots = [a for a in ranked if a.role == "root"]
-        collateral = [a for a in ranked if a.role == "collateral"]
-        where = top.node or "an unknown node"
-        rank = f" rank {top.rank}" if top.rank is not None else ""
-        parts = [f"{top.signature} on {where}{rank}: {top.meaning}"]
-        if top.role == "root":
-            confidence = {"critical": 0.9, "error": 0.75, "warning": 0.5, "info": 0.3}[top.severity]
-            other_root_nodes = {a.node for a in roots if a.node != top.node and a.severity == top.severity}
-            if other_root_nodes:
-                confidence -= 0.25
-                parts.append(
-                    f"equally severe root signals also on {', '.join(sorted(n or '?' for n in other_root_nodes))}"
-                )
-            if collateral:
-                peers = sorted({a.node or "?" for a in collateral if a.node != top.node})
-                counts = Counter(a.signature for a in collateral)
-                desc = ", ".join(f"{n} x {s}" for s, n in counts.most_common())
-                if peers:
-                    confidence += 0.05
-                    parts.append(f"collateral on {', '.join(peers)} ({desc}) explained by it")
-                else:
-                    parts.append(f"also seen: {desc}")
-        else:
-            confidence = 0.4
-            nodes = sorted({a.node or "?" for a in collateral})
-            parts.append(f"only collateral symptoms, from {', '.join(nodes)}; no root cause identified")
-        return round(max(0.05, min(confidence, 0.99)), 2), "; ".join(parts)
-
-    @staticmethod
-    def _silent_node(g: _Group, job_nodes: list[str]) -> str | None:
-        reporting = {a.node for a in g.anomalies if a.node}
-        silent = [n for n in job_nodes if n not in reporting]
-        return silent[0] if len(job_nodes) > 2 and len(silent) == 1 else None
+        if draft.recommended_action != "drain_and_requeue":
+            return draft
+        ok, note = isolation(draft)
+        return draft.model_copy(update={"isolatable": ok, "isolation_note": "" if ok else note})

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from schemas.events import Action, Decision, Incident
 from schemas.ids import stable_id
-from schemas.vocab import CATEGORIES, SEVERITY_RANK, ActionKind, Category, Mode, Severity
+from schemas.vocab import CATEGORIES, NEVER_ACTS, SEVERITY_RANK, ActionKind, Category, Mode, Severity
 from schemas.yamlsafe import FILE_LIMITS, YamlError, YamlLimits, compose_yaml, construct_yaml, load_yaml
 
 DEFAULT_POLICY = Path(__file__).resolve().parent.parent / "infra" / "policies" / "default.yaml"
@@ -201,12 +201,32 @@ def parse_policy(text: str, origin: str = "<policy>", limits: YamlLimits = FILE_
             else err["msg"]
         )
         raise PolicyError(f"{origin}: line {line}: field '{field}': {msg}") from None
+    if "unknown" not in policy.actions:
+        # Policies written before the category existed: "I don't know" never acts.
+        policy.actions["unknown"] = "none"
     missing = [c for c in CATEGORIES if c not in policy.actions]
     if missing:
         raise PolicyError(
             f"{origin}: line {_line_of(root, ('actions',))}: field 'actions': no action for {', '.join(missing)}"
         )
+    _refuse_acting_on_unknown(policy, root, origin)
     return policy
+
+
+def _refuse_acting_on_unknown(policy: Policy, root: yaml.Node | None, origin: str) -> None:
+    """`unknown` means nobody knows the cause: no file may turn it into a scheduler action."""
+    if policy.actions["unknown"] != "none":
+        raise PolicyError(
+            f"{origin}: line {_line_of(root, ('actions', 'unknown'))}: field 'actions.unknown': must be none "
+            f"(got {policy.actions['unknown']}): an unrecognised crash needs a person, never an automatic action"
+        )
+    for i, rule in enumerate(policy.rules):
+        if rule.action != "none" and rule.match.category is not None and "unknown" in rule.match.category:
+            raise PolicyError(
+                f"{origin}: line {_line_of(root, ('rules', i, 'match', 'category'))}: field "
+                f"'rules.{i}.match.category': rule {rule.name!r} maps unknown to {rule.action}; only none is "
+                "allowed: an unrecognised crash needs a person, never an automatic action"
+            )
 
 
 def load_policy(path: Path | str | None = None) -> Policy:
@@ -237,6 +257,40 @@ def save_overlay(path: Path, overlay: ModeOverlay) -> None:
     tmp.replace(path)  # atomic: the streams worker never reads a half-written file
 
 
+def _culprit_words(incident: Incident) -> str:
+    parts = []
+    if incident.culprit_rank is not None:
+        parts.append(f"rank {incident.culprit_rank}")
+    if incident.culprit_gpu is not None:
+        parts.append(f"GPU {incident.culprit_gpu}")
+    return " ".join(parts) or "the failing process"
+
+
+def isolation(incident: Incident) -> tuple[bool, str]:
+    """Whether draining the incident's culprit node may be carried out, and why not.
+
+    Only a node that is the job's own per the scheduler's placement, or the node whose own
+    kernel/GPU/health monitor reported the fault (its producer runs there), may be isolated.
+    A job's output is the job's to write: a node it merely names is not evidence enough.
+    """
+    node = incident.culprit_node
+    if node is None:
+        return False, f"the culprit is {_culprit_words(incident)}, not resolved to a node of the job"
+    if any(
+        e.node == node and e.role == "root" and e.source in ("kernel", "gpu", "external") for e in incident.evidence
+    ):
+        return True, f"{node} reported the fault itself"
+    if incident.culprit_in_job:
+        return True, f"{node} is one of the job's nodes per the scheduler"
+    if incident.culprit_in_job is False:
+        nodes = ", ".join(incident.job_nodes) or "none known"
+        return False, (
+            f"culprit {node} is named by the job's output but is not one of the job's nodes per the scheduler "
+            f"({nodes}): no isolating action"
+        )
+    return False, f"culprit {node} is named by the job's output and the scheduler's placement of the job is unknown"
+
+
 def decide(policy: Policy, incident: Incident, now: float, recent_restarts: int = 0) -> tuple[Decision, Action | None]:
     """Turn an incident into a decision, and an action when autonomy allows it.
 
@@ -250,11 +304,27 @@ def decide(policy: Policy, incident: Incident, now: float, recent_restarts: int 
         configured = policy.actions[incident.category]
         stop_mode, rule = policy.stop, f"actions.{incident.category}={configured}"
     action: ActionKind = configured
-    if configured == "drain_and_requeue" and incident.recommended_action != "drain_and_requeue":
-        # Isolation needs a culprit node whose fault lives on it; without one a
-        # drain would hit an innocent node.
-        action = "requeue"
-        rule += " (no isolatable culprit: requeue)"
+    reasons = [f"{incident.category} with confidence {incident.confidence:.2f}"]
+    # Set when the decision may only be a recommendation, whatever the mode says.
+    hold: str | None = None
+    if incident.category in NEVER_ACTS and action != "none":
+        # A rule without a category filter matched: "healthy" and "unknown" still never act.
+        rule += f" ({incident.category} never acts: none)"
+        action = "none"
+    isolatable, note = isolation(incident)
+    if action == "drain_and_requeue" and not isolatable:
+        if incident.culprit_node is not None and incident.culprit_in_job is False:
+            # A job's output named a node the scheduler did not give it: draining it would let one
+            # job's text take another job's node out of service.
+            action = "none"
+            rule += " (culprit outside the job: none)"
+            reasons.append(note)
+        else:
+            # Never a silent plain restart: it may land on the same bad GPU. Recommend the
+            # isolation, naming what is known, and leave it to a person.
+            hold = note
+            rule += " (culprit not resolved to a node of the job: recommendation only)"
+            reasons.append(f"{note}: recommendation only")
     budget = policy.restart_budget
     if action in ("requeue", "drain_and_requeue") and incident.job_id and recent_restarts >= budget.max_restarts:
         # The job keeps failing: another restart would burn more GPU-hours. Stop it for a human.
@@ -264,8 +334,7 @@ def decide(policy: Policy, incident: Incident, now: float, recent_restarts: int 
         action = "none"
         rule += " (no job known: nothing to restart or stop)"
     mode = policy.mode_for(incident.partition, incident.category)
-    reasons = [f"{incident.category} with confidence {incident.confidence:.2f}"]
-    executed = mode == "autonomous" and action != "none"
+    executed = mode == "autonomous" and action != "none" and (hold is None or action != "drain_and_requeue")
     if executed and incident.confidence < policy.min_confidence:
         executed = False
         reasons.append(f"below min_confidence {policy.min_confidence:.2f}: recommendation only")
@@ -281,6 +350,8 @@ def decide(policy: Policy, incident: Incident, now: float, recent_restarts: int 
         partition=incident.partition,
         category=incident.category,
         culprit_node=incident.culprit_node,
+        culprit_rank=incident.culprit_rank,
+        culprit_gpu=incident.culprit_gpu,
         action=action,
         mode=mode,
         executed=executed,

@@ -21,7 +21,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from schemas.vocab import CATEGORIES
+from schemas.vocab import CATEGORIES, NEVER_ACTS
 from sinks.audit import AuditStore
 from streams.policy import Policy
 
@@ -145,7 +145,7 @@ def readiness(store: AuditStore, policy: Policy, since_s: float, now: float | No
         return scores.setdefault((category, partition), Score(category, partition))
 
     for c in CATEGORIES:
-        if c != "healthy":
+        if c not in NEVER_ACTS:  # healthy and unknown never act: no autonomy to earn
             score(c, None)
     for r in recs:
         keys = [(r["category"], None)] + ([(r["category"], r["partition"])] if r["partition"] else [])
@@ -211,7 +211,7 @@ def verdict_for(scores: list[Score], category: str | None, partition: str | None
             return exact
         return next((s for s in scores if s.category == cat and s.partition is None), None)
 
-    cats = [category] if category else [c for c in CATEGORIES if c != "healthy"]
+    cats = [category] if category else [c for c in CATEGORIES if c not in NEVER_ACTS]
     notes, ok = [], True
     for cat in cats:
         s = pick(cat)

@@ -1,4 +1,9 @@
-"""Log-signature detector: catalog patterns over a job's log lines."""
+"""Log-signature detector: catalog patterns over a job's log lines.
+
+Named groups of a pattern attribute the hit: `node`, `rank` and `gpu` override the line's,
+every other group becomes a fact (e.g. a collective's `timeout_ms`). Collateral hits (a
+collective timeout) carry what the job's other ranks were last doing (ActivityTracker).
+"""
 
 from __future__ import annotations
 
@@ -9,8 +14,11 @@ from dataclasses import dataclass
 from schemas.events import Anomaly, LogBatch, LogLine
 from schemas.ids import stable_id
 from streams.catalog import Signature, default_signatures
+from streams.detectors.activity import ActivityTracker
 
 MAX_LINE_IN_ANOMALY = 2000
+_ATTRIBUTION_GROUPS = ("node", "rank", "gpu")
+MAX_FACT_CHARS = 200
 
 
 @dataclass(frozen=True)
@@ -25,6 +33,7 @@ class SignatureDetector:
     def __init__(self, signatures: Sequence[Signature] | None = None) -> None:
         sigs = default_signatures() if signatures is None else signatures
         self._compiled = [_Compiled(s, re.compile(s.pattern)) for s in sigs]
+        self.activity = ActivityTracker()
 
     def match_line(self, text: str) -> tuple[Signature, re.Match[str]] | None:
         """The first catalog entry matching the line (catalog order is priority)."""
@@ -41,11 +50,14 @@ class SignatureDetector:
         for line in lines:
             hit = self.match_line(line.text)
             if hit is None:
+                self.activity.observe(batch.job_id, line, line.node)
                 continue
             sig, m = hit
             groups = m.groupdict()
             node = groups.get("node") or line.node
             rank = int(groups["rank"]) if groups.get("rank") else line.rank
+            gpu = int(groups["gpu"]) if groups.get("gpu") else line.gpu
+            facts = {k: v[:MAX_FACT_CHARS] for k, v in groups.items() if v is not None and k not in _ATTRIBUTION_GROUPS}
             yield Anomaly(
                 event_id=stable_id("anm", batch.job_id, batch.source, line.lineno, sig.id),
                 event_time=line.ts,
@@ -59,8 +71,11 @@ class SignatureDetector:
                 job_id=batch.job_id,
                 node=node,
                 rank=rank,
+                gpu=gpu,
                 partition=batch.partition,
                 job_nodes=list(batch.job_nodes),
                 line=line.text[:MAX_LINE_IN_ANOMALY],
                 meaning=sig.meaning,
+                facts=facts,
+                activity=self.activity.peers(batch.job_id, rank, node) if sig.role == "collateral" else [],
             )

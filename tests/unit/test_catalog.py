@@ -32,6 +32,36 @@ REAL_LINES: dict[str, list[str]] = {
         "srun: error: Node failure on gpu02",
         # https://github.com/GoogleCloudPlatform/cluster-toolkit/issues/1600
         "srun: error: Node failure on gpu01",
+        # https://github.com/nebius/soperator/issues/854
+        "salloc: error: Node failure on worker-1",
+    ],
+    "bus_error": [
+        # https://github.com/Blealtan/RWKV-LM-LoRA/issues/18 (docker shm too small)
+        "train_cmd.sh: line 34:   894 Bus error               (core dumped) python train.py",
+        # https://github.com/OreoChocolate/MUREN/issues/15
+        "ERROR:torch.distributed.elastic.multiprocessing.api:failed (exitcode: -7) local_rank: 0 (pid: 3311)",
+    ],
+    "dataloader_worker_killed": [
+        # https://github.com/hezhangsprinter/DCPDN/issues/12
+        "RuntimeError: DataLoader worker (pid 19597) is killed by signal: Killed.",
+    ],
+    "crash_exit_code": [
+        # https://github.com/AFeng-x/SMT/issues/18
+        "ERROR:torch.distributed.elastic.multiprocessing.api:failed (exitcode: 1) local_rank: 0 (pid: 2694) of "
+        "binary: /usr/bin/python",
+        # https://github.com/FangyunWei/SLRT/issues/66 (torchrun's ChildFailedError table)
+        "  exitcode  : 1 (pid: 2680830)",
+        # https://github.com/mosaicml/llm-foundry (corpus/dev/unknown_llmfoundry_rank2_exit_code_minus7, cited there)
+        (CORPUS / "unknown_llmfoundry_rank2_exit_code_minus7" / "job.out").read_text().splitlines()[-1],
+        # https://github.com/ComputationalRadiationPhysics/picongpu/issues/198
+        "srun: error: taurusi2031: tasks 10-11: Exited with exit code 1",
+    ],
+    "crash_signal": [
+        # https://github.com/deepspeedai/Megatron-DeepSpeed/issues/207
+        "ERROR:torch.distributed.elastic.multiprocessing.api:failed (exitcode: -6) local_rank: 0 (pid: 142437) of "
+        "binary: /opt/conda/bin/python",
+        # https://github.com/huggingface/trl/issues/1099 (torchrun's ChildFailedError table)
+        "  exitcode  : -6 (pid: 5333)",
     ],
     "slurm_step_node_failure": [
         # https://github.com/huggingface/m4-logs/blob/7a31dcede8590cdfd8a0786f75141933fe5afb36/tr_141-hanging/tr_141_cm409xPMD01_scale_leap_of_faith_v5_num_workers_06/README.md
@@ -62,8 +92,6 @@ REAL_LINES: dict[str, list[str]] = {
         "(exitcode: -9) local_rank: 2 (pid: 161617) of binary: /mnt/hwnasbj/huixuan/miniconda3/envs/timer1/bin/python3.11",
         # https://github.com/apple/ml-recurrent-drafter/issues/5
         "  exitcode  : -9 (pid: 3309)",
-        # https://github.com/hezhangsprinter/DCPDN/issues/12
-        "RuntimeError: DataLoader worker (pid 19597) is killed by signal: Killed.",
         # https://github.com/ArjunaCluster/ArjunaUsers/issues/52
         "Killed",
         "/var/spool/slurmd/job00191/slurm_script: line 28:  8156 Killed                  python3 main.py --prop hform "

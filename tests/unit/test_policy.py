@@ -55,10 +55,77 @@ def test_autonomous_partition_acts_with_stable_action_id() -> None:
     assert other is None
 
 
-def test_no_isolatable_culprit_downgrades_to_requeue() -> None:
+def test_unresolved_culprit_stays_a_drain_recommendation_naming_rank_and_gpu() -> None:
+    """Never a silent plain requeue: it may land on the same bad GPU."""
     policy = parse_policy("mode: autonomous\n" + _actions())
-    d, a = decide(policy, incident(category="gpu_hardware", culprit=None, action="requeue"), 11.0)
-    assert d.action == "requeue" and a is not None and a.node is None
+    inc = incident(category="gpu_hardware", culprit=None).model_copy(update={"culprit_rank": 5, "culprit_gpu": 1})
+    d, a = decide(policy, inc, 11.0)
+    assert a is None and not d.executed and d.action == "drain_and_requeue"
+    assert (d.culprit_rank, d.culprit_gpu) == (5, 1)
+    assert "rank 5 GPU 1" in d.reason and "recommendation only" in d.reason and "not resolved" in d.rule
+
+
+def test_log_named_node_outside_the_job_gets_no_action() -> None:
+    """Issue 14: a job on gpu01-04 printing 'srun: error: Node failure on gpu06' drains nothing."""
+    policy = parse_policy("mode: autonomous\n" + _actions())
+    inc = incident(category="node", culprit="gpu06").model_copy(
+        update={
+            "job_nodes": ["gpu01", "gpu02", "gpu03", "gpu04"],
+            "culprit_in_job": False,
+            "evidence": [
+                Evidence(source="job_log", signature="srun_node_failure", node="gpu06", time=9.0, line="l", role="root")
+            ],
+        }
+    )
+    d, a = decide(policy, inc, 11.0)
+    assert a is None and d.action == "none" and not d.executed
+    assert "gpu06" in d.reason and "not one of the job's nodes" in d.reason and "gpu01" in d.reason
+
+
+def test_log_named_node_of_the_job_is_isolated() -> None:
+    policy = parse_policy("mode: autonomous\n" + _actions())
+    log_evidence = [
+        Evidence(source="job_log", signature="srun_node_failure", node="gpu02", time=9.0, line="l", role="root")
+    ]
+    inc = incident(category="node").model_copy(update={"culprit_in_job": True, "evidence": log_evidence})
+    d, a = decide(policy, inc, 11.0)
+    assert a is not None and (a.action, a.node) == ("drain_and_requeue", "gpu02")
+    # The same line without the scheduler's placement: a recommendation, not an action.
+    d, a = decide(policy, inc.model_copy(update={"culprit_in_job": None}), 11.0)
+    assert a is None and d.action == "drain_and_requeue" and "placement of the job is unknown" in d.reason
+
+
+def test_kernel_evidence_from_the_culprit_node_counts_as_that_node() -> None:
+    policy = parse_policy("mode: autonomous\n" + _actions())
+    d, a = decide(policy, incident(), 11.0)  # xid_79 from gpu02's own kernel log, placement unknown
+    assert a is not None and a.node == "gpu02"
+
+
+def test_unknown_never_acts() -> None:
+    policy = parse_policy("mode: autonomous\nrules:\n  - {name: all, action: requeue}\n" + _actions())
+    d, a = decide(policy, incident(category="unknown", culprit=None, action="none"), 11.0)
+    assert a is None and d.action == "none" and "unknown never acts" in d.rule
+
+
+def test_policy_without_unknown_gets_none() -> None:
+    assert parse_policy("mode: monitor\n" + _actions()).actions["unknown"] == "none"
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        ("  unknown: requeue\n", "field 'actions.unknown': must be none (got requeue)"),
+        (
+            "rules:\n  - {name: r, match: {category: [unknown]}, action: stop}\n",
+            "field 'rules.0.match.category': rule 'r' maps unknown to stop",
+        ),
+    ],
+)
+def test_policy_refuses_acting_on_unknown(extra: str, needle: str) -> None:
+    text = "mode: monitor\n" + _actions() + extra if extra.startswith("  ") else "mode: monitor\n" + extra + _actions()
+    with pytest.raises(PolicyError, match="needs a person") as err:
+        parse_policy(text, "p.yaml")
+    assert needle in str(err.value) and str(err.value).startswith("p.yaml: line ")
 
 
 def test_low_confidence_only_recommends() -> None:
