@@ -83,11 +83,18 @@ def test_culprit_rank_is_scored_and_unknown_category_accepted(corpus: Path, tmp_
 def test_diagnose_args_passed_only_when_accepted(corpus: Path, tmp_path: Path) -> None:
     label = corpus / "dev" / "healthy_megatron_gpt2_345m" / "label.yaml"
     data = yaml.safe_load(label.read_text())
-    label.write_text(yaml.safe_dump({**data, "diagnose_args": {"no_such_argument_xyz": 1}}))
+    args = {"nodelist": "gpu[01-02]", "ranks_per_node": 8, "no_such_argument_xyz": 1}
+    label.write_text(yaml.safe_dump({**data, "diagnose_args": args}))
     out = tmp_path / "out"
     assert run(corpus, out, "--split", "dev") == 0
     res = json.loads((out / "accuracy-dev.json").read_text())["splits"]["dev"]
-    assert res["ignored_diagnose_args"] == {"healthy_megatron_gpt2_345m": ["no_such_argument_xyz"]}
+    accepted = accuracy.accepted_args()
+    ignored = sorted(k for k in args if accepted is not None and k not in accepted)
+    assert "no_such_argument_xyz" in ignored
+    assert res["ignored_diagnose_args"] == {"healthy_megatron_gpt2_345m": ignored}
+    # diagnose_paths was called with the arguments it takes and still diagnosed the case.
+    case = next(c for c in res["cases"] if c["case"] == "healthy_megatron_gpt2_345m")
+    assert case["got"]["category"] == "healthy"
 
 
 @pytest.mark.parametrize(
