@@ -8,7 +8,8 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +21,29 @@ from schemas.events import KernelEvent
 from schemas.ids import stable_id
 from schemas.topics import NODE_KERNEL
 
-# "Mar  3 12:00:00 gpu02 kernel: ..." or ISO "2024-03-03T12:00:00.123+00:00 gpu02 kernel: ..."
-_SYSLOG = re.compile(
-    r"^(?:[A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d|\d{4}-\d\d-\d\dT\S+)\s+(?P<host>[A-Za-z0-9._-]+)\s+kernel:\s?"
+# The prefixes kernel lines come with, in the order they appear at the start of a line:
+#   dmesg -x facility/level      "kern  :err   : "
+#   syslog / RHEL messages /     "Mar  3 12:00:00 gpu02 kernel: "    (RFC 3164: no year, no zone)
+#     journalctl (short)
+#   ISO 8601 (journalctl -o      "2024-05-01T10:00:00+0000 gpu02 kernel: ", rsyslog RFC 3339
+#     short-iso, rsyslog,          "2019-07-05T02:16:36.434714-04:00 host kernel: ", dmesg --time-format iso
+#     dmesg --time-format iso)     "2025-01-25T10:34:54,859532+00:00 " (no host)
+#   dmesg -T                     "[Mon May  1 10:00:00 2024] "      (no host)
+#   dmesg uptime                 "[  219.470994] "                  (seconds since boot)
+_MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
+_MON = "|".join(_MONTHS)
+_PREFIX = re.compile(
+    r"^(?:[a-z]+\s*:[a-z]+\s*:\s)?"
+    r"(?:"
+    rf"(?P<smon>{_MON}) (?P<sday>[ 0-9]?[0-9]) (?P<shms>[0-9]{{2}}:[0-9]{{2}}:[0-9]{{2}})\s+"
+    r"|(?P<iso>[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(?:[.,][0-9]{1,9})?(?:Z|[+-][0-9]{2}:?[0-9]{2})?)\s+"
+    rf"|\[(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) (?P<tmon>{_MON}) (?P<tday>[ 0-9]?[0-9]) "
+    r"(?P<thms>[0-9]{2}:[0-9]{2}:[0-9]{2}) (?P<tyear>[0-9]{4})\]\s?"
+    r")?"
 )
+# After a syslog or ISO stamp: "HOST kernel: " (or just "kernel: " when the host was not recorded).
+_HOST = re.compile(r"(?:(?P<host>[A-Za-z0-9._-]+)\s+)?kernel:\s?")
+_UPTIME = re.compile(r"\[\s*(?P<up>[0-9]{1,10}\.[0-9]{1,9})\]\s?")
 # Numbers are ASCII [0-9]: \d (and str.isdigit) also accept digits int() refuses, like '²'.
 _XID = re.compile(
     r"NVRM: Xid \(PCI:(?P<pci>[0-9A-Fa-f:.]+)\): (?P<xid>[0-9]+),\s*(?:pid=(?P<pid>'?<?[\w]+>?'?),\s*)?"
@@ -33,6 +53,16 @@ _SXID = re.compile(r"SXid \(PCI:(?P<pci>[0-9A-Fa-f:.]+)\): (?P<xid>[0-9]+)")
 _FALLEN = re.compile(
     r"NVRM: GPU (?:at PCI:)?(?P<pci>[0-9A-Fa-f]{4}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}(?:\.\d)?):? .*fallen off the bus"
 )
+# Hung-task and D-state reports and the call-trace frames after them (kernel/hung_task.c, sysrq-w).
+# Published as kind "other": streams/detectors/kernel_text.py tells header from frame and names the
+# filesystem with streams/catalog/kernel_signatures.yaml (producers never import streams, so this filter
+# is deliberately broad: any such header, D-state line or stack frame).
+_HUNG_TASK = re.compile(r"INFO: task .+:[0-9]+ blocked for more than [0-9]+ seconds")
+_D_STATE = re.compile(
+    r"\btask:\S+\s+state:D\b|^\S(?:.*?\S)?\s+D\s+(?:[0-9a-f]{8,16}\s+)?[0-9]+\s+[0-9]+\s+[0-9]+\s+0x[0-9a-f]+\s*$"
+)
+_FRAME = re.compile(r"[\w.$]+\+0x[0-9a-f]+/0x[0-9a-f]+|\([\w.$]+\) from \[<[0-9a-f]+>\]")
+_KERNEL_TEXT_HINTS = ("blocked for more than", "state:D", " D ", "+0x", ") from [<")
 # Xid codes and pids are small (pid_max is at most 2**22): a longer number is garbage, and past
 # 64 bits it could not even be published (orjson refuses it), so it becomes None.
 _MAX_FIELD_INT = 2**31 - 1
@@ -50,6 +80,38 @@ def _small_int(text: str | None) -> int | None:
 
 
 @dataclass(frozen=True)
+class LineTime:
+    """The wall-clock time a line's prefix names.
+
+    Syslog (RFC 3164) stamps carry no year and no zone: `year` is None and the caller supplies the
+    year (from the file's own context or other files; see epoch()), and the time is the host's local
+    time (`utc_offset_s` None). ISO stamps carry both when the writer printed them; dmesg -T carries
+    the year and is local time.
+    """
+
+    month: int
+    day: int
+    hour: int
+    minute: int
+    second: float
+    year: int | None = None
+    utc_offset_s: int | None = None
+
+    def epoch(self, year: int | None = None, utc_offset_s: int = 0) -> float | None:
+        """Seconds since the epoch; `year` for stamps without one, `utc_offset_s` for those without a
+        zone. None when no year is known or the date does not exist (Feb 30, Feb 29 in a common year)."""
+        y = self.year if self.year is not None else year
+        if y is None:
+            return None
+        offset = self.utc_offset_s if self.utc_offset_s is not None else utc_offset_s
+        try:
+            base = datetime(y, self.month, self.day, self.hour, self.minute, tzinfo=UTC)
+        except ValueError:
+            return None
+        return base.timestamp() + self.second - offset
+
+
+@dataclass(frozen=True)
 class ParsedKernelLine:
     kind: str
     node: str
@@ -58,24 +120,96 @@ class ParsedKernelLine:
     pci_bus_id: str | None = None
     pid: int | None = None
     process_name: str | None = None
+    host: str | None = None  # the host the line's own prefix names (syslog, journal), if any
+    time: LineTime | None = None  # the wall-clock stamp of the prefix, if any
+    uptime_s: float | None = None  # dmesg's "[  219.470994]" seconds since boot, if any
+
+
+@dataclass(frozen=True)
+class _Prefix:
+    host: str | None
+    time: LineTime | None
+    uptime_s: float | None
+    message: str
+
+
+def _iso_time(text: str) -> LineTime | None:
+    try:
+        dt = datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    off = dt.utcoffset()
+    return LineTime(
+        month=dt.month,
+        day=dt.day,
+        hour=dt.hour,
+        minute=dt.minute,
+        second=dt.second + dt.microsecond / 1e6,
+        year=dt.year,
+        utc_offset_s=None if off is None else int(off.total_seconds()),
+    )
+
+
+def _clock(month: str, day: str, hms: str, year: str | None) -> LineTime | None:
+    d = _small_int(day.strip())
+    h, m, sec = (_small_int(x) for x in hms.split(":"))
+    if d is None or h is None or m is None or sec is None or not (1 <= d <= 31 and h < 24 and m < 60 and sec < 61):
+        return None
+    return LineTime(_MONTHS.index(month) + 1, d, h, m, float(sec), _small_int(year) if year else None)
+
+
+def split_prefix(line: str) -> _Prefix:
+    """Host, time and uptime of a kernel line's prefix (any of the forms above), and the message after it."""
+    text = line.strip()
+    m = _PREFIX.match(text)
+    host: str | None = None
+    stamp: LineTime | None = None
+    pos = m.end() if m else 0
+    if m and m.group("smon"):
+        stamp = _clock(m.group("smon"), m.group("sday"), m.group("shms"), None)
+    elif m and m.group("iso"):
+        stamp = _iso_time(m.group("iso").replace(",", "."))
+    elif m and m.group("tmon"):
+        stamp = _clock(m.group("tmon"), m.group("tday"), m.group("thms"), m.group("tyear"))
+    if m and (m.group("smon") or m.group("iso")):
+        h = _HOST.match(text, pos)
+        if h:
+            host, pos = h.group("host"), h.end()
+    up = _UPTIME.match(text, pos)
+    uptime = None
+    if up:
+        uptime, pos = float(up.group("up")), up.end()
+    return _Prefix(host=host, time=stamp, uptime_s=uptime, message=text[pos:])
 
 
 def parse_kernel_line(line: str, default_node: str) -> ParsedKernelLine | None:
-    """Parse one kernel log line; None when it is not an NVIDIA fault line."""
-    if "NVRM" not in line and "SXid" not in line:
+    """Parse one kernel log line; None when it is not a line trainmedic reads.
+
+    Read: NVIDIA fault lines (Xid, SXid, fallen off the bus) and, as kind "other", hung-task / D-state
+    report lines and call-trace frames. The node is the host the prefix names, else `default_node`;
+    `time`/`uptime_s` carry the prefix's stamp (see LineTime for the syslog year).
+    """
+    nvidia = "NVRM" in line or "SXid" in line
+    if not nvidia and not any(h in line for h in _KERNEL_TEXT_HINTS):
         return None
-    node = default_node
-    host = _SYSLOG.match(line)
-    if host:
-        node = host.group("host")
-    text = line.strip()
+    pre = split_prefix(line)
+    base = ParsedKernelLine(
+        kind="other",
+        node=pre.host or default_node,
+        text=line.strip(),
+        host=pre.host,
+        time=pre.time,
+        uptime_s=pre.uptime_s,
+    )
+    if not nvidia:
+        msg = pre.message
+        return base if _HUNG_TASK.search(msg) or _D_STATE.search(msg) or _FRAME.search(msg) else None
     m = _XID.search(line)
     if m:
         pid_raw = (m.group("pid") or "").strip("'")
-        return ParsedKernelLine(
+        return replace(
+            base,
             kind="xid",
-            node=node,
-            text=text,
             xid=_small_int(m.group("xid")),
             pci_bus_id=m.group("pci"),
             pid=_small_int(pid_raw),
@@ -83,12 +217,10 @@ def parse_kernel_line(line: str, default_node: str) -> ParsedKernelLine | None:
         )
     m = _SXID.search(line)
     if m:
-        return ParsedKernelLine(
-            kind="sxid", node=node, text=text, xid=_small_int(m.group("xid")), pci_bus_id=m.group("pci")
-        )
+        return replace(base, kind="sxid", xid=_small_int(m.group("xid")), pci_bus_id=m.group("pci"))
     m = _FALLEN.search(line)
     if m:
-        return ParsedKernelLine(kind="fallen_off_bus", node=node, text=text, pci_bus_id=m.group("pci"))
+        return replace(base, kind="fallen_off_bus", pci_bus_id=m.group("pci"))
     return None
 
 

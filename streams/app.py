@@ -57,6 +57,7 @@ from schemas.topics import (
 from streams import metrics
 from streams.attribution import ALLOCATION_TTL_S, Attributor
 from streams.detectors.hang import HangDetector
+from streams.detectors.kernel_text import KernelTextDetector
 from streams.detectors.signatures import SignatureDetector
 from streams.detectors.straggler import StragglerDetector
 from streams.detectors.xid import XidDetector
@@ -116,6 +117,8 @@ signature_detector = SignatureDetector()
 hang_detector = HangDetector()
 straggler_detector = StragglerDetector()
 xid_detector = XidDetector()
+# SXids and hung-task / D-state reports; keeps one open report per node (bounded, see kernel_signatures.yaml).
+kernel_text_detector = KernelTextDetector()
 attributor = Attributor(
     settle_s=float(os.environ.get("TRAINMEDIC_SETTLE_S", "1")),
     collateral_wait_s=float(os.environ.get("TRAINMEDIC_COLLATERAL_S", "5")),
@@ -211,7 +214,7 @@ async def detect_kernel(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
         except DecodeError as exc:
             await dead_letter("streams.detect_kernel", event, str(exc))
             continue
-        for anomaly in xid_detector.detect(kev):
+        for anomaly in [*xid_detector.detect(kev), *kernel_text_detector.detect(kev)]:
             await publish(anomalies_out, anomaly)
         yield None
 

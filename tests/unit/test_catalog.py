@@ -17,6 +17,7 @@ from producers.joblogs import split_rank_prefix
 from producers.kernel import parse_kernel_line, to_event
 from schemas.events import LogBatch, LogLine
 from streams.catalog import Signature, default_signatures, load_signatures
+from streams.detectors.kernel_text import KernelTextDetector
 from streams.detectors.signatures import SignatureDetector
 from streams.detectors.xid import XidDetector
 from tests.conftest import FIXTURES
@@ -40,10 +41,6 @@ REAL_LINES: dict[str, list[str]] = {
         "train_cmd.sh: line 34:   894 Bus error               (core dumped) python train.py",
         # https://github.com/OreoChocolate/MUREN/issues/15
         "ERROR:torch.distributed.elastic.multiprocessing.api:failed (exitcode: -7) local_rank: 0 (pid: 3311)",
-    ],
-    "dataloader_worker_killed": [
-        # https://github.com/hezhangsprinter/DCPDN/issues/12
-        "RuntimeError: DataLoader worker (pid 19597) is killed by signal: Killed.",
     ],
     "crash_exit_code": [
         # https://github.com/AFeng-x/SMT/issues/18
@@ -92,6 +89,8 @@ REAL_LINES: dict[str, list[str]] = {
         "(exitcode: -9) local_rank: 2 (pid: 161617) of binary: /mnt/hwnasbj/huixuan/miniconda3/envs/timer1/bin/python3.11",
         # https://github.com/apple/ml-recurrent-drafter/issues/5
         "  exitcode  : -9 (pid: 3309)",
+        # https://github.com/hezhangsprinter/DCPDN/issues/12
+        "RuntimeError: DataLoader worker (pid 19597) is killed by signal: Killed.",
         # https://github.com/ArjunaCluster/ArjunaUsers/issues/52
         "Killed",
         "/var/spool/slurmd/job00191/slurm_script: line 28:  8156 Killed                  python3 main.py --prop hform "
@@ -424,11 +423,12 @@ def test_corpus_has_enough_healthy_cases() -> None:
 
 @pytest.mark.parametrize("case", _healthy_cases(), ids=lambda p: p.name)
 def test_healthy_corpus_has_no_anomaly(case: Path) -> None:
-    xids = XidDetector()
+    xids, kernel = XidDetector(), KernelTextDetector()
     for path in sorted(p for p in case.iterdir() if p.name != "label.yaml"):
         for raw in path.read_text().splitlines():
             parsed = parse_kernel_line(raw, default_node="n")
             if parsed is not None:
-                assert xids.detect(to_event(parsed, 0.0)) == [], f"{path.name}: {raw!r}"
+                event = to_event(parsed, 0.0)
+                assert xids.detect(event) == [] and kernel.detect(event) == [], f"{path.name}: {raw!r}"
             hit = first_match(raw)
             assert hit is None, f"{path.name}: {hit[0].id if hit else ''} on {raw!r}"
