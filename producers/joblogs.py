@@ -43,8 +43,10 @@ _HOST_FORMS = (
     # syslog / journal: "Mon DD HH:MM:SS HOST ident[pid]: ..." and RFC 5424 / ISO stamps.
     re.compile(rf"^[A-Z][a-z]{{2}} [ \d]\d \d\d:\d\d:\d\d (?P<host>{_HOST}) [\w./-]+(?:\[\d+\])?: "),
     re.compile(rf"^\d{{4}}-\d\d-\d\dT[\d:.]+(?:Z|[+-]\d\d:?\d\d) (?P<host>{_HOST}) [\w./-]+(?:\[\d+\])?: "),
-    # Monitoring exports naming the instance: Prometheus labels 'instance="gpu03:9400"', 'Hostname=gpu03'.
+    # Monitoring naming the instance: Prometheus labels 'instance="gpu03:9400"', alert texts
+    # "Xid errors on instance: gpu03, ...", 'Hostname=gpu03'.
     re.compile(rf"\binstance=\"(?P<host>{_HOST}?)(?::\d+)?\""),
+    re.compile(rf"\b[Ii]nstance: (?P<host>{_HOST}?)[,;\s]"),
     re.compile(rf"\b[Hh]ostname[=:] ?\"?(?P<host>{_HOST})"),
 )
 MAX_LINES_PER_BATCH = 1000

@@ -170,18 +170,39 @@ def _root_verdict(
         parts.append(
             f"later {', '.join(sorted({a.signature for a in late}))} after the first timeout: part of the teardown"
         )
+    node, rank, gpu = _where(top, roots)
     return Verdict(
         top=top,
         ranked=ranked,
         category=top.category,
         severity=top.severity,
         root=True,
-        culprit_node=top.node,
-        culprit_rank=top.rank,
-        culprit_gpu=top.gpu,
+        culprit_node=node,
+        culprit_rank=rank,
+        culprit_gpu=gpu,
         isolate=top.isolate,
         confidence=_clamp(confidence),
         explanation="; ".join(parts),
+    )
+
+
+def _where(top: Anomaly, roots: Sequence[Anomaly]) -> tuple[str | None, int | None, int | None]:
+    """The culprit as far as the evidence knows it: what the top signal lacks, the other lines of
+    the same error supply when they all agree (a traceback without a rank, then "[Rank 1] ... the
+    same CUDA error" from the watchdog of that rank)."""
+    same = [a for a in roots if a.signature == top.signature]
+
+    def agreed(values: set[object]) -> object:
+        values.discard(None)
+        return next(iter(values)) if len(values) == 1 else None
+
+    node = top.node or agreed({a.node for a in same})
+    rank = top.rank if top.rank is not None else agreed({a.rank for a in same})
+    gpu = top.gpu if top.gpu is not None else agreed({a.gpu for a in same})
+    return (
+        node if isinstance(node, str) else None,
+        rank if isinstance(rank, int) else None,
+        gpu if isinstance(gpu, int) else None,
     )
 
 

@@ -42,10 +42,6 @@ REAL_LINES: dict[str, list[str]] = {
         # https://github.com/OreoChocolate/MUREN/issues/15
         "ERROR:torch.distributed.elastic.multiprocessing.api:failed (exitcode: -7) local_rank: 0 (pid: 3311)",
     ],
-    "dataloader_worker_killed": [
-        # https://github.com/hezhangsprinter/DCPDN/issues/12
-        "RuntimeError: DataLoader worker (pid 19597) is killed by signal: Killed.",
-    ],
     "crash_exit_code": [
         # https://github.com/AFeng-x/SMT/issues/18
         "ERROR:torch.distributed.elastic.multiprocessing.api:failed (exitcode: 1) local_rank: 0 (pid: 2694) of "
@@ -93,6 +89,8 @@ REAL_LINES: dict[str, list[str]] = {
         "(exitcode: -9) local_rank: 2 (pid: 161617) of binary: /mnt/hwnasbj/huixuan/miniconda3/envs/timer1/bin/python3.11",
         # https://github.com/apple/ml-recurrent-drafter/issues/5
         "  exitcode  : -9 (pid: 3309)",
+        # https://github.com/hezhangsprinter/DCPDN/issues/12
+        "RuntimeError: DataLoader worker (pid 19597) is killed by signal: Killed.",
         # https://github.com/ArjunaCluster/ArjunaUsers/issues/52
         "Killed",
         "/var/spool/slurmd/job00191/slurm_script: line 28:  8156 Killed                  python3 main.py --prop hform "
