@@ -193,3 +193,52 @@ def test_no_placement_known_stays_a_recommendation() -> None:
 
 def test_ranks_words() -> None:
     assert ranks_words([5, 0, 1, 2, 7, 8]) == "0-2, 5, 7-8"
+
+
+PROGRESS = FIXTURES / "progress"  # sources in tests/fixtures/progress/SOURCES.md
+
+
+def _fixture_line(path: str, needle: str) -> str:
+    return next(ln for ln in (FIXTURES / path).read_text().splitlines() if needle in ln)
+
+
+# activity id -> real lines it must match (and no other activity first).
+ACTIVITY_LINES: dict[str, list[str]] = {
+    "checkpoint": [
+        _fixture_line("progress/megatron.log", "saving checkpoint at iteration"),
+        _fixture_line("progress/hf.log", "Saving model checkpoint to"),
+        _fixture_line("progress/torchtitan.log", "Saving the checkpoint"),
+        _fixture_line("progress/deepspeed.log", "is about to be saved!"),
+        _fixture_line("progress/dcp.log", "'func_name': 'save'"),
+    ],
+    "checkpoint_done": [
+        _fixture_line("progress/megatron.log", "successfully saved checkpoint"),
+        _fixture_line("progress/torchtitan.log", "Finished saving the checkpoint"),
+    ],
+    "validation": [
+        VALIDATION_START,
+        _fixture_line("progress/lightning.log", "Validation DataLoader 0:"),
+        _fixture_line("progress/lightning.log", "Validating:"),
+    ],
+    "validation_done": [VALIDATION_END, _fixture_line("progress/megatron.log", "validation loss at iteration")],
+    # huggingface/transformers Trainer.train's closing log line (src/transformers/trainer.py).
+    "finished": ["Training completed. Do not forget to share your model on huggingface.co/models =)"],
+}
+
+
+def test_every_activity_matches_its_real_lines() -> None:
+    from streams.detectors.activity import ActivityTracker, default_activities
+
+    assert set(ACTIVITY_LINES) == set(default_activities())
+    for act_id, texts in ACTIVITY_LINES.items():
+        for text in texts:
+            tracker = ActivityTracker()
+            ends = default_activities()[act_id].ends
+            if ends:  # an end line closes what was open
+                tracker.observe("j", LogLine(text=VALIDATION_START, ts=T - 1, lineno=0, rank=5), None)
+                tracker.observe("j", LogLine(text=ACTIVITY_LINES["checkpoint"][0], ts=T - 1, lineno=0, rank=5), None)
+                assert tracker.peers("j", 0, None)
+            r = split_rank_prefix(text)
+            tracker.observe("j", LogLine(text=r.text, ts=T, lineno=1, rank=5), None)
+            got = tracker.peers("j", 0, None)
+            assert (got == []) if ends else ([a.activity for a in got] == [act_id]), (act_id, text)

@@ -84,3 +84,35 @@ def test_xid_buckets() -> None:
     assert d.detect(_kev(45)) == []  # informational follow-on
     (unknown,) = d.detect(_kev(9999))
     assert unknown.severity == "warning" and not unknown.isolate
+
+
+def test_watchdog_timeout_carries_its_facts() -> None:
+    """Named groups beyond node/rank/gpu become facts attribution reasons with."""
+    (a, *_) = SignatureDetector().detect(batch_from("nccl_watchdog_timeout.log"))
+    assert a.facts == {"seq": "7753", "op": "_REDUCE_SCATTER_BASE", "numel": "544997376", "timeout_ms": "600000"}
+
+
+def test_gpu_and_host_of_the_line_reach_the_anomaly() -> None:
+    # https://github.com/Lightning-AI/lit-llama/issues/380 (as in tests/unit/test_catalog.py)
+    raw = "gpu01:34050:34121 [3] transport/net_ib.cc:93 NCCL WARN NET/IB : Got async event : port error"
+    r = split_rank_prefix(raw)
+    line = LogLine(text=r.text, ts=1.0, lineno=1, node=r.host, gpu=r.gpu)
+    (a,) = SignatureDetector().detect(LogBatch(event_id="b", event_time=0.0, job_id="7", source="s", lines=[line]))
+    assert (a.node, a.gpu, a.signature) == ("gpu01", 3, "ib_port_error")
+
+
+def test_collateral_carries_what_the_other_ranks_were_doing() -> None:
+    """A rank that started validation (and did not finish) is context for the others' timeouts;
+    the line itself is no anomaly. Texts: the m4 corpus case and LlamaFactory #6269 (fixture)."""
+    d = SignatureDetector()
+    start = LogLine(text="** Starting validation **", ts=1.0, lineno=1, rank=7)
+    batch = LogBatch(event_id="b0", event_time=0.0, job_id="7", source="s", lines=[start])
+    assert d.detect(batch) == []
+    timeouts = d.detect(batch_from("nccl_watchdog_timeout.log"))
+    assert timeouts and all([(x.rank, x.activity) for x in a.activity] == [(7, "validation")] for a in timeouts)
+    # A finished validation closes it.
+    end = LogLine(text="** Finished validation **", ts=2.0, lineno=2, rank=7)
+    d.detect(LogBatch(event_id="b1", event_time=0.0, job_id="7", source="s", lines=[end]))
+    assert all(a.activity == [] for a in d.detect(batch_from("nccl_watchdog_timeout.log")))
+    # Another job's ranks are not context.
+    assert all(a.activity == [] for a in d.detect(batch_from("nccl_watchdog_timeout.log", job_id="8")))
