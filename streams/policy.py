@@ -398,6 +398,8 @@ def explain(policy: Policy, incident: Incident) -> list[str]:
     ]
     for r in policy.rules:
         lines.append(f"  rule {r.name}: {'MATCHES' if r.match.matches(incident) else 'no match'} -> {r.action}")
+    isolatable, note = isolation(incident)
+    lines.append(f"  isolation: {'allowed' if isolatable else 'not allowed'} ({note})")
     decision, action = decide(policy, incident, now=incident.event_time)
     lines.append(f"  decision: {decision.action} by {decision.rule}")
     lines.append(f"  mode: {decision.mode} ({decision.reason})")
