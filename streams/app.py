@@ -295,6 +295,11 @@ async def apply_policy(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
             continue
         decision, action = policies.decide(incident, time.time())
         metrics.DECISIONS.labels(decision.action, "action" if decision.executed else "recommendation").inc()
+        if incident.recommended_action == "drain_and_requeue" and action is None:
+            # An isolation that is not carried out says why (culprit unresolved or outside the job).
+            log.info(
+                "decision %s job=%s: %s (%s)", decision.decision_id, decision.job_id, decision.rule, decision.reason
+            )
         await publish(decisions_out, decision)
         if action is not None:
             await publish(actions_out, action)
