@@ -153,31 +153,57 @@ def demo(
 
 @app.command()
 def diagnose(
-    paths: Annotated[list[Path], typer.Argument(help="Job logs and kernel logs (kern.log*, dmesg*, syslog*).")],
+    paths: Annotated[
+        list[str],
+        typer.Argument(
+            help="Job logs, kernel logs (kern.log*, dmesg*, syslog*), directories (every file in them) or - (stdin)."
+        ),
+    ],
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    nodelist: Annotated[
+        Optional[str], typer.Option("--nodelist", help="The job's nodes, a Slurm hostlist (gpu[01-04]).")
+    ] = None,
+    ranks_per_node: Annotated[
+        Optional[int],
+        typer.Option(
+            "--ranks-per-node", help="Ranks per node (block); default: torchrun's local world size if the log prints it."
+        ),
+    ] = None,
+    distribution: Annotated[
+        str, typer.Option("--distribution", help="How ranks were placed on --nodelist: block or cyclic.")
+    ] = "block",
+    rank_map: Annotated[
+        Optional[Path], typer.Option("--rank-map", help="File of 'RANK NODE' lines, for any other placement.")
+    ] = None,
 ) -> None:
-    """Post-mortem: run the detectors and attribution offline over log files (no broker needed)."""
+    """Post-mortem: run the detectors and attribution offline over log files (no broker needed).
+
+    Exit status: 0 healthy, 1 a fault was found (or a crash of unknown cause), 2 bad input."""
     from trainmedic.diagnose import DiagnoseError, diagnose_paths
 
     try:
-        report = diagnose_paths(paths)
+        report = diagnose_paths(
+            paths, nodelist=nodelist, ranks_per_node=ranks_per_node, distribution=distribution, rank_map=rank_map
+        )
     except DiagnoseError as exc:
         _fail(str(exc))
     if as_json:
         typer.echo(json.dumps(report, indent=2))
-        return
-    culprit = report["culprit"] or "no single node"
-    if report["culprit_rank"] is not None:
-        culprit += f" (rank {report['culprit_rank']})"
-    typer.echo(
-        f"category    {report['category']}\nculprit     {culprit}\naction      {report['action']}\n"
-        f"confidence  {report['confidence']}\nwhy         {report['explanation']}"
-    )
-    for e in report["evidence"][:20]:
-        where = e["node"] or "?"
-        if e["rank"] is not None:
-            where += f" rank {e['rank']}"
-        typer.echo(f"  [{e['role']:10}] {e['signature']:28} {where:16} {e['line'][:160]}")
+    else:
+        culprit = report["culprit"] or report["culprit_node_resolved"] or "no single node"
+        if report["culprit_rank"] is not None:
+            culprit += f" (rank {report['culprit_rank']})"
+        typer.echo(
+            f"category    {report['category']}\nculprit     {culprit}\naction      {report['action']}\n"
+            f"confidence  {report['confidence']}\nwhy         {report['explanation']}"
+        )
+        for e in report["evidence"][:20]:
+            where = e["node"] or "?"
+            if e["rank"] is not None:
+                where += f" rank {e['rank']}"
+            typer.echo(f"  [{e['role']:10}] {e['signature']:28} {where:16} {e['line'][:160]}")
+    if report["category"] != "healthy":
+        raise typer.Exit(1)
 
 
 def _backend(

@@ -1,29 +1,99 @@
-"""`trainmedic diagnose`: the same detectors and attribution, offline, over log files.
+"""`trainmedic diagnose`: the streams worker's detectors and attribution, offline, over log files.
 
-Files named kern.log*, dmesg*, syslog* (or messages*) are kernel logs; every
-other file is a job log (stdout/stderr, per-rank logs). No broker is needed.
+Inputs are files, directories (every file in them, recursively, in sorted order) and ``-``
+(standard input, read as a job log). Files named kern.log*, dmesg*, syslog* (or messages*) are
+kernel logs; every other file is a job log (stdout/stderr, per-rank logs). No broker is needed.
+
+What runs, through the same functions as online:
+
+- job logs: the log-signature detector (`SignatureDetector`) on every line; the progress parser
+  of the job-log producer (`ProgressParser`) turns lines into progress samples, which feed the
+  loss detector (`DivergenceDetector`), the throughput detector (`ThroughputDetector`, its
+  finding classified by the evidence in the same logs) and the hang detector (`HangDetector`);
+- kernel logs: the kernel producer's line parser and the Xid detector;
+- one `Attributor` over all of it.
+
+Time: each line's own timestamp where it has one (`streams.detectors.logtime`: ISO, Python
+logging, syslog without a year, glog, epoch seconds), else the previous line's time plus a
+millisecond (line order). A file with no timestamp at all runs on line order after the others.
+
+Offline the job is over, so two things differ from online, both said in the explanation:
+
+- a hang is found when the log's own clock shows the silence (progress, then nothing for longer
+  than the job's rhythm allows until the log's last timestamped line, and no completion line),
+  or when the log ends in a stack dump of threads parked in collectives or in the data loader
+  (`streams.detectors.hang.parked_threads`); a log that merely ends after progress is a
+  snapshot, not a hang;
+- a crash (traceback, non-zero exit, ``Killed``) that no detector explains is category
+  `unknown` ("needs a person"), never `healthy`.
+
+Rank -> node: `culprit_node_resolved` is the culprit node, or the node of the culprit rank
+through a `RankMap` (node list + block/cyclic distribution, or a rank map file).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from producers.joblogs import split_rank_prefix
 from producers.kernel import parse_kernel_line, to_event
-from schemas.events import Anomaly, LogBatch, LogLine
+from producers.progress import ProgressParser
+from schemas.events import Anomaly, LogBatch, LogLine, ProgressBatch, ProgressSample
+from schemas.ids import stable_id
+from schemas.vocab import NEVER_ACTS
 from streams.attribution import Attributor
+from streams.detectors.divergence import DivergenceDetector, DivergenceSettings
+from streams.detectors.hang import MEANING_DUMP, HangDetector, parked_threads
+from streams.detectors.logtime import FileClock, RawStamp, parse_stamp, reference_time
 from streams.detectors.signatures import SignatureDetector
+from streams.detectors.throughput import ThroughputDetector, ThroughputSettings, with_evidence
 from streams.detectors.xid import XidDetector
+from trainmedic.rankmap import RankMap, RankMapError, from_nodelist, load_rank_map, ranks_per_node_from_log
 
 OFFLINE_JOB = "offline"
+STDIN = "-"
 _NO_HOST = "-"
 _KERNEL_NAMES = re.compile(r"(^|[_.-])(kern\.log|dmesg|syslog|messages)")
 # NCCL's own prefix "host:pid:tid [gpu] NCCL ..." names the node that wrote the line.
 _NCCL_HOST = re.compile(r"^(?P<host>[A-Za-z0-9][A-Za-z0-9._-]*):\d+:\d+ \[\d+\] NCCL")
+LINE_STEP_S = 0.001  # line order: a line without a timestamp is this much after the one before
+
+
+@dataclass(frozen=True)
+class OfflineSettings:
+    """What offline diagnosis adds to the online detectors: all of it data, with defaults."""
+
+    divergence: DivergenceSettings = field(default_factory=DivergenceSettings)
+    throughput: ThroughputSettings = field(default_factory=ThroughputSettings)
+    # Progress lines of no framework the producer knows: tried only when its formats give nothing.
+    # Named groups as in ProgressParser's custom patterns.
+    fallback_progress: tuple[str, ...] = (
+        # 'epoch: 3451 loss: nan', 'step 12972 \t loss = 0.428, ...'
+        r"^\s*(?:[Ee]poch|[Ss]tep|[Ii]ter(?:ation)?)\s*[:=]?\s*(?P<step>\d+)\b[^|]{0,80}?\bloss\s*[:=]\s*"
+        r"(?P<loss>[-+]?(?:\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|nan|inf|NaN|Infinity))",
+        # PyTorch's ImageNet example and its copies: 'Epoch: [1][100/5005]\tTime 8.719 (0.361)\tData ...'
+        # (the batch index restarts every epoch: no step, each line is one report).
+        r"^\s*Epoch: \[\d+\]\[\d+/\d+\]\s+Time (?P<step_time_s>\d+(?:\.\d+)?) \(",
+    )
+    # A line that says the run ended as planned: the silence before it is no hang.
+    completion: str = (
+        r"(?i)\btraining (?:is )?(?:complete|completed|finished|done)\b|\bfinished training\b|"
+        r"'train_runtime'|\bafter training is done\b|Trainer\.fit` stopped|\bexiting (?:normally|cleanly)\b|"
+        r"\[exiting program (?:after|at)\b|"
+        r"Exited with exit code 0\b|\bexit(?:ed)? (?:code|status)[: ]+0\b"
+    )
+    # A crash whose cause no detector recognised: category unknown, never healthy.
+    crash: str = (
+        r"Traceback \(most recent call last\)|\bChildFailedError\b|\bexitcode\s*:\s*-?[1-9]\d*\b|"
+        r"[Ee]xit(?:ed with)? (?:exit )?(?:code|status)[: ]+[1-9]\d*\b|^Killed\b|: Killed$|"
+        r"\bcore dumped\b|terminate called after throwing|Fatal Python error|"
+        r"srun: error: .*: tasks? [\d,-]+: (?:Exited|Killed|Terminated|Aborted)"
+    )
 
 
 class DiagnoseError(ValueError):
@@ -34,15 +104,14 @@ def is_kernel_log(path: Path) -> bool:
     return bool(_KERNEL_NAMES.search(path.name))
 
 
-@dataclass
-class _Clock:
-    """Offline there is no arrival time: file order stands in for it."""
+# -- inputs ----------------------------------------------------------------------------------
 
-    t: float = 0.0
 
-    def tick(self) -> float:
-        self.t += 0.001
-        return self.t
+@dataclass(frozen=True)
+class Input:
+    name: str
+    lines: list[str]
+    kernel: bool
 
 
 def _read_lines(path: Path) -> list[str]:
@@ -52,54 +121,337 @@ def _read_lines(path: Path) -> list[str]:
         raise DiagnoseError(f"{path}: cannot read: {exc.strerror}") from None
 
 
-def _kernel_anomalies(path: Path, clock: _Clock, xids: XidDetector) -> list[Anomaly]:
+def gather_inputs(args: Sequence[str | Path], stdin: TextIO | None = None) -> list[Input]:
+    """Files as given, directories expanded to every file in them (recursively, sorted), '-' as
+    standard input (a job log, once)."""
+    if not args:
+        raise DiagnoseError("no files given")
+    out: list[Input] = []
+    seen_stdin = False
+    for arg in args:
+        if str(arg) == STDIN:
+            if seen_stdin:
+                raise DiagnoseError("'-' (standard input) given twice")
+            seen_stdin = True
+            text = (stdin or sys.stdin).read()
+            out.append(Input(STDIN, text.splitlines(), kernel=False))
+            continue
+        path = Path(arg)
+        if path.is_dir():
+            files = sorted(p for p in path.rglob("*") if p.is_file())
+            if not files:
+                raise DiagnoseError(f"{path}: directory holds no file")
+            out += [Input(str(p), _read_lines(p), is_kernel_log(p)) for p in files]
+        elif path.is_file():
+            out.append(Input(str(path), _read_lines(path), is_kernel_log(path)))
+        else:
+            raise DiagnoseError(f"{path}: no such file or directory")
+    return out
+
+
+# -- time --------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Line:
+    text: str  # rank prefix stripped (job logs), whole line (kernel logs)
+    raw: str
+    lineno: int
+    ts: float
+    stamped: bool  # the time is the line's own, not line order
+    rank: int | None = None
+    node: str | None = None
+
+
+def _stamps(inp: Input) -> list[tuple[str, int | None, RawStamp | None]]:
+    out: list[tuple[str, int | None, RawStamp | None]] = []
+    for raw in inp.lines:
+        if inp.kernel:
+            out.append((raw, None, parse_stamp(raw)))
+        else:
+            r = split_rank_prefix(raw)
+            out.append((r.text, r.rank, parse_stamp(r.text)))
+    return out
+
+
+def _timed(inputs: Sequence[Input]) -> list[list[_Line]]:
+    """Every line of every input with a time: its own, or line order (see the module docstring)."""
+    parsed = [_stamps(inp) for inp in inputs]
+    reference = reference_time([s for rows in parsed for _, _, s in rows if s is not None])
+    files: list[list[_Line]] = []
+    own: list[list[float | None]] = []
+    for rows in parsed:
+        clock = FileClock(reference)
+        own.append([clock.time_of(s) for _, _, s in rows])
+    stamped_times = [t for times in own for t in times if t is not None]
+    # Files without any timestamp run on line order after everything that has one.
+    synthetic = (max(stamped_times) if stamped_times else 0.0) + LINE_STEP_S
+    for inp, rows, times in zip(inputs, parsed, own, strict=True):
+        lines: list[_Line] = []
+        first = next((t for t in times if t is not None), None)
+        if first is None:
+            prev = synthetic
+            synthetic += LINE_STEP_S * (len(rows) + 1)
+        else:
+            prev = max(0.0, first - LINE_STEP_S * (times.index(first) + 1))
+        for i, ((text, rank, _), raw, t) in enumerate(zip(rows, inp.lines, times, strict=True), 1):
+            ts = t if t is not None else prev + LINE_STEP_S
+            prev = ts
+            node = None
+            if not inp.kernel:
+                m = _NCCL_HOST.match(text)
+                node = m.group("host") if m else None
+            lines.append(
+                _Line(text=text[:65536], raw=raw, lineno=i, ts=ts, stamped=t is not None, rank=rank, node=node)
+            )
+        files.append(lines)
+    return files
+
+
+# -- detectors ---------------------------------------------------------------------------------
+
+
+def _kernel_anomalies(lines: Sequence[_Line], xids: XidDetector) -> list[Anomaly]:
     out = []
-    for line in _read_lines(path):
-        parsed = parse_kernel_line(line, default_node=_NO_HOST)
+    for ln in lines:
+        parsed = parse_kernel_line(ln.raw, default_node=_NO_HOST)
         if parsed is None:
             continue
-        for a in xids.detect(to_event(parsed, clock.tick())):
+        for a in xids.detect(to_event(parsed, ln.ts)):
             # Plain dmesg output names no host: then the culprit node is unknown, not "unknown-node".
             node = None if a.node == _NO_HOST else a.node
             out.append(a.model_copy(update={"job_id": OFFLINE_JOB, "node": node}))
     return out
 
 
-def _job_anomalies(path: Path, clock: _Clock, detector: SignatureDetector) -> list[Anomaly]:
-    lines = []
-    for i, raw in enumerate(_read_lines(path), 1):
-        r = split_rank_prefix(raw)
-        m = _NCCL_HOST.match(r.text)
-        lines.append(
-            LogLine(text=r.text[:65536], ts=clock.tick(), rank=r.rank, node=m.group("host") if m else None, lineno=i)
-        )
-    batch = LogBatch(event_id=f"diag-{path}", event_time=0.0, job_id=OFFLINE_JOB, source=str(path), lines=lines)
+def _signature_anomalies(name: str, lines: Sequence[_Line], detector: SignatureDetector) -> list[Anomaly]:
+    batch = LogBatch(
+        event_id=f"diag-{name}",
+        event_time=0.0,
+        job_id=OFFLINE_JOB,
+        source=name,
+        lines=[LogLine(text=ln.text, ts=ln.ts, rank=ln.rank, node=ln.node, lineno=ln.lineno) for ln in lines],
+    )
     return detector.detect(batch)
 
 
-def diagnose_paths(paths: Sequence[Path]) -> dict[str, Any]:
-    if not paths:
-        raise DiagnoseError("no files given")
-    clock = _Clock()
+@dataclass
+class _Progress:
+    sample: ProgressSample
+    line: _Line
+    file: int
+
+
+def _progress(files: Sequence[list[_Line]], job: Sequence[bool], settings: OfflineSettings) -> list[_Progress]:
+    parser, fallback = ProgressParser(), ProgressParser(settings.fallback_progress)
+    out: list[_Progress] = []
+    for f, lines in enumerate(files):
+        if not job[f]:
+            continue
+        for ln in lines:
+            s = parser.parse(ln.text, ln.ts, ln.rank, ln.node) or fallback.parse(ln.text, ln.ts, ln.rank, ln.node)
+            if s is not None:
+                out.append(_Progress(s, ln, f))
+    out.sort(key=lambda p: p.sample.ts)  # stable: line order among equal times
+    return out
+
+
+def _batch(samples: Iterable[ProgressSample], tag: str) -> ProgressBatch:
+    return ProgressBatch(event_id=f"diag-progress-{tag}", event_time=0.0, job_id=OFFLINE_JOB, samples=list(samples))
+
+
+def _silence_hang(
+    progress: Sequence[_Progress], files: Sequence[list[_Line]], job: Sequence[bool], completion: re.Pattern[str]
+) -> list[Anomaly]:
+    """The hang detector on the log's own clock: progress, then silence until the last
+    timestamped job-log line, with no completion line after the last progress.
+
+    Progress lines without a timestamp of their own are placed by line order; the last one is
+    then taken at the first timestamped line after it, so that the silence measured is a lower
+    bound (the job went quiet at the latest then)."""
+    last = progress[-1]
+    after = [ln for ln in files[last.file] if ln.lineno > last.line.lineno]
+    after += [
+        ln for f, lines in enumerate(files) if job[f] and f != last.file for ln in lines if ln.ts > last.sample.ts
+    ]
+    if any(completion.search(ln.text) for ln in after):
+        return []
+    samples = [p.sample for p in progress if p.line.stamped]
+    if not last.line.stamped:
+        later = [ln.ts for ln in files[last.file] if ln.stamped and ln.lineno > last.line.lineno]
+        if not later:
+            return []
+        samples.append(last.sample.model_copy(update={"ts": min(later)}))
+    end = max((ln.ts for ln in after if ln.stamped), default=None)
+    if not samples or end is None or end <= samples[-1].ts:
+        return []
+    hang = HangDetector(assume_running=True)
+    hang.observe_progress(_batch(samples, "hang"), now=samples[0].ts)
+    return hang.check(end)
+
+
+def _dump_hang(progress: Sequence[_Progress], files: Sequence[list[_Line]], job: Sequence[bool]) -> list[Anomaly]:
+    """A stack dump of parked threads after the last progress of its file (or in a job file
+    with no progress at all)."""
+    last_line: dict[int, int] = {}
+    for p in progress:
+        last_line[p.file] = max(last_line.get(p.file, 0), p.line.lineno)
+    for f, lines in enumerate(files):
+        if not job[f]:
+            continue
+        tail = [ln for ln in lines if ln.lineno > last_line.get(f, 0)]
+        parked = parked_threads([ln.text for ln in tail])
+        if not parked:
+            continue
+        kinds = sorted({what for what, _ in parked})
+        frame_line = next(ln for ln in tail if ln.text.strip() == parked[0][1])
+        after = f" after step {progress[-1].sample.step}" if progress and progress[-1].sample.step is not None else ""
+        line = (
+            f"stack dump{after}: {len(parked)} thread(s) parked in {' and '.join(kinds)}, innermost frame "
+            f"{parked[0][1]!r}"
+        )
+        return [
+            Anomaly(
+                event_id=stable_id("anm", "hang_dump", OFFLINE_JOB, f, frame_line.lineno),
+                event_time=frame_line.ts,
+                detector="hang",
+                signature="hang_stack_dump",
+                category="hang",
+                # A dump is weaker evidence than an error line: a crash cause beside it wins.
+                severity="warning",
+                role="root",
+                isolate=False,
+                source="job_log",
+                job_id=OFFLINE_JOB,
+                node=frame_line.node,
+                rank=frame_line.rank,
+                line=line[:4096],
+                meaning=MEANING_DUMP,
+            )
+        ]
+    return []
+
+
+def _progress_anomalies(
+    files: Sequence[list[_Line]], job: Sequence[bool], settings: OfflineSettings
+) -> tuple[list[Anomaly], int]:
+    progress = _progress(files, job, settings)
+    out: list[Anomaly] = []
+    if progress:
+        batch = _batch((p.sample for p in progress), "all")
+        divergence = DivergenceDetector(settings.divergence)
+        out += divergence.observe(batch)
+        out += divergence.finish(OFFLINE_JOB)
+        job_text = [ln.text for f, lines in enumerate(files) if job[f] for ln in lines]
+        throughput = ThroughputDetector(settings.throughput)
+        slow = throughput.observe(batch) + throughput.finish(OFFLINE_JOB)
+        out += [with_evidence(a, job_text) for a in slow]
+        out += _silence_hang(progress, files, job, re.compile(settings.completion))
+    out += _dump_hang(progress, files, job)
+    return out, len(progress)
+
+
+def _crash_line(files: Sequence[list[_Line]], job: Sequence[bool], crash: re.Pattern[str]) -> _Line | None:
+    for f, lines in enumerate(files):
+        if job[f]:
+            for ln in lines:
+                if crash.search(ln.text):
+                    return ln
+    return None
+
+
+def _unknown_crash(ln: _Line) -> Anomaly:
+    return Anomaly(
+        event_id=stable_id("anm", "crash", OFFLINE_JOB, ln.lineno, ln.text[:200]),
+        event_time=ln.ts,
+        detector="crash",
+        signature="crash_unexplained",
+        category="unknown",
+        severity="info",
+        role="root",
+        isolate=False,
+        source="job_log",
+        job_id=OFFLINE_JOB,
+        node=ln.node,
+        rank=ln.rank,
+        line=ln.text[:4096],
+        meaning="the job crashed (traceback, non-zero exit or kill) but no known cause is in the logs: needs a person",
+    )
+
+
+# -- report ------------------------------------------------------------------------------------
+
+
+def _top_anomaly(anomalies: Sequence[Anomaly], evidence: dict[str, Any]) -> Anomaly | None:
+    for a in anomalies:
+        if a.signature == evidence["signature"] and a.line == evidence["line"] and a.rank == evidence["rank"]:
+            return a
+    return None
+
+
+def placement(
+    nodelist: str | None = None,
+    ranks_per_node: int | None = None,
+    distribution: str = "block",
+    rank_map: str | Path | None = None,
+) -> RankMap | None:
+    """The rank -> node map the options describe (None: none given); DiagnoseError if unusable."""
+    try:
+        if rank_map is not None:
+            if nodelist is not None:
+                raise DiagnoseError("give a node list (with ranks per node / distribution) or a rank map, not both")
+            return load_rank_map(Path(rank_map))
+        if nodelist is None:
+            if ranks_per_node is not None or distribution != "block":
+                raise DiagnoseError("ranks per node and distribution need a node list")
+            return None
+        return from_nodelist(nodelist, ranks_per_node, distribution)
+    except RankMapError as exc:
+        raise DiagnoseError(str(exc)) from None
+
+
+def diagnose_paths(
+    paths: Sequence[str | Path],
+    *,
+    nodelist: str | None = None,
+    ranks_per_node: int | None = None,
+    distribution: str = "block",
+    rank_map: str | Path | None = None,
+    stdin: TextIO | None = None,
+    settings: OfflineSettings | None = None,
+) -> dict[str, Any]:
+    """Diagnose the inputs (see the module docstring). `nodelist` (a Slurm hostlist) with
+    `ranks_per_node` and `distribution` (block, cyclic), or `rank_map` (a file of RANK NODE
+    lines), resolve a culprit rank to its node."""
+    cfg = settings or OfflineSettings()
+    ranks = placement(nodelist, ranks_per_node, distribution, rank_map)
+    inputs = gather_inputs(paths, stdin)
+    files = _timed(inputs)
+    job = [not inp.kernel for inp in inputs]
     detector, xids = SignatureDetector(), XidDetector()
     anomalies: list[Anomaly] = []
-    for path in paths:
-        if not path.is_file():
-            raise DiagnoseError(f"{path}: no such file")
-        anomalies += (
-            _kernel_anomalies(path, clock, xids) if is_kernel_log(path) else _job_anomalies(path, clock, detector)
-        )
-    files = [str(p) for p in paths]
+    for inp, lines in zip(inputs, files, strict=True):
+        anomalies += _kernel_anomalies(lines, xids) if inp.kernel else _signature_anomalies(inp.name, lines, detector)
+    progress_found, n_progress = _progress_anomalies(files, job, cfg)
+    anomalies += progress_found
+    if not anomalies:
+        crash = _crash_line(files, job, re.compile(cfg.crash))
+        if crash is not None:
+            anomalies.append(_unknown_crash(crash))
+    names = [inp.name for inp in inputs]
+    ranks = _with_log_ranks_per_node(ranks, files, job)
     if not anomalies:
         return {
             "category": "healthy",
             "culprit": None,
             "culprit_rank": None,
+            "culprit_node_resolved": None,
             "action": "none",
             "confidence": 0.9,
-            "explanation": "no fault signature found",
+            "explanation": "no fault signature found"
+            + (f"; {n_progress} progress reports checked (loss, throughput, hang)" if n_progress else ""),
             "evidence": [],
-            "files": files,
+            "files": names,
         }
     attributor = Attributor(settle_s=0.0, collateral_wait_s=0.0)
     for a in anomalies:
@@ -108,23 +460,49 @@ def diagnose_paths(paths: Sequence[Path]) -> dict[str, Any]:
     if len(incidents) != 1:  # all anomalies carry the offline job id: one group
         raise DiagnoseError(f"internal: expected one incident, got {len(incidents)}")
     inc = incidents[0]
+    evidence = [
+        {"source": e.source, "signature": e.signature, "node": e.node, "rank": e.rank, "role": e.role, "line": e.line}
+        for e in inc.evidence
+    ]
+    action, explanation = inc.recommended_action, inc.explanation
+    resolved = inc.culprit_node
+    top = _top_anomaly(anomalies, evidence[0]) if evidence else None
+    if resolved is None and ranks is not None and inc.culprit_rank is not None:
+        resolved = ranks.node_of(inc.culprit_rank)
+        if resolved is not None:
+            explanation += f"; rank {inc.culprit_rank} ran on {resolved} ({ranks.describe()})"
+    if inc.category in NEVER_ACTS:
+        action = "none"
+    elif top is not None and top.isolate and top.role == "root":
+        # Isolation is not downgraded when the log names no node: the recommendation names the
+        # culprit as far as it is known.
+        action = "drain_and_requeue"
+    if action == "drain_and_requeue" and resolved is None:
+        who = f"rank {inc.culprit_rank}" if inc.culprit_rank is not None else "the failing rank"
+        explanation += (
+            f"; isolate the node of {who} (not resolved: give --nodelist with --ranks-per-node, "
+            "or --rank-map) before the restart, or it may land on the same bad GPU"
+        )
     return {
         "category": inc.category,
         "culprit": inc.culprit_node,
         "culprit_rank": inc.culprit_rank,
-        "action": inc.recommended_action,
+        "culprit_node_resolved": resolved,
+        "action": action,
         "confidence": inc.confidence,
-        "explanation": inc.explanation,
-        "evidence": [
-            {
-                "source": e.source,
-                "signature": e.signature,
-                "node": e.node,
-                "rank": e.rank,
-                "role": e.role,
-                "line": e.line,
-            }
-            for e in inc.evidence
-        ],
-        "files": files,
+        "explanation": explanation,
+        "evidence": evidence,
+        "files": names,
     }
+
+
+def _with_log_ranks_per_node(
+    rank_map: RankMap | None, files: Sequence[list[_Line]], job: Sequence[bool]
+) -> RankMap | None:
+    """A block map without a count per node takes torchrun's local world size from the log."""
+    if rank_map is None or rank_map.explicit or rank_map.distribution != "block" or rank_map.ranks_per_node:
+        return rank_map
+    per_node = ranks_per_node_from_log(ln.text for f, lines in enumerate(files) if job[f] for ln in lines)
+    if per_node is None:
+        return rank_map
+    return RankMap(nodes=rank_map.nodes, ranks_per_node=per_node, distribution="block")

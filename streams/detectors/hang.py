@@ -53,8 +53,10 @@ taken from the inputs, so a redelivered input yields the same anomaly id.
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Literal
@@ -464,3 +466,56 @@ class HangDetector:
             line=line[:4096],
             meaning=meaning,
         )
+
+
+# -- stack dumps of a stuck job (offline: a log that ends in one) ------------------------------
+
+# A thread header of py-spy ("Thread 4079 (active)", "Thread 0x7F4AA36D9700 (active)"), of
+# faulthandler ("Thread 0x00007f... (most recent call first):", "Current thread 0x..."), of
+# gdb's "thread apply all bt" ("Thread 4 (Thread 0x7fd0... (LWP 3913167)").
+DUMP_THREAD = re.compile(
+    r"^\s*(?:Current thread 0x[0-9a-fA-F]+ \(most recent call first\)|"
+    r"Thread (?:0x[0-9a-fA-F]+|\d+) (?:\((?:active|idle|most recent call first)|\(Thread 0x))"
+)
+# Innermost frames that mean "parked": waiting in a collective, or for the data loader.
+PARKED_IN: tuple[tuple[str, re.Pattern[str]], ...] = (
+    (
+        "a collective",
+        re.compile(
+            r"nccl\w*Kernel|ProcessGroupNCCL|\b(?:all_?reduce|all_?gather\w*|reduce_scatter\w*|all_to_all\w*|"
+            r"alltoall\w*|broadcast|barrier|_wait\w*)\b.*(?:distributed|c10d|deepspeed|comm|nccl)|"
+            r"torch/distributed/\S*\b(?:wait|barrier)"
+        ),
+    ),
+    ("the data loader", re.compile(r"torch/utils/data/\S*dataloader|_worker_loop|_next_data|_try_get_data")),
+)
+# A dump that follows one of these is a crash report (faulthandler on SIGSEGV), not a stuck job.
+CRASH_DUMP = re.compile(r"Fatal Python error|Segmentation fault|Traceback \(most recent call last\)")
+DUMP_FRAMES = 3  # the innermost frames of a thread that are looked at
+MEANING_DUMP = (
+    "the log ends in a stack dump of threads parked in collectives or in the data loader, with no "
+    "completion: the job hung and someone (or a watchdog) dumped its stacks"
+)
+
+
+def parked_threads(lines: Sequence[str]) -> list[tuple[str, str]]:
+    """(what it is parked in, the frame line) for each dumped thread whose innermost frames wait
+    in a collective or on the data loader; [] when the lines hold no such dump, or the dump
+    is a crash report."""
+    out: list[tuple[str, str]] = []
+    frames_left = 0
+    for text in lines:
+        if CRASH_DUMP.search(text):
+            return []
+        if DUMP_THREAD.match(text):
+            frames_left = DUMP_FRAMES
+            continue
+        if frames_left <= 0 or not text.strip():
+            continue
+        frames_left -= 1
+        for what, rx in PARKED_IN:
+            if rx.search(text):
+                out.append((what, text.strip()))
+                frames_left = 0
+                break
+    return out

@@ -1,0 +1,313 @@
+"""Loss detector: divergence, a loss that turns NaN/inf and stays, a loss that stops being printed.
+
+Pure logic with explicit state, fed with a job's progress samples in order (online from
+job.progress, offline from a log's lines); no clock of its own. Per job:
+
+- **Spike vs divergence.** The baseline is the median and MAD of the last `window` healthy
+  losses. A loss above ``median + spike_mads x 1.4826 MAD`` *and* at least `min_rel_rise` above
+  the median opens a spike (the relative floor keeps a flat series, MAD ~ 0, from calling noise
+  a spike). The spike is **healthy** when the loss comes back near the pre-spike level (within
+  `recover_rel` of the median, or `recover_mads` MADs) within `recover_within` reports: BLOOM's
+  loss spike at iteration 31219 recovered in ~30 iterations. It is a **divergence** when it is
+  still high after `recover_within` reports. Spike values never enter the baseline.
+- **Drift.** A loss that climbs slowly never opens a spike (the baseline follows it). The median
+  of the last `window` losses is compared with the lowest such median seen: above it by
+  `drift_rel_rise` for `recover_within` reports in a row is a divergence too.
+- **End of the log** (`finish`): a spike still open when the log ends is a divergence if the
+  loss is still at its peak (climbing, or no turn back at all); one already coming down is not.
+- **Non-finite.** NaN/inf losses for `nonfinite_persist` reports in a row. One NaN or inf (an
+  fp16 loss-scale overflow step, skipped by the scaler) is healthy.
+- **Missing loss.** The loss was printed, then `missing_after` training reports of the same
+  shape advance the step without it. Megatron leaves the loss out of the line when every
+  iteration of the interval was skipped (non-finite gradients), so this is a numerical fault.
+
+Only ``phase == "train"`` samples count; a rank's copy of a step already seen is ignored. One
+anomaly per kind per job. Anomaly ids derive from the job, the kind and the step (or time) where
+the fault began, so a redelivered input yields the same id.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+from schemas.events import Anomaly, ProgressBatch, ProgressSample
+from schemas.ids import stable_id
+
+MAD_TO_SIGMA = 1.4826  # MAD x this estimates the standard deviation of a normal series
+
+MEANING_DIVERGED = (
+    "the training loss rose far above its recent level and did not come back: the run diverged "
+    "(learning rate, bad data, numerics); a restart from the same checkpoint repeats it"
+)
+MEANING_NONFINITE = "the training loss became NaN/inf and stayed so: the run diverged numerically"
+MEANING_MISSING = (
+    "training steps go on but the loss is no longer printed: frameworks omit it when every step is "
+    "skipped for non-finite gradients"
+)
+
+
+@dataclass(frozen=True)
+class DivergenceSettings:
+    window: int = 20
+    min_baseline: int = 3
+    spike_mads: float = 6.0
+    min_rel_rise: float = 0.25
+    recover_within: int = 50
+    recover_rel: float = 0.10
+    recover_mads: float = 3.0
+    drift_rel_rise: float = 0.5
+    nonfinite_persist: int = 3
+    missing_after: int = 10
+    finish_min_reports: int = 2
+
+    def __post_init__(self) -> None:
+        if self.window < 2 or self.min_baseline < 2 or self.min_baseline > self.window:
+            raise ValueError("DivergenceSettings: need 2 <= min_baseline <= window")
+        if min(self.recover_within, self.nonfinite_persist, self.missing_after) < 1:
+            raise ValueError("DivergenceSettings: recover_within, nonfinite_persist, missing_after must be >= 1")
+        if min(self.spike_mads, self.min_rel_rise, self.recover_rel, self.drift_rel_rise) <= 0:
+            raise ValueError("DivergenceSettings: spike_mads, min_rel_rise, recover_rel, drift_rel_rise must be > 0")
+
+
+@dataclass
+class _Spike:
+    step: int | None
+    ts: float
+    baseline: float
+    peak: float
+    reports: int = 0
+
+
+@dataclass
+class _LossJob:
+    job_id: str
+    partition: str | None = None
+    nodes: tuple[str, ...] = ()
+    baseline: deque[float] = field(default_factory=deque)
+    recent: deque[float] = field(default_factory=deque)  # every finite loss, for the drift check
+    best_median: float | None = None
+    drift_reports: int = 0
+    drift_since: tuple[int | None, float] | None = None
+    spike: _Spike | None = None
+    nonfinite: int = 0
+    nonfinite_since: ProgressSample | None = None
+    loss_shapes: set[tuple[str, bool]] = field(default_factory=set)
+    missing: int = 0
+    missing_since: ProgressSample | None = None
+    last_step: int | None = None
+    last_loss: ProgressSample | None = None  # the last sample with a finite loss
+    fired: set[str] = field(default_factory=set)
+
+
+def _shape(s: ProgressSample) -> tuple[str, bool]:
+    # HF prints losses in dict lines (no step time) and steps in tqdm bars (a rate): only a line
+    # of the kind that carried a loss before can miss one.
+    return (s.format, s.step_time_s is not None)
+
+
+class DivergenceDetector:
+    """See the module docstring. `observe(batch)` returns the anomalies that batch confirms."""
+
+    name = "divergence"
+
+    def __init__(self, settings: DivergenceSettings | None = None) -> None:
+        self.settings = settings or DivergenceSettings()
+        self._jobs: dict[str, _LossJob] = {}
+
+    def observe(self, batch: ProgressBatch) -> list[Anomaly]:
+        job = self._jobs.get(batch.job_id)
+        if job is None:
+            w = self.settings.window
+            job = self._jobs[batch.job_id] = _LossJob(batch.job_id, baseline=deque(maxlen=w), recent=deque(maxlen=w))
+        job.partition = batch.partition or job.partition
+        job.nodes = tuple(batch.job_nodes) or job.nodes
+        out: list[Anomaly] = []
+        for s in batch.samples:
+            found = self._sample(job, s)
+            if found is not None:
+                out.append(found)
+        return out
+
+    def finish(self, job_id: str, last_ts: float | None = None) -> list[Anomaly]:
+        """The job's log has ended (offline, or the job ended): a spike still open is judged now.
+
+        It is a divergence when the loss was still at its peak when the log ended - climbing, or
+        high without any turn back (``last >= (1 - recover_rel) x peak``) for at least
+        `finish_min_reports` reports. A spike already on its way down stays healthy."""
+        job = self._jobs.get(job_id)
+        if job is None or job.spike is None or job.last_loss is None:
+            return []
+        spike, cfg = job.spike, self.settings
+        if spike.reports + 1 < cfg.finish_min_reports or job.last_loss.loss is None:
+            return []
+        last = job.last_loss.loss
+        if last < (1 - cfg.recover_rel) * spike.peak:
+            return []
+        line = (
+            f"loss {last:.4g} at {self._at(job.last_loss)} still at its peak when the log ends, "
+            f"{spike.reports + 1} reports after it rose from {spike.baseline:.4g} at {self._at_spike(spike)}"
+        )
+        found = self._fire(job, "loss_divergence", None, job.last_loss, line, MEANING_DIVERGED, spike)
+        return [found] if found is not None else []
+
+    def forget(self, job_id: str) -> None:
+        """The job ended (or runs again from a checkpoint): its loss history no longer applies."""
+        self._jobs.pop(job_id, None)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _sample(self, job: _LossJob, s: ProgressSample) -> Anomaly | None:
+        if s.phase != "train":
+            return None
+        if s.step is not None:
+            if job.last_step is not None and s.step <= job.last_step:
+                return None  # another rank's copy, or a replay after a restart
+            job.last_step = s.step
+        if s.loss is None:
+            return self._no_loss(job, s)
+        job.missing, job.missing_since = 0, None
+        job.loss_shapes.add(_shape(s))
+        if not math.isfinite(s.loss):
+            job.nonfinite += 1
+            if job.nonfinite_since is None:
+                job.nonfinite_since = s
+            if job.nonfinite >= self.settings.nonfinite_persist:
+                first = job.nonfinite_since
+                line = (
+                    f"loss is {s.loss} for {job.nonfinite} reports in a row since "
+                    f"{self._at(first)} (threshold {self.settings.nonfinite_persist})"
+                )
+                return self._fire(job, "loss_nonfinite", first, s, line, MEANING_NONFINITE)
+            return None
+        job.nonfinite, job.nonfinite_since = 0, None
+        return self._finite(job, s, s.loss)
+
+    def _no_loss(self, job: _LossJob, s: ProgressSample) -> Anomaly | None:
+        if _shape(s) not in job.loss_shapes or s.step is None:
+            return None
+        job.missing += 1
+        if job.missing_since is None:
+            job.missing_since = s
+        if job.missing < self.settings.missing_after:
+            return None
+        first = job.missing_since
+        line = (
+            f"no loss in {job.missing} training reports since {self._at(first)} while steps advance "
+            f"(last at step {s.step}; threshold {self.settings.missing_after})"
+        )
+        return self._fire(job, "loss_missing", first, s, line, MEANING_MISSING)
+
+    def _finite(self, job: _LossJob, s: ProgressSample, loss: float) -> Anomaly | None:
+        cfg = self.settings
+        job.recent.append(loss)
+        job.last_loss = s
+        drift = self._drift(job, s)
+        if job.spike is not None:
+            spike = job.spike
+            spike.reports += 1
+            spike.peak = max(spike.peak, loss)
+            if self._recovered(job, loss):
+                job.spike = None
+                job.baseline.append(loss)
+            elif spike.reports >= cfg.recover_within:
+                line = (
+                    f"loss {loss:.4g} at {self._at(s)} still above the pre-spike level {spike.baseline:.4g} "
+                    f"{spike.reports} reports after the spike began at {self._at_spike(spike)} "
+                    f"(peak {spike.peak:.4g}; recovery allowed within {cfg.recover_within} reports)"
+                )
+                return self._fire(job, "loss_divergence", None, s, line, MEANING_DIVERGED, spike)
+            return drift
+        if len(job.baseline) >= cfg.min_baseline:
+            median, sigma = self._stats(job)
+            if loss > median + cfg.spike_mads * sigma and loss > median + cfg.min_rel_rise * abs(median):
+                job.spike = _Spike(s.step, s.ts, median, loss)
+                return drift
+        job.baseline.append(loss)
+        return drift
+
+    def _drift(self, job: _LossJob, s: ProgressSample) -> Anomaly | None:
+        cfg = self.settings
+        if len(job.recent) < cfg.window:
+            return None
+        median = statistics.median(job.recent)
+        if job.best_median is None or median < job.best_median:
+            job.best_median = median
+        best = job.best_median
+        if median > best + cfg.drift_rel_rise * abs(best):
+            job.drift_reports += 1
+            if job.drift_since is None:
+                job.drift_since = (s.step, s.ts)
+        else:
+            job.drift_reports, job.drift_since = 0, None
+        if job.drift_reports < cfg.recover_within or job.drift_since is None:
+            return None
+        step, ts = job.drift_since
+        line = (
+            f"median loss of the last {cfg.window} reports {median:.4g} at {self._at(s)} is "
+            f"{(median / best - 1) * 100 if best else float('inf'):.0f}% above the best level {best:.4g} for "
+            f"{job.drift_reports} reports (threshold {cfg.drift_rel_rise * 100:.0f}%)"
+        )
+        return self._fire(job, "loss_divergence", None, s, line, MEANING_DIVERGED, _Spike(step, ts, best, median))
+
+    def _recovered(self, job: _LossJob, loss: float) -> bool:
+        assert job.spike is not None
+        base = job.spike.baseline
+        _, sigma = self._stats(job)
+        return loss <= base + max(self.settings.recover_rel * abs(base), self.settings.recover_mads * sigma)
+
+    @staticmethod
+    def _stats(job: _LossJob) -> tuple[float, float]:
+        values = list(job.baseline)
+        median = statistics.median(values)
+        mad = statistics.median(abs(v - median) for v in values)
+        return median, MAD_TO_SIGMA * mad
+
+    @staticmethod
+    def _at(s: ProgressSample | None) -> str:
+        if s is None:
+            return "?"
+        return f"step {s.step}" if s.step is not None else f"t={s.ts:.3f}"
+
+    @staticmethod
+    def _at_spike(spike: _Spike) -> str:
+        return f"step {spike.step}" if spike.step is not None else f"t={spike.ts:.3f}"
+
+    def _fire(
+        self,
+        job: _LossJob,
+        kind: str,
+        first: ProgressSample | None,
+        last: ProgressSample,
+        line: str,
+        meaning: str,
+        spike: _Spike | None = None,
+    ) -> Anomaly | None:
+        if kind in job.fired:
+            return None
+        job.fired.add(kind)
+        began: object = (
+            (spike.step if spike.step is not None else spike.ts)
+            if spike is not None
+            else (first.step if first is not None and first.step is not None else (first or last).ts)
+        )
+        return Anomaly(
+            event_id=stable_id("anm", self.name, job.job_id, kind, began),
+            event_time=last.ts,
+            detector=self.name,
+            signature=kind,
+            category="numerical",
+            severity="error",
+            role="root",
+            isolate=False,
+            source="job_log",
+            job_id=job.job_id,
+            node=last.node,
+            rank=last.rank,
+            partition=job.partition,
+            job_nodes=list(job.nodes),
+            line=line[:4096],
+            meaning=meaning,
+        )

@@ -1,0 +1,271 @@
+"""Throughput detector: a drop in training speed that persists (a change point, not a dip).
+
+Pure logic with explicit state, fed with a job's progress samples in order. The speed of a
+report is its tokens/s when the line prints one, else 1 / time per step (samples/s at a fixed
+batch is the same ratio); each job keeps to the first of the two it saw, so that a series never
+mixes units.
+
+The baseline is the median (and MAD) of the last `window` healthy speeds after `warmup` reports
+(compilation, data-loader start). A report is slow when it is below the median by at least
+`drop_rel` and by `drop_mads` x 1.4826 MAD. A slowdown is a finding only after `persist` slow
+reports in a row: a checkpoint save, an evaluation or a profiler dump slows one or two reports,
+then speed comes back. When the log ends (`finish`: offline, or the job ended) a slowdown that
+lasted to the end over `finish_min_reports` reports counts too. Slow reports never enter the baseline; a speed-up does (the new, faster
+level becomes the baseline).
+
+What a slowdown means depends on the evidence beside it (`classify_slowdown`): a throttled or
+slow GPU or node named in the logs makes it gpu_hardware, data-loader or I/O waits make it
+storage, and with neither it is `unknown` - it needs a person; no action is taken on it. The
+patterns are data (`SlowdownEvidence`), not code. Online, a straggler GPU found by the straggler
+detector is that evidence, joined by attribution.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from schemas.events import Anomaly, ProgressBatch, ProgressSample
+from schemas.ids import stable_id
+from schemas.vocab import Category
+
+MAD_TO_SIGMA = 1.4826
+Unit = Literal["tokens_per_s", "steps_per_s"]
+
+MEANING_SLOW = (
+    "training speed dropped and stayed down (not a checkpoint or evaluation dip): something "
+    "slowed the job; the evidence beside it says what"
+)
+
+
+@dataclass(frozen=True)
+class ThroughputSettings:
+    window: int = 20
+    warmup: int = 1
+    min_baseline: int = 4
+    drop_rel: float = 0.2
+    drop_mads: float = 4.0
+    persist: int = 5
+    finish_min_reports: int = 3
+
+    def __post_init__(self) -> None:
+        if self.window < 2 or not 2 <= self.min_baseline <= self.window:
+            raise ValueError("ThroughputSettings: need 2 <= min_baseline <= window")
+        if self.warmup < 0 or self.persist < 2 or self.finish_min_reports < 2:
+            raise ValueError(
+                "ThroughputSettings: warmup must be >= 0, persist and finish_min_reports >= 2 (one slow report is a dip)"
+            )
+        if not 0 < self.drop_rel < 1 or self.drop_mads < 0:
+            raise ValueError("ThroughputSettings: drop_rel must be in (0, 1), drop_mads >= 0")
+
+
+@dataclass(frozen=True)
+class SlowdownEvidence:
+    """What in a job's logs says why it slowed.
+
+    rules: (category, pattern, what it means): a line matching the pattern is the evidence.
+    data_wait: patterns with named groups ``step`` (time of a step) and ``data`` (the part of it
+    spent waiting for the next batch), as training loops print them; when at least `data_lines`
+    lines show the wait taking `data_share` or more of the step, the job is starved by its data
+    loader or storage.
+    """
+
+    rules: tuple[tuple[Category, str, str], ...] = (
+        (
+            "gpu_hardware",
+            # nvidia-smi -q lists every reason with Active / Not Active: only Active counts.
+            r"\b(?:HW(?: Thermal| Power Brake)? Slowdown|SW Thermal Slowdown)\s*:\s*Active\b"
+            r"|(?i:\bthrottl(?:ed|ing)\b.*\bgpu\b|\bgpu\b.*\bthrottl(?:ed|ing)\b|\bslow(?:est)? (?:gpu|rank|node)\b"
+            r"|\bstraggler\b)",
+            "a throttled or slow GPU or node",
+        ),
+        (
+            "storage",
+            r"(?i)data ?loader\b.*\b(?:wait|slow|timeout|stall)|waiting (?:for|on) (?:data|batch|the data ?loader)"
+            r"|\bI/O (?:wait|stall|slow)|\biowait\b|\b(?:lustre|gpfs|mmfs|nfs)\b.*\b(?:slow|timeout|not responding|hung)",
+            "data-loader or I/O waits",
+        ),
+    )
+    data_wait: tuple[str, ...] = (
+        # PyTorch's ImageNet example and its many copies: 'Time 8.719 (0.361)\tData 8.597 (0.230)'.
+        r"\bTime (?P<step>\d+(?:\.\d+)?) \([\d.]+\)\s+Data (?P<data>\d+(?:\.\d+)?) \(",
+        # detectron2 / mmcv style: 'time: 12.9244 - data_time: 12.4863', 'time: 0.54  data_time: 0.01'.
+        r"\btime: (?P<step>\d+(?:\.\d+)?)\b.{0,8}\bdata_time: (?P<data>\d+(?:\.\d+)?)",
+    )
+    data_share: float = 0.5
+    data_lines: int = 2
+
+    def compiled(self) -> list[tuple[Category, re.Pattern[str], str]]:
+        return [(cat, re.compile(p), why) for cat, p, why in self.rules]
+
+
+def _data_starved(lines: Sequence[str], evidence: SlowdownEvidence) -> str | None:
+    """The first line of a run of data-wait lines, when enough of them show the job starved."""
+    patterns = [re.compile(p) for p in evidence.data_wait]
+    hits: list[str] = []
+    for text in lines:
+        for rx in patterns:
+            m = rx.search(text)
+            if m is None:
+                continue
+            step, data = float(m.group("step")), float(m.group("data"))
+            if step > 0 and data / step >= evidence.data_share:
+                hits.append(text)
+            break
+    return hits[0] if len(hits) >= evidence.data_lines else None
+
+
+def classify_slowdown(
+    lines: Sequence[str], evidence: SlowdownEvidence | None = None
+) -> tuple[Category, str | None, str | None]:
+    """(category, what the evidence means, the line) for a slowdown, from the job's log lines.
+
+    The first rule (in order) with a matching line wins, then the data-wait share; no evidence:
+    ('unknown', None, None)."""
+    ev = evidence or SlowdownEvidence()
+    rules = ev.compiled()
+    found: dict[int, str] = {}
+    for text in lines:
+        for i, (_, rx, _) in enumerate(rules):
+            if i not in found and rx.search(text):
+                found[i] = text
+        if len(found) == len(rules):
+            break
+    for i, (cat, _, why) in enumerate(rules):
+        if i in found:
+            return cat, why, found[i]
+    starved = _data_starved(lines, ev)
+    if starved is not None:
+        return "storage", f"the wait for data taking {ev.data_share:.0%} or more of each step", starved
+    return "unknown", None, None
+
+
+@dataclass
+class _SpeedJob:
+    job_id: str
+    unit: Unit | None = None
+    partition: str | None = None
+    nodes: tuple[str, ...] = ()
+    seen: int = 0
+    baseline: deque[float] = field(default_factory=deque)
+    slow: list[tuple[ProgressSample, float]] = field(default_factory=list)
+    last_step: int | None = None
+    fired: bool = False
+
+
+def speed_of(s: ProgressSample, unit: Unit | None) -> tuple[Unit, float] | None:
+    """The sample's speed in the job's unit (the first unit seen decides)."""
+    if s.tokens_per_s is not None and s.tokens_per_s > 0 and unit in (None, "tokens_per_s"):
+        return "tokens_per_s", s.tokens_per_s
+    if s.step_time_s is not None and s.step_time_s > 0 and unit in (None, "steps_per_s"):
+        return "steps_per_s", 1.0 / s.step_time_s
+    return None
+
+
+class ThroughputDetector:
+    """See the module docstring. `observe(batch)` returns the slowdowns that batch confirms, as
+    category `unknown`; `with_evidence` gives one the category its evidence supports."""
+
+    name = "throughput"
+
+    def __init__(self, settings: ThroughputSettings | None = None) -> None:
+        self.settings = settings or ThroughputSettings()
+        self._jobs: dict[str, _SpeedJob] = {}
+
+    def observe(self, batch: ProgressBatch) -> list[Anomaly]:
+        job = self._jobs.get(batch.job_id)
+        if job is None:
+            job = self._jobs[batch.job_id] = _SpeedJob(batch.job_id, baseline=deque(maxlen=self.settings.window))
+        job.partition = batch.partition or job.partition
+        job.nodes = tuple(batch.job_nodes) or job.nodes
+        out = []
+        for s in batch.samples:
+            a = self._sample(job, s)
+            if a is not None:
+                out.append(a)
+        return out
+
+    def finish(self, job_id: str) -> list[Anomaly]:
+        """The job's log has ended (offline, or the job ended): a slowdown that lasted to the end,
+        over at least `finish_min_reports` reports with no recovery, is a finding too."""
+        job = self._jobs.get(job_id)
+        if job is None or job.fired or len(job.slow) < self.settings.finish_min_reports:
+            return []
+        job.fired = True
+        return [self._anomaly(job, statistics.median(job.baseline))]
+
+    def forget(self, job_id: str) -> None:
+        self._jobs.pop(job_id, None)
+
+    def _sample(self, job: _SpeedJob, s: ProgressSample) -> Anomaly | None:
+        cfg = self.settings
+        if s.phase != "train":
+            return None
+        if s.step is not None:
+            if job.last_step is not None and s.step <= job.last_step:
+                return None
+            job.last_step = s.step
+        got = speed_of(s, job.unit)
+        if got is None:
+            return None
+        job.unit, speed = got
+        job.seen += 1
+        if job.seen <= cfg.warmup:
+            return None
+        if len(job.baseline) < cfg.min_baseline:
+            job.baseline.append(speed)
+            return None
+        values = list(job.baseline)
+        median = statistics.median(values)
+        sigma = MAD_TO_SIGMA * statistics.median(abs(v - median) for v in values)
+        if speed < median * (1 - cfg.drop_rel) and speed < median - cfg.drop_mads * sigma:
+            job.slow.append((s, speed))
+            if len(job.slow) >= cfg.persist and not job.fired:
+                job.fired = True
+                return self._anomaly(job, median)
+            return None
+        job.slow.clear()
+        job.baseline.append(speed)
+        return None
+
+    def _anomaly(self, job: _SpeedJob, median: float) -> Anomaly:
+        first, last = job.slow[0][0], job.slow[-1][0]
+        now = statistics.median(v for _, v in job.slow)
+        unit = "tokens/s" if job.unit == "tokens_per_s" else "steps/s"
+        where = f"step {first.step}" if first.step is not None else f"t={first.ts:.3f}"
+        line = (
+            f"throughput {now:.4g} {unit} over {len(job.slow)} reports since {where}, "
+            f"{(1 - now / median) * 100:.0f}% below the baseline {median:.4g} {unit} "
+            f"(threshold {self.settings.drop_rel * 100:.0f}% for {self.settings.persist} reports)"
+        )
+        return Anomaly(
+            event_id=stable_id("anm", self.name, job.job_id, first.step if first.step is not None else first.ts),
+            event_time=last.ts,
+            detector=self.name,
+            signature="throughput_drop",
+            category="unknown",
+            severity="warning",
+            role="root",
+            isolate=False,
+            source="job_log",
+            job_id=job.job_id,
+            node=last.node,
+            rank=last.rank,
+            partition=job.partition,
+            job_nodes=list(job.nodes),
+            line=line[:4096],
+            meaning=MEANING_SLOW,
+        )
+
+
+def with_evidence(anomaly: Anomaly, lines: Sequence[str], evidence: SlowdownEvidence | None = None) -> Anomaly:
+    """The slowdown with the category its evidence gives (see `classify_slowdown`)."""
+    category, why, line = classify_slowdown(lines, evidence)
+    if why is None or line is None:
+        return anomaly
+    meaning = f"{anomaly.meaning}; the logs show {why}: {line.strip()[:300]}"
+    return anomaly.model_copy(update={"category": category, "meaning": meaning})
