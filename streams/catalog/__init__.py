@@ -50,6 +50,7 @@ class SeverityOverride(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     severity: Severity
+    role: Role
     isolate: bool
 
 

@@ -39,13 +39,14 @@ class XidDetector:
             return []
         if entry is None:
             return [self._unknown(event)]
-        severity, isolate, said = entry.severity, entry.isolate, ""
+        severity, role, isolate, said = entry.severity, entry.role, entry.isolate, ""
         bucket = self._buckets.get(entry.bucket)
         m = _XID_FATALITY.search(event.text)
         if bucket is not None and m:
             override = bucket.when_fatal if m.group("word") == "Fatal" else bucket.when_nonfatal
             if override is not None:
-                severity, isolate, said = override.severity, override.isolate, f", reported {m.group('word')}"
+                severity, role, isolate = override.severity, override.role, override.isolate
+                said = f", reported {m.group('word')}"
         if not entry.emit:
             return []
         gpu = f" on GPU {event.gpu_index}" if event.gpu_index is not None else ""
@@ -58,7 +59,7 @@ class XidDetector:
                 signature=f"xid_{entry.xid}",
                 category=entry.category,
                 severity=severity,
-                role=entry.role,
+                role=role,
                 isolate=isolate,
                 source="kernel",
                 node=event.node,

@@ -174,9 +174,16 @@ def test_nvlink5_xid_fatality_comes_from_the_line() -> None:
     (f,) = [a for ev in _events([fatal]) for a in d.detect(ev)]
     assert (f.signature, f.category, f.severity, f.isolate) == ("xid_149", "interconnect", "critical", True)
     assert "reported Fatal" in f.meaning and "WORKFLOW_NVLINK5_ERR" in f.meaning
+    # Non-fatal: evidence only (NVIDIA's decode says IGNORE for most non-fatal NVLink5 conditions).
     for line, code in ((nonfatal, 144), (rlw, 145)):
         (n,) = [a for ev in _events([line]) for a in d.detect(ev)]
-        assert (n.signature, n.category, n.severity, n.isolate) == (f"xid_{code}", "interconnect", "warning", False)
+        assert (n.signature, n.category, n.severity, n.role, n.isolate) == (
+            f"xid_{code}",
+            "interconnect",
+            "info",
+            "collateral",
+            False,
+        )
 
 
 def test_xid45_after_an_nvlink_xid_is_a_follow_on() -> None:

@@ -96,6 +96,7 @@ def test_nvidia_buckets_follow_nvidia_text() -> None:
     assert (x[151].bucket, x[154].bucket, x[159].bucket) == ("RESTART_VM", "XID_154", "CHECK_UVM")
     assert {x[c].bucket for c in range(162, 173)} == {"UNCLASSIFIED"}  # empty Immediate Action cells
     assert not any(x[c].isolate for c in range(162, 173))  # no automatic action where NVIDIA gives none
+    assert {x[c].category for c in range(162, 173)} == {"unknown"}
 
 
 def _write(tmp_path: Path, name: str, data: object) -> Path:
