@@ -56,10 +56,12 @@ from schemas.topics import (
 )
 from streams import metrics
 from streams.attribution import ALLOCATION_TTL_S, Attributor
-from streams.detectors.hang import HangDetector
+from streams.detectors.divergence import DivergenceDetector
+from streams.detectors.hang import HangDetector, job_state_kind
 from streams.detectors.kernel_text import KernelTextDetector
 from streams.detectors.signatures import SignatureDetector
 from streams.detectors.straggler import StragglerDetector
+from streams.detectors.throughput import ThroughputDetector
 from streams.detectors.xid import XidDetector
 from streams.policy_store import PolicyStore
 from streams.recovery import read_history
@@ -115,6 +117,8 @@ deadletter_out = _topic(DEADLETTER.name)
 
 signature_detector = SignatureDetector()
 hang_detector = HangDetector()
+divergence_detector = DivergenceDetector()
+throughput_detector = ThroughputDetector()
 straggler_detector = StragglerDetector()
 xid_detector = XidDetector()
 # SXids and hung-task / D-state reports; keeps one open report per node (bounded, see kernel_signatures.yaml).
@@ -221,15 +225,18 @@ async def detect_kernel(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
 
 @app.agent(signals_topic)
 async def detect_signals(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
-    """Progress, GPU samples and job states feed the hang and straggler detectors."""
+    """Progress, GPU samples and job states feed the hang and straggler detectors; progress also
+    the loss and throughput detectors, which answer at once (they judge the series, not a clock)."""
     async for event in stream.events():
         consumed("detect_signals", event)
         now, topic = time.time(), event.message.topic
+        found: list[Anomaly] = []
         try:
             if topic == JOB_PROGRESS.name:
                 progress = decode(ProgressBatch, event.value)
                 hang_detector.observe_progress(progress, now)
                 straggler_detector.observe_progress(progress, now)
+                found = divergence_detector.observe(progress) + throughput_detector.observe(progress)
             elif topic == GPU_SAMPLES.name:
                 sample = decode(GpuSample, event.value)
                 hang_detector.observe_gpu(sample, now)
@@ -238,8 +245,14 @@ async def detect_signals(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
                 sched = decode(SchedEvent, event.value)
                 hang_detector.observe_sched(sched, now)
                 straggler_detector.observe_sched(sched, now)
+                if sched.kind == "job" and sched.job_id and job_state_kind(sched.state) == "ended":
+                    # A requeued or finished run starts a new loss and speed history.
+                    divergence_detector.forget(sched.job_id)
+                    throughput_detector.forget(sched.job_id)
         except DecodeError as exc:
             await dead_letter("streams.detect_signals", event, str(exc))
+        for anomaly in found:
+            await publish(anomalies_out, anomaly)
         yield None
 
 

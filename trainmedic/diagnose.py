@@ -10,7 +10,8 @@ What runs, through the same functions as online:
   of the job-log producer (`ProgressParser`) turns lines into progress samples, which feed the
   loss detector (`DivergenceDetector`), the throughput detector (`ThroughputDetector`, its
   finding classified by the evidence in the same logs) and the hang detector (`HangDetector`);
-- kernel logs: the kernel producer's line parser and the Xid detector;
+- kernel logs: the kernel producer's line parser, the Xid detector and the kernel-text detector
+  (NVSwitch SXids, hung-task / D-state reports naming a filesystem);
 - one `Attributor` over all of it.
 
 Time: each line's own timestamp where it has one (`streams.detectors.logtime`: ISO, Python
@@ -49,6 +50,7 @@ from schemas.vocab import NEVER_ACTS
 from streams.attribution import Attributor
 from streams.detectors.divergence import DivergenceDetector, DivergenceSettings
 from streams.detectors.hang import MEANING_DUMP, HangDetector, parked_threads
+from streams.detectors.kernel_text import KernelTextDetector
 from streams.detectors.logtime import FileClock, RawStamp, parse_stamp, reference_time
 from streams.detectors.signatures import SignatureDetector
 from streams.detectors.throughput import ThroughputDetector, ThroughputSettings, with_evidence
@@ -211,13 +213,15 @@ def _timed(inputs: Sequence[Input]) -> list[list[_Line]]:
 # -- detectors ---------------------------------------------------------------------------------
 
 
-def _kernel_anomalies(lines: Sequence[_Line], xids: XidDetector) -> list[Anomaly]:
+def _kernel_anomalies(lines: Sequence[_Line], xids: XidDetector, text: KernelTextDetector) -> list[Anomaly]:
     out = []
     for ln in lines:
         parsed = parse_kernel_line(ln.raw, default_node=_NO_HOST)
         if parsed is None:
             continue
-        for a in xids.detect(to_event(parsed, ln.ts)):
+        event = to_event(parsed, ln.ts)
+        # As the streams worker's detect_kernel: Xids, then SXids and hung-task reports.
+        for a in [*xids.detect(event), *text.detect(event)]:
             # Plain dmesg output names no host: then the culprit node is unknown, not "unknown-node".
             node = None if a.node == _NO_HOST else a.node
             out.append(a.model_copy(update={"job_id": OFFLINE_JOB, "node": node}))
@@ -431,7 +435,11 @@ def diagnose_paths(
     detector, xids = SignatureDetector(), XidDetector()
     anomalies: list[Anomaly] = []
     for inp, lines in zip(inputs, files, strict=True):
-        anomalies += _kernel_anomalies(lines, xids) if inp.kernel else _signature_anomalies(inp.name, lines, detector)
+        if inp.kernel:
+            # One kernel-text detector per file: a hung-task report spans the lines of one log.
+            anomalies += _kernel_anomalies(lines, xids, KernelTextDetector())
+        else:
+            anomalies += _signature_anomalies(inp.name, lines, detector)
     progress_found, n_progress = _progress_anomalies(files, job, cfg)
     anomalies += progress_found
     if not anomalies:

@@ -268,3 +268,12 @@ def test_crash_with_no_known_cause_is_unknown_not_healthy() -> None:
     rc, report = run_json(str(LOGS / "keyboard_interrupt_traceback.log"))
     assert (rc, report["category"], report["action"], report["culprit"]) == (1, "unknown", "none", None)
     assert report["evidence"] and report["evidence"][0]["signature"] == "crash_unexplained"
+
+
+def test_kernel_text_detectors_run_offline(tmp_path: Path) -> None:
+    # The streams worker's kernel-text detector (hung-task reports naming a filesystem) runs
+    # offline too: a real Lustre hung-task trace (tests/fixtures/logs/SOURCES.md) read as kern.log.
+    kern = tmp_path / "kern.log"
+    kern.write_bytes((LOGS / "kernel_hung_lustre.log").read_bytes())
+    rc, report = run_json(str(kern))
+    assert (rc, report["category"], report["evidence"][0]["source"]) == (1, "storage", "kernel")
