@@ -53,6 +53,10 @@ _SXID = re.compile(r"SXid \(PCI:(?P<pci>[0-9A-Fa-f:.]+)\): (?P<xid>[0-9]+)")
 _FALLEN = re.compile(
     r"NVRM: GPU (?:at PCI:)?(?P<pci>[0-9A-Fa-f]{4}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}(?:\.\d)?):? .*fallen off the bus"
 )
+# Newer drivers split the message over three lines, the last naming no GPU (NVIDIA/NVSentinel#155):
+#   "NVRM: The NVIDIA GPU 0000:b3:00.0" / "NVRM: (PCI ID: 10de:26b5) installed in this system has" /
+#   "NVRM: fallen off the bus and is not responding to commands."
+_FALLEN_SPLIT = re.compile(r"NVRM: fallen off the bus and is not responding to commands")
 # Hung-task and D-state reports and the call-trace frames after them (kernel/hung_task.c, sysrq-w).
 # Published as kind "other": streams/detectors/kernel_text.py tells header from frame and names the
 # filesystem with streams/catalog/kernel_signatures.yaml (producers never import streams, so this filter
@@ -221,6 +225,8 @@ def parse_kernel_line(line: str, default_node: str) -> ParsedKernelLine | None:
     m = _FALLEN.search(line)
     if m:
         return replace(base, kind="fallen_off_bus", pci_bus_id=m.group("pci"))
+    if _FALLEN_SPLIT.search(line):
+        return replace(base, kind="fallen_off_bus")
     return None
 
 

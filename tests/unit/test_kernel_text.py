@@ -193,6 +193,19 @@ def test_xid45_after_an_nvlink_xid_is_a_follow_on() -> None:
     assert ev.xid == 45 and XidDetector().detect(ev) == []
 
 
+def test_fallen_off_the_bus_split_over_lines_is_xid_79() -> None:
+    # NVIDIA/NVSentinel#155 (quoted in tests/fixtures/logs/SOURCES.md): newer drivers print no Xid here.
+    lines = [
+        "[ 1843.308145] NVRM: The NVIDIA GPU 0000:b3:00.0",
+        "NVRM: (PCI ID: 10de:26b5) installed in this system has",
+        "NVRM: fallen off the bus and is not responding to commands.",
+    ]
+    (ev,) = _events(lines)
+    assert (ev.kind, ev.xid, ev.pci_bus_id) == ("fallen_off_bus", None, None)
+    (a,) = XidDetector().detect(ev)
+    assert (a.signature, a.category, a.isolate, a.node) == ("xid_79", "gpu_hardware", True, "gpu07")
+
+
 # --- prefixes: host and time ----------------------------------------------------------------------
 
 
