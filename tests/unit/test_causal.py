@@ -163,6 +163,22 @@ def test_an_exception_after_the_timeouts_is_teardown_not_the_cause() -> None:
     assert diagnose([line(VALUE_ERROR, T - 5, 0, rank=2), *timeouts]).category == "user_code"
 
 
+# https://github.com/alan-turing-institute/autocast/issues/381: training ends, then one more
+# collective waits for ranks that never enter it ("Post-fit NCCL ALLREDUCE timeout").
+FIT_STOPPED = "`Trainer.fit` stopped: `max_epochs=N` reached."
+# https://github.com/Lightning-AI/pytorch-lightning/issues/19377 (the timeout line; joined as a cascade)
+POST_FIT_TIMEOUT = (
+    "[E ProcessGroupNCCL.cpp:475] [Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=17, "
+    "OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=1800000) ran for 1800995 milliseconds before timing out."
+)
+
+
+def test_a_collective_after_training_finished_is_the_job() -> None:
+    inc = diagnose([line(FIT_STOPPED, T, 1), line(POST_FIT_TIMEOUT, T + 1800, 2)])
+    assert inc.category == "user_code" and "done with training" in inc.explanation
+    assert inc.explanation.startswith("rank 0 timed out in ALLREDUCE while another rank was done with training")
+
+
 NODE_FAILURE = "srun: error: Node failure on gpu06"  # https://github.com/huggingface/m4-logs (as in the catalog)
 
 
@@ -221,8 +237,11 @@ ACTIVITY_LINES: dict[str, list[str]] = {
         _fixture_line("progress/lightning.log", "Validating:"),
     ],
     "validation_done": [VALIDATION_END, _fixture_line("progress/megatron.log", "validation loss at iteration")],
-    # huggingface/transformers Trainer.train's closing log line (src/transformers/trainer.py).
-    "finished": ["Training completed. Do not forget to share your model on huggingface.co/models =)"],
+    "finished": [
+        # huggingface/transformers Trainer.train's closing log line (src/transformers/trainer.py).
+        "Training completed. Do not forget to share your model on huggingface.co/models =)",
+        FIT_STOPPED,
+    ],
 }
 
 
