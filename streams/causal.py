@@ -36,6 +36,11 @@ SHORT_TIMEOUT_SHARE = 0.2
 _WALL_CLOCK = 1e9
 # Errors that say where they happened but not why: on several ranks of one node only, the node.
 _PLACE_CATEGORIES = ("gpu_hardware", "user_code")
+# Rank-local work counts as the reason for a timeout only if it began within this share of the
+# timeout (plus slack) before the timeout fired; 30 min (torch's non-NCCL default) when unknown.
+_ACTIVITY_WINDOW_SHARE = 1.5
+_ACTIVITY_SLACK_S = 60.0
+_UNKNOWN_TIMEOUT_S = 1800.0
 # A bare non-zero exit says nothing about place: every rank of a node exits when its agent stops it.
 _NOT_PLACED = ("crash_exit_code",)
 
@@ -342,10 +347,14 @@ def _busy_peers(collateral: Sequence[Anomaly], reporters: Sequence[int]) -> list
     """Open rank-local activities of ranks that did not report a timeout, most recent first."""
     seen: dict[tuple[int | None, str | None], RankActivity] = {}
     for a in collateral:
+        # The others entered the collective about timeout_ms before it fired: work begun much
+        # earlier than that was over by then (they had trained on with that rank since).
+        timeout_s = int(a.facts["timeout_ms"]) / 1000 if a.facts.get("timeout_ms", "").isdigit() else None
+        window_s = (timeout_s or _UNKNOWN_TIMEOUT_S) * _ACTIVITY_WINDOW_SHARE + _ACTIVITY_SLACK_S
         for act in a.activity:
             if act.rank is not None and act.rank in reporters:
                 continue
-            if act.time > a.event_time:
+            if act.time > a.event_time or act.time < a.event_time - window_s:
                 continue
             key = (act.rank, act.node)
             if key not in seen or act.time > seen[key].time:

@@ -117,6 +117,13 @@ def test_a_rank_still_validating_is_why_the_others_timed_out() -> None:
     assert "while rank 0 was still validating (since 18:40:12" in inc.explanation
 
 
+def test_rank_local_work_long_over_is_no_excuse() -> None:
+    # Validation began 3 h before a 600 s timeout fired: the others trained on with rank 0 since.
+    others = [t for t in TIMEOUTS if not t.startswith("[rank0]")]
+    lines = [line(VALIDATION_START, T, 1, rank=0)] + [line(t, T + 3 * 3600, i) for i, t in enumerate(others, 2)]
+    assert diagnose(lines).category == "interconnect"
+
+
 def test_a_finished_validation_is_no_excuse() -> None:
     others = [t for t in TIMEOUTS if not t.startswith("[rank0]")]
     lines = [line(VALIDATION_START, T, 1, rank=0), line(VALIDATION_END, T + 10, 2, rank=0)]
