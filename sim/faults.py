@@ -83,7 +83,7 @@ FAULTS: dict[str, FaultSpec] = {
         FaultSpec(
             "xid74_nvlink",
             "Xid 74: NVLink error",
-            "gpu_hardware",
+            "interconnect",
             "drain_and_requeue",
             True,
             "kernel log (Xid 74) + CUDA 'uncorrectable NVLink error' on the rank",
