@@ -36,6 +36,12 @@ SHORT_TIMEOUT_SHARE = 0.2
 _WALL_CLOCK = 1e9
 # Errors that say where they happened but not why: on several ranks of one node only, the node.
 _PLACE_CATEGORIES = ("gpu_hardware", "user_code")
+# What a symptom with no other explanation points at, by the symptom's category.
+_SUSPECT = {
+    "interconnect": "suspect the network between the ranks",
+    "hang": "the job hangs in a collective or a CUDA call",
+    "node": "a node of the job failed; the logs do not say which",
+}
 # Rank-local work counts as the reason for a timeout only if it began within this share of the
 # timeout (plus slack) before the timeout fired; 30 min (torch's non-NCCL default) when unknown.
 _ACTIVITY_WINDOW_SHARE = 1.5
@@ -325,8 +331,8 @@ def _collateral_verdict(
 
     nodes = sorted({a.node or "?" for a in collateral})
     explanation = (
-        f"{who} timed out{op} ({_collateral_desc(collateral, None)}) and nothing else explains it: no earlier "
-        "failure, no rank-local work, a default timeout; suspect the network between the ranks"
+        f"{_collateral_desc(collateral, None)}{op}, and nothing else explains it: no earlier failure, "
+        f"no rank-local work, no short timeout; {_SUSPECT.get(top.category, 'the cause is not in the logs')}"
     )
     if nodes != ["?"]:
         explanation += f"; reported from {', '.join(nodes)}"
