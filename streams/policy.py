@@ -266,6 +266,14 @@ def _culprit_words(incident: Incident) -> str:
     return " ".join(parts) or "the failing process"
 
 
+def node_reported_fault(incident: Incident) -> bool:
+    """The culprit node's own kernel/GPU/health monitor reported the fault (its producer runs there)."""
+    node = incident.culprit_node
+    return node is not None and any(
+        e.node == node and e.role == "root" and e.source in ("kernel", "gpu", "external") for e in incident.evidence
+    )
+
+
 def isolation(incident: Incident) -> tuple[bool, str]:
     """Whether draining the incident's culprit node may be carried out, and why not.
 
@@ -276,9 +284,7 @@ def isolation(incident: Incident) -> tuple[bool, str]:
     node = incident.culprit_node
     if node is None:
         return False, f"the culprit is {_culprit_words(incident)}, not resolved to a node of the job"
-    if any(
-        e.node == node and e.role == "root" and e.source in ("kernel", "gpu", "external") for e in incident.evidence
-    ):
+    if node_reported_fault(incident):
         return True, f"{node} reported the fault itself"
     if incident.culprit_in_job:
         return True, f"{node} is one of the job's nodes per the scheduler"
