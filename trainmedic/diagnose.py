@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from producers.joblogs import split_rank_prefix
+from producers.joblogs import RankedText, split_rank_prefix
 from producers.kernel import parse_kernel_line, to_event
 from producers.progress import ProgressParser
 from schemas.events import Anomaly, LogBatch, LogLine, ProgressBatch, ProgressSample
@@ -162,29 +162,38 @@ class _Line:
     ts: float
     stamped: bool  # the time is the line's own, not line order
     rank: int | None = None
-    node: str | None = None
+    node: str | None = None  # the host the line says wrote it
+    gpu: int | None = None  # the GPU index on that host, when the line says
 
 
-def _stamps(inp: Input) -> list[tuple[str, int | None, RawStamp | None]]:
-    out: list[tuple[str, int | None, RawStamp | None]] = []
+def _line_host(r: RankedText) -> str | None:
+    """The node a job-log line names as its writer: NCCL's own "host:pid:tid [gpu] NCCL" prefix.
+
+    The other host forms split_rank_prefix finds (a peer named inside an IB error, a syslog
+    host) are left to the catalog patterns' `node` groups, as the job-log producer does."""
+    m = _NCCL_HOST.match(r.text)
+    return m.group("host") if m else None
+
+
+def _stamps(inp: Input) -> list[tuple[RankedText, RawStamp | None]]:
+    """Each line split as the job-log producer splits it (launcher prefixes, rank, host, GPU)
+    and its own timestamp; kernel lines are kept whole."""
+    out: list[tuple[RankedText, RawStamp | None]] = []
     for raw in inp.lines:
-        if inp.kernel:
-            out.append((raw, None, parse_stamp(raw)))
-        else:
-            r = split_rank_prefix(raw)
-            out.append((r.text, r.rank, parse_stamp(r.text)))
+        r = RankedText(None, raw) if inp.kernel else split_rank_prefix(raw)
+        out.append((r, parse_stamp(r.text)))
     return out
 
 
 def _timed(inputs: Sequence[Input]) -> list[list[_Line]]:
     """Every line of every input with a time: its own, or line order (see the module docstring)."""
     parsed = [_stamps(inp) for inp in inputs]
-    reference = reference_time([s for rows in parsed for _, _, s in rows if s is not None])
+    reference = reference_time([s for rows in parsed for _, s in rows if s is not None])
     files: list[list[_Line]] = []
     own: list[list[float | None]] = []
     for rows in parsed:
         clock = FileClock(reference)
-        own.append([clock.time_of(s) for _, _, s in rows])
+        own.append([clock.time_of(s) for _, s in rows])
     stamped_times = [t for times in own for t in times if t is not None]
     # Files without any timestamp run on line order after everything that has one.
     synthetic = (max(stamped_times) if stamped_times else 0.0) + LINE_STEP_S
@@ -196,15 +205,20 @@ def _timed(inputs: Sequence[Input]) -> list[list[_Line]]:
             synthetic += LINE_STEP_S * (len(rows) + 1)
         else:
             prev = max(0.0, first - LINE_STEP_S * (times.index(first) + 1))
-        for i, ((text, rank, _), raw, t) in enumerate(zip(rows, inp.lines, times, strict=True), 1):
+        for i, ((r, _), raw, t) in enumerate(zip(rows, inp.lines, times, strict=True), 1):
             ts = t if t is not None else prev + LINE_STEP_S
             prev = ts
-            node = None
-            if not inp.kernel:
-                m = _NCCL_HOST.match(text)
-                node = m.group("host") if m else None
             lines.append(
-                _Line(text=text[:65536], raw=raw, lineno=i, ts=ts, stamped=t is not None, rank=rank, node=node)
+                _Line(
+                    text=r.text[:65536],
+                    raw=raw,
+                    lineno=i,
+                    ts=ts,
+                    stamped=t is not None,
+                    rank=r.rank,
+                    node=_line_host(r),
+                    gpu=r.gpu,
+                )
             )
         files.append(lines)
     return files
@@ -228,13 +242,33 @@ def _kernel_anomalies(lines: Sequence[_Line], xids: XidDetector, text: KernelTex
     return out
 
 
+def _quoted_kernel_anomalies(lines: Sequence[_Line], xids: XidDetector) -> list[Anomaly]:
+    """NVIDIA fault lines quoted in a job log or an alert ("Xid errors on instance: gpu01, Error:
+    May 19 07:08:57 gpu01 kernel: ... NVRM: Xid ..."): the same Xid evidence as in a kernel log.
+    The host is the one the line names (split_rank_prefix's host forms), if any."""
+    out = []
+    for ln in lines:
+        if "NVRM" not in ln.text and "SXid" not in ln.text:
+            continue
+        host = split_rank_prefix(ln.raw).host or _NO_HOST
+        parsed = parse_kernel_line(ln.text, default_node=host)
+        if parsed is None or parsed.kind not in ("xid", "fallen_off_bus"):
+            continue
+        for a in xids.detect(to_event(parsed, ln.ts)):
+            node = None if a.node == _NO_HOST else a.node
+            out.append(a.model_copy(update={"job_id": OFFLINE_JOB, "node": node}))
+    return out
+
+
 def _signature_anomalies(name: str, lines: Sequence[_Line], detector: SignatureDetector) -> list[Anomaly]:
     batch = LogBatch(
         event_id=f"diag-{name}",
         event_time=0.0,
         job_id=OFFLINE_JOB,
         source=name,
-        lines=[LogLine(text=ln.text, ts=ln.ts, rank=ln.rank, node=ln.node, lineno=ln.lineno) for ln in lines],
+        lines=[
+            LogLine(text=ln.text, ts=ln.ts, rank=ln.rank, node=ln.node, gpu=ln.gpu, lineno=ln.lineno) for ln in lines
+        ],
     )
     return detector.detect(batch)
 
@@ -439,7 +473,7 @@ def diagnose_paths(
             # One kernel-text detector per file: a hung-task report spans the lines of one log.
             anomalies += _kernel_anomalies(lines, xids, KernelTextDetector())
         else:
-            anomalies += _signature_anomalies(inp.name, lines, detector)
+            anomalies += _signature_anomalies(inp.name, lines, detector) + _quoted_kernel_anomalies(lines, xids)
     progress_found, n_progress = _progress_anomalies(files, job, cfg)
     anomalies += progress_found
     if not anomalies:
