@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 import re
 import secrets
+import stat
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import uvicorn
-from fastapi import Depends, FastAPI, Header, HTTPException
-from prometheus_client import make_asgi_app
+from fastapi import Depends, FastAPI, Header, HTTPException, Query
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from producers.publisher import Publisher
@@ -26,6 +29,7 @@ from schemas.events import Approval, Decision, ModeChange, NodeReturn
 from schemas.ids import stable_id
 from schemas.topics import ACTIONS, APPROVALS, MODE_CHANGES, NODE_RETURNS
 from schemas.vocab import Category, Mode, RejectReason
+from schemas.yamlsafe import API_LIMITS
 from sinks.audit import AuditStore
 from sinks.backends.base import BackendError, SchedulerBackend
 from streams.policy import (
@@ -38,6 +42,7 @@ from streams.policy import (
     save_overlay,
 )
 from trainmedic.console import LiveFeed, console_router
+from trainmedic.limits import MAX_LOOKBACK_DAYS
 from trainmedic.readiness import readiness, verdict_for
 from trainmedic.replay import replay
 
@@ -50,16 +55,27 @@ class ApiError(RuntimeError):
 
 
 def load_or_create_token(path: Path) -> str:
-    """The operator token: kept in a 0600 file next to the data, never printed or logged."""
+    """The operator token: kept in a 0600 file next to the data, never printed or logged.
+
+    An existing file that group or others may read or write is refused (fail closed):
+    the token may already have leaked, and fixing the mode silently would hide that."""
     if path.exists():
+        mode = stat.S_IMODE(path.stat().st_mode)
+        if mode & 0o077:
+            raise ApiError(
+                f"{path}: mode {mode:04o} lets other users read or change the token; refused. If nobody "
+                f"else could have read it, `chmod 600 {path}`; otherwise delete it and a new one is made"
+            )
         token = path.read_text().strip()
         if len(token) < 16:
             raise ApiError(f"{path}: token too short (at least 16 characters)")
         return token
     path.parent.mkdir(parents=True, exist_ok=True)
     token = secrets.token_urlsafe(32)
-    path.touch(mode=0o600)
-    path.write_text(token + "\n")
+    # Created 0600 in one step: no moment where the file exists with the umask's mode.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(token + "\n")
     return token
 
 
@@ -106,8 +122,8 @@ class ModeBody(BaseModel):
 class ReplayBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     policy_yaml: str = Field(max_length=1_000_000)
-    policy_name: str = "<replay policy>"
-    since_days: float = Field(default=7.0, gt=0)
+    policy_name: str = Field(default="<replay policy>", max_length=256)
+    since_days: float = Field(default=7.0, gt=0, le=MAX_LOOKBACK_DAYS)
 
 
 class LabelBody(BaseModel):
@@ -142,6 +158,7 @@ def create_api(
     modes_path: Path,
     feed: LiveFeed | None = None,
     viewer_token: str | None = None,
+    health: Callable[[], dict[str, Any]] | None = None,
 ) -> FastAPI:
     """`token` is the operator's: everything. `viewer_token` (optional) reads only: the console,
     recommendations, modes, readiness, nodes and replays, but no approval, label, mode change
@@ -201,12 +218,16 @@ def create_api(
         publisher.publish(APPROVALS, approval)
         return approval
 
-    # Prometheus metrics of this process (executor, audit sink, API); loopback by default like the API.
-    api.mount("/metrics", make_asgi_app())
+    # Prometheus metrics are not served here: they have their own unauthenticated listener
+    # (trainmedic/metrics_server.py), so this API stays token-only.
 
-    @api.get("/api/health")
-    def health() -> dict[str, bool]:
-        return {"ok": True}
+    @api.get("/api/health", response_model=None)
+    def get_health() -> dict[str, Any] | JSONResponse:
+        """Unauthenticated liveness for load balancers and `up`'s supervision: 503 while a part is down."""
+        report = health() if health is not None else {"ok": True}
+        if not report.get("ok"):
+            return JSONResponse(status_code=503, content=report)
+        return report
 
     @api.get("/api/recommendations", dependencies=read)
     def recommendations() -> list[dict[str, Any]]:
@@ -318,14 +339,17 @@ def create_api(
         return {"old_mode": old, "new_mode": body.mode, "partition": body.partition, "category": body.category}
 
     @api.get("/api/readiness", dependencies=read)
-    def get_readiness(since_days: float = 30.0) -> list[dict[str, Any]]:
+    def get_readiness(
+        since_days: Annotated[float, Query(gt=0, le=MAX_LOOKBACK_DAYS)] = 30.0,
+    ) -> list[dict[str, Any]]:
         policy = load_policy(policy_path).with_overlay(load_overlay(modes_path))
         return [s.as_dict() for s in readiness(store, policy, since_s=time.time() - since_days * 86400)]
 
     @api.post("/api/replay", dependencies=read)
     def post_replay(body: ReplayBody) -> dict[str, Any]:
         try:
-            policy = parse_policy(body.policy_yaml, body.policy_name)
+            # Bounded: no aliases in a request body; size and depth capped (schemas/yamlsafe.py).
+            policy = parse_policy(body.policy_yaml, body.policy_name, API_LIMITS)
         except PolicyError as exc:
             raise HTTPException(status_code=400, detail=str(exc)) from None
         return replay(store, policy, since_s=time.time() - body.since_days * 86400)
@@ -409,7 +433,7 @@ def create_api(
         return {"node": node, "incident_id": m.group(1), "status": "resumed"}
 
     # The Recovery Console: its page, its live event stream and the reads it needs.
-    api.include_router(console_router(store, [token, *([viewer_token] if viewer_token else [])], feed))
+    api.include_router(console_router(store, [token, *([viewer_token] if viewer_token else [])], feed, health))
     return api
 
 
@@ -428,7 +452,7 @@ class ApiServer:
     """uvicorn in a thread, stoppable."""
 
     def __init__(self, api: FastAPI, host: str, port: int) -> None:
-        self.host, self.port = host, port
+        self.app, self.host, self.port = api, host, port
         self._server = uvicorn.Server(uvicorn.Config(api, host=host, port=port, log_level="warning", access_log=False))
         self._thread = threading.Thread(target=self._server.run, name="api", daemon=True)
 
@@ -444,6 +468,10 @@ class ApiServer:
                 raise ApiError(f"the API did not start on {self.host}:{self.port} (port in use?)")
             time.sleep(0.05)
         return self
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def stop(self) -> None:
         self._server.should_exit = True

@@ -22,6 +22,7 @@ from rich.table import Table
 from schemas.vocab import CATEGORIES
 from sinks import audit_queries as q
 from sinks.audit import AuditStore, AuditStoreError, ChdbFolderLocked, chdb_folder
+from trainmedic.limits import bounded_since
 
 audit_app = typer.Typer(
     add_completion=False,
@@ -35,7 +36,7 @@ def _parse_since(value: str | timedelta) -> timedelta:
     if isinstance(value, timedelta):
         return value
     try:
-        return q.parse_since(value)
+        return bounded_since(value)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import importlib.util
+import os
 import socket
 import subprocess
 import time
@@ -13,6 +16,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from schemas.clients import admin_config
 from schemas.topics import ALL_TOPICS, DEFAULT_PARTITIONS
+from trainmedic.supervisor import describe_returncode, die_with_parent
 
 
 class BrokerError(RuntimeError):
@@ -33,6 +37,52 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def port_holder(port: int) -> str | None:
+    """'pid 1234 (tansu broker ...)' of the process listening on a local TCP port, when /proc tells."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                cols = line.split()
+                # local address HEX_IP:HEX_PORT, state 0A = LISTEN, inode in column 10
+                if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(cols[9])
+    if not inodes:
+        return None
+    wanted = {f"socket:[{i}]" for i in inodes}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in wanted for fd in fds):
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                return f"pid {pid} ({cmd.strip()[:120]})"
+        except OSError:
+            continue  # gone, or not ours to read
+    return "a process this user cannot see"
+
+
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        # SO_REUSEADDR, as the servers themselves set it: TIME_WAIT left by a previous run is no conflict.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
+
+
+def check_port_free(host: str, port: int, what: str) -> None:
+    """Raise BrokerError naming the port, what wanted it and (when /proc tells) who holds it."""
+    if port and port_in_use(host, port):
+        holder = port_holder(port)
+        raise BrokerError(
+            f"{what}: port {host}:{port} is already in use"
+            + (f" by {holder}" if holder else "")
+            + "; stop that process or choose another port. Nothing was started."
+        )
 
 
 def wait_for_port(host: str, port: int, timeout: float) -> None:
@@ -67,7 +117,8 @@ class EmbeddedBroker:
             [str(tansu_binary()), "broker", "--listener-url", url, "--advertised-listener-url", url],
             stdout=out,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
+            start_new_session=True,  # Ctrl-C in the terminal goes to `up`, which stops us in order
+            preexec_fn=die_with_parent(),  # ... and a killed `up` takes us with it
         )
         try:
             wait_for_port("127.0.0.1", self.port, timeout=15)
@@ -88,6 +139,13 @@ class EmbeddedBroker:
 
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def exit_status(self) -> str:
+        return describe_returncode(self._proc.poll()) if self._proc is not None else "not started"
 
 
 def ensure_topics(bootstrap: str, partitions: int = DEFAULT_PARTITIONS, timeout: float = 20.0) -> None:

@@ -27,9 +27,9 @@ app = typer.Typer(
 DataDir = Annotated[Path, typer.Option("--data-dir", help="Where the embedded chDB audit and logs live.")]
 
 
-def _fail(msg: str) -> None:
+def _fail(msg: str, code: int = 2) -> None:
     typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(2)
+    raise typer.Exit(code)
 
 
 SshOpt = Annotated[Optional[str], typer.Option("--ssh", help="slurm-ssh: USER@HOST[:PORT] of a login node.")]
@@ -62,19 +62,40 @@ def up(
         str, typer.Option(help="Address of the operator API; loopback unless --insecure.")
     ] = "127.0.0.1",
     insecure: Annotated[bool, typer.Option(help="Allow the API on a non-loopback address without TLS.")] = False,
-    metrics_port: Annotated[
-        int, typer.Option(help="Streams worker's Prometheus port (the API serves the rest at /metrics); 0: off.")
-    ] = 9478,
+    metrics_port: Annotated[int, typer.Option(help="Streams worker's Prometheus port on 127.0.0.1; 0: off.")] = 9478,
+    metrics_address: Annotated[
+        str,
+        typer.Option(
+            help="HOST:PORT of the Prometheus listener for the rest of `up` (unauthenticated, read-only); off: none."
+        ),
+    ] = "127.0.0.1:9479",
+    broker_port: Annotated[
+        int, typer.Option(help="Port of the embedded broker; 0: the previous run's when free (stable), else any.")
+    ] = 0,
+    max_crashes: Annotated[
+        int, typer.Option(min=0, help="Restarts allowed per part within 5 minutes; one more stops `up` (exit 3).")
+    ] = 5,
     ssh: SshOpt = None,
     ssh_key: SshKeyOpt = None,
     known_hosts: KnownHostsOpt = None,
     remote_slurm_conf: RemoteConfOpt = None,
 ) -> None:
-    """Start the broker (or use --bootstrap), streams worker, executor and audit sink; Ctrl-C stops all."""
+    """Start the broker (or use --bootstrap), streams worker, executor and audit sink, supervised; Ctrl-C stops all."""
     from streams.policy import PolicyError, load_policy
     from trainmedic.broker import BrokerError
-    from trainmedic.runtime import Stack, StackConfig, StackError
+    from trainmedic.metrics_server import MetricsError, parse_address
+    from trainmedic.runtime import LOOPBACK, Stack, StackConfig, StackError
 
+    # Refusals that need no start-up work come first.
+    if api_host not in LOOPBACK and not insecure:
+        _fail(
+            f"--api-host {api_host}: the operator API binds loopback only unless --insecure is given "
+            "(TLS termination belongs in front of it)"
+        )
+    try:
+        metrics_at = parse_address(metrics_address)
+    except MetricsError as exc:
+        _fail(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if mode not in (None, "monitor", "autonomous"):
         _fail(f"--mode {mode!r}: expected monitor or autonomous")
@@ -94,20 +115,39 @@ def up(
             api_host=api_host,
             api_insecure=insecure,
             worker_metrics_port=metrics_port or None,
+            metrics_host=metrics_at[0] if metrics_at else "127.0.0.1",
+            metrics_port=metrics_at[1] if metrics_at else None,
+            broker_port=broker_port or None,
+            supervise=True,
+            max_crashes=max_crashes,
         )
         stack = Stack(config, sched).start()
-    except (StackError, BrokerError) as exc:
+    except (StackError, BrokerError, MetricsError) as exc:
         _fail(str(exc))
+    durability = (
+        f"The embedded broker on {stack.bootstrap} keeps events in memory only: stopping or restarting `up` "
+        "loses events not yet processed; the audit is the durable record."
+        if stack.broker is not None
+        else f"Kafka {stack.bootstrap}."
+    )
     typer.echo(
-        f"trainmedic is up: Kafka {stack.bootstrap}, audit {stack.store.url if stack.store else '?'}, "
+        f"trainmedic is up: {durability} Audit {stack.store.url if stack.store else '?'}, "
         f"scheduler {sched.name}, operator API and console {stack.api.url + '/' if stack.api else '-'} "
         f"(operator token in {stack.config.token_file}, read-only token in {stack.config.viewer_token_file}), "
-        f"logs in {stack.logs_dir}. Ctrl-C stops."
+        f"metrics {stack.metrics.url if stack.metrics else 'off'}, logs in {stack.logs_dir}. "
+        "Dead parts are restarted; Ctrl-C stops."
     )
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
+    supervisor = stack.supervisor
+    assert supervisor is not None
     with contextlib.suppress(KeyboardInterrupt):
-        done.wait()
+        while not done.wait(0.5) and not supervisor.gave_up.is_set():
+            pass
+    if supervisor.gave_up.is_set():
+        typer.echo("stopping after repeated crashes: executor, audit sink, streams worker, broker ...")
+        stack.stop()
+        _fail(f"trainmedic stopped: {supervisor.failure}", code=3)
     typer.echo("stopping: executor, audit sink, streams worker, broker ...")
     stack.stop()
     typer.echo("trainmedic stopped cleanly.")
@@ -166,7 +206,8 @@ def diagnose(
     ranks_per_node: Annotated[
         Optional[int],
         typer.Option(
-            "--ranks-per-node", help="Ranks per node (block); default: torchrun's local world size if the log prints it."
+            "--ranks-per-node",
+            help="Ranks per node (block); default: torchrun's local world size if the log prints it.",
         ),
     ] = None,
     distribution: Annotated[
@@ -285,6 +326,12 @@ def executor_cmd(
         service.run()
     except KeyboardInterrupt:
         service.stop_event.set()
+    except Exception as exc:
+        # Only `up` supervises: alone, a dead loop exits non-zero so systemd or Kubernetes restarts it.
+        logging.getLogger("trainmedic.executor").exception("the executor loop died")
+        _fail(f"the executor loop died: {type(exc).__name__}: {exc}", code=3)
+    if not service.stop_event.is_set():
+        _fail("the executor loop ended without being asked to stop", code=3)
     typer.echo("executor stopped.")
 
 

@@ -14,6 +14,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from confluent_kafka.admin import AdminClient
 
@@ -25,8 +26,10 @@ from sinks.executor import Executor, ExecutorService, ExecutorSettings
 from sinks.guardrails import GuardrailFile, Guardrails
 from streams.policy import DEFAULT_POLICY
 from trainmedic.api import ApiError, ApiServer, create_api, load_or_create_token
-from trainmedic.broker import BrokerError, EmbeddedBroker, ensure_topics, free_port
+from trainmedic.broker import BrokerError, EmbeddedBroker, check_port_free, ensure_topics, free_port, port_in_use
 from trainmedic.console import LiveFeed
+from trainmedic.metrics_server import MetricsServer
+from trainmedic.supervisor import Component, Supervisor, describe_returncode, die_with_parent
 
 log = logging.getLogger("trainmedic.runtime")
 
@@ -52,6 +55,13 @@ class StackConfig:
     api_port: int | None = None  # None: no operator API
     api_insecure: bool = False  # allow a non-loopback address without TLS
     worker_metrics_port: int | None = None  # the streams worker's Prometheus endpoint
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None  # the rest of the stack's Prometheus listener (no token); None: off
+    broker_port: int | None = None  # the embedded broker's port; None: the previous run's when free, else any
+    supervise: bool = False  # `up`: restart dead parts with backoff, give up after too many crashes
+    max_crashes: int = 5  # ... per component within crash_window_s
+    crash_window_s: float = 300.0
+    restart_backoff_s: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 
     @property
     def token_file(self) -> Path:
@@ -86,8 +96,11 @@ class Stack:
     api: ApiServer | None = None
     console_feed: LiveFeed | None = None
     publisher: Publisher | None = None
+    metrics: MetricsServer | None = None
+    supervisor: Supervisor | None = None
     _worker: subprocess.Popen[bytes] | None = None
     _threads: list[threading.Thread] = field(default_factory=list)
+    _previous_run: dict[str, Any] = field(default_factory=dict)
 
     @property
     def logs_dir(self) -> Path:
@@ -103,14 +116,16 @@ class Stack:
 
     def start(self) -> Stack:
         cfg = self.config
+        self.preflight()  # refusals first: nothing is started when one applies
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         try:
             if cfg.bootstrap:
                 check_bootstrap(cfg.bootstrap)
                 self.bootstrap = cfg.bootstrap
             else:
-                self.broker = EmbeddedBroker(log_path=self.logs_dir / "broker.log").start()
+                self.broker = EmbeddedBroker(port=self._broker_port(), log_path=self.logs_dir / "broker.log").start()
                 self.bootstrap = self.broker.bootstrap
+            # Every topic with its partition count before anything writes (an auto-created one gets 1).
             ensure_topics(self.bootstrap)
             self._start_worker()
             self.store = (
@@ -119,24 +134,20 @@ class Stack:
                 else AuditStore.embedded(cfg.data_dir / "chdb", cfg.database)
             )
             self.store.migrate()
-            self.sink = AuditSink(self.bootstrap, self.store, group=f"trainmedic-audit{cfg.group_suffix}")
-            self.executor = ExecutorService(
-                self.bootstrap,
-                Executor(
-                    self.backend,
-                    ExecutorSettings(
-                        verify_timeout_s=cfg.verify_timeout_s, group=f"trainmedic-executor{cfg.group_suffix}"
-                    ),
-                ),
-                Guardrails(GuardrailFile(self.policy_path), self.backend),
-            )
-            for name, target in (("audit-sink", self.sink.run), ("executor", self.executor.run)):
-                t = threading.Thread(target=target, name=name, daemon=True)
-                t.start()
-                self._threads.append(t)
+            self._start_sink()
+            self._start_executor()
+            if cfg.metrics_port is not None:
+                self.metrics = MetricsServer(cfg.metrics_host, cfg.metrics_port).start()
             if cfg.api_port is not None:
                 self._start_api()
             self._wait_worker_ready()
+            if cfg.supervise:
+                self.supervisor = Supervisor(
+                    self._components(),
+                    max_crashes=cfg.max_crashes,
+                    window_s=cfg.crash_window_s,
+                    backoff_s=cfg.restart_backoff_s,
+                ).start()
             self._write_runtime_file()
         except (BrokerError, StackError):
             self.stop()
@@ -146,22 +157,186 @@ class Stack:
             raise StackError(str(exc)) from exc
         return self
 
+    def preflight(self) -> None:
+        """Refuse to start, before starting anything, when the settings or the machine say no:
+        a non-loopback API without --insecure, another `up` alive on this data dir, a busy port."""
+        cfg = self.config
+        if cfg.api_port is not None and cfg.api_host not in LOOPBACK and not cfg.api_insecure:
+            raise StackError(
+                f"--api-host {cfg.api_host}: the operator API binds loopback only unless --insecure is given "
+                "(TLS termination belongs in front of it)"
+            )
+        if cfg.api_port is not None:
+            for token_file in (cfg.token_file, cfg.viewer_token_file):
+                if token_file.exists():
+                    try:
+                        load_or_create_token(token_file)  # an existing file: its mode and length checked
+                    except (ApiError, OSError) as exc:
+                        raise StackError(str(exc)) from None
+        self._previous_run = {}
+        if self.runtime_file.exists():
+            try:
+                self._previous_run = dict(json.loads(self.runtime_file.read_text()))
+            except (OSError, ValueError, TypeError):
+                log.warning("%s is unreadable; ignoring it", self.runtime_file)
+            pid = self._previous_run.get("pid")
+            if isinstance(pid, int) and pid != os.getpid() and _pid_alive(pid):
+                raise StackError(
+                    f"{self.runtime_file}: trainmedic (pid {pid}) is still running on this data dir; "
+                    "stop it first (Ctrl-C or kill -TERM). Nothing was started."
+                )
+            if pid is not None:
+                log.warning("stale %s of pid %s (no longer running): replacing it", self.runtime_file, pid)
+        checks = [
+            (cfg.api_host, cfg.api_port, "--api-port (operator API)"),
+            (cfg.metrics_host, cfg.metrics_port, "--metrics-address (metrics listener)"),
+            ("127.0.0.1", cfg.worker_metrics_port, "--metrics-port (streams worker metrics)"),
+        ]
+        if not cfg.bootstrap and cfg.broker_port:
+            checks.append(("127.0.0.1", cfg.broker_port, "--broker-port (embedded broker)"))
+        for host, port, what in checks:
+            if port:
+                try:
+                    check_port_free(host, port, what)
+                except BrokerError as exc:
+                    raise StackError(str(exc)) from None
+
+    def _broker_port(self) -> int:
+        """Stable across restarts of `up`: producers that cached the address find the new broker.
+        The configured port, else the previous run's when it is free, else any free one."""
+        if self.config.broker_port:
+            return self.config.broker_port
+        previous = self._previous_run.get("broker_port")
+        if isinstance(previous, int) and 0 < previous < 65536:
+            if not port_in_use("127.0.0.1", previous):
+                return previous
+            log.warning("the previous broker port %d is taken now; the broker gets a new one", previous)
+        return free_port()
+
+    def _start_sink(self) -> None:
+        assert self.store is not None
+        self.sink = AuditSink(self.bootstrap, self.store, group=f"trainmedic-audit{self.config.group_suffix}")
+        self._start_thread("audit-sink", self.sink.run)
+
+    def _start_executor(self) -> None:
+        cfg = self.config
+        self.executor = ExecutorService(
+            self.bootstrap,
+            Executor(
+                self.backend,
+                ExecutorSettings(verify_timeout_s=cfg.verify_timeout_s, group=f"trainmedic-executor{cfg.group_suffix}"),
+            ),
+            Guardrails(GuardrailFile(self.policy_path), self.backend),
+        )
+        self._start_thread("executor", self.executor.run)
+
+    def _start_thread(self, name: str, target: Any) -> None:
+        self._threads = [t for t in self._threads if t.name != name]
+        t = threading.Thread(target=target, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _thread_alive(self, name: str) -> bool:
+        return any(t.name == name and t.is_alive() for t in self._threads)
+
+    # --- supervision ------------------------------------------------------------------
+
+    def _components(self) -> list[Component]:
+        comps: list[Component] = []
+        if self.broker is not None:
+            broker = self.broker
+            comps.append(Component("broker", broker.alive, self._restart_broker, broker.exit_status))
+        comps.append(
+            Component(
+                "streams-worker",
+                lambda: self._worker is not None and self._worker.poll() is None,
+                self._restart_worker,
+                lambda: (
+                    describe_returncode(self._worker.poll() if self._worker else None) + f"; log {self._worker_log}.1"
+                ),
+            )
+        )
+        comps.append(Component("executor", lambda: self._thread_alive("executor"), self._start_executor, _thread_ended))
+        comps.append(Component("audit-sink", lambda: self._thread_alive("audit-sink"), self._start_sink, _thread_ended))
+        if self.console_feed is not None:
+            feed = self.console_feed
+            comps.append(Component("console-feed", lambda: feed.alive, self._restart_feed, _thread_ended))
+        if self.api is not None:
+            comps.append(
+                Component("api", lambda: self.api is not None and self.api.alive, self._restart_api, _thread_ended)
+            )
+        if self.metrics is not None:
+            metrics = self.metrics
+            comps.append(Component("metrics", lambda: metrics.alive, metrics.restart, _thread_ended))
+        return comps
+
+    def _restart_worker(self) -> None:
+        if self._worker is not None and self._worker.poll() is None:
+            self._worker.kill()
+            self._worker.wait(30)
+        self._start_worker()
+        self._wait_worker_ready()
+
+    def _restart_broker(self) -> None:
+        """Memory-only: the new broker is empty. Same port, topics recreated with their partition
+        counts, then a fresh streams worker (its offsets and changelogs went with the old broker)."""
+        assert self.broker is not None
+        self.broker.stop()
+        self.broker.start()
+        ensure_topics(self.bootstrap)
+        log.warning(
+            "the embedded broker was restarted on %s: events it held that no consumer had read are lost; "
+            "the audit keeps what was recorded",
+            self.bootstrap,
+        )
+        self._restart_worker()
+
+    def _restart_feed(self) -> None:
+        assert self.console_feed is not None
+        self.console_feed.start()  # the same feed object: the console's routes hold it
+
+    def _restart_api(self) -> None:
+        assert self.api is not None
+        old = self.api
+        self.api = ApiServer(old.app, old.host, old.port).start()
+
+    def health(self) -> dict[str, Any]:
+        """What /api/health answers: ok, and per component its state, restarts and reason."""
+        if self.supervisor is not None:
+            return self.supervisor.health()
+        try:
+            self.check_alive()
+        except StackError as exc:
+            return {"ok": False, "down": {"stack": str(exc).splitlines()[0]}}
+        return {"ok": True}
+
     @property
     def runtime_file(self) -> Path:
         return self.config.data_dir / "runtime.json"
 
     def _write_runtime_file(self) -> None:
-        """Where the CLI finds the running stack (the embedded broker's port is random)."""
-        info = {"pid": os.getpid(), "bootstrap": self.bootstrap, "api_url": self.api.url if self.api else None}
-        self.runtime_file.write_text(json.dumps(info) + "\n")
+        """Where the CLI and producers find the running stack. Written last, when every part is up."""
+        info = {
+            "pid": os.getpid(),
+            "bootstrap": self.bootstrap,
+            "embedded_broker": self.broker is not None,
+            "broker_port": self.broker.port if self.broker else None,
+            "broker_storage": "memory" if self.broker else "external",
+            "api_url": self.api.url if self.api else None,
+            "metrics_url": self.metrics.url if self.metrics else None,
+            "started_at": time.time(),
+            "note": (
+                "Producers re-read 'bootstrap' from this file when the broker stops answering. The embedded "
+                "broker keeps its port across restarts of `up` while the port is free, but it keeps events in "
+                "memory only: what no consumer had read when it stopped is lost; the audit is the durable record."
+            ),
+        }
+        tmp = self.runtime_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(info, indent=1) + "\n")
+        tmp.replace(self.runtime_file)  # atomic: a producer never reads half a file
 
     def _start_api(self) -> None:
         cfg = self.config
-        if cfg.api_host not in ("127.0.0.1", "localhost", "::1") and not cfg.api_insecure:
-            raise StackError(
-                f"--api-host {cfg.api_host}: the operator API binds loopback only unless --insecure is given "
-                "(TLS termination belongs in front of it)"
-            )
         assert self.store is not None
         self.publisher = Publisher(self.bootstrap, "trainmedic-api")
         token = load_or_create_token(cfg.token_file)
@@ -176,6 +351,7 @@ class Stack:
             self.modes_path,
             feed=self.console_feed,
             viewer_token=viewer_token,
+            health=self.health,
         )
         self.api = ApiServer(api, cfg.api_host, cfg.api_port or free_port())
         try:
@@ -200,14 +376,18 @@ class Stack:
         if cfg.worker_metrics_port:
             env["TRAINMEDIC_METRICS_PORT"] = str(cfg.worker_metrics_port)
         self._worker_log = self.logs_dir / "streams.log"
+        if self._worker_log.exists() and self._worker_log.stat().st_size:
+            self._worker_log.replace(self._worker_log.with_suffix(".log.1"))  # the last run's, for the post-mortem
         self._worker_log.write_bytes(b"")
-        self._worker = subprocess.Popen(
-            [sys.executable, "-m", "trainmedic.streams_worker", "worker", "--without-web", "-l", "info"],
-            stdout=open(self._worker_log, "ab"),  # noqa: SIM115 - the child owns it
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
+        with open(self._worker_log, "ab") as out:
+            self._worker = subprocess.Popen(
+                [sys.executable, "-m", "trainmedic.streams_worker", "worker", "--without-web", "-l", "info"],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,  # Ctrl-C goes to `up`, which stops the worker in order
+                preexec_fn=die_with_parent(),  # a killed `up` takes the worker with it
+            )
 
     def _wait_worker_ready(self) -> None:
         deadline = time.monotonic() + self.config.worker_ready_timeout_s
@@ -236,7 +416,13 @@ class Stack:
                 raise StackError(f"the {t.name} thread died; see the log above")
 
     def stop(self) -> None:
-        self.runtime_file.unlink(missing_ok=True)
+        if self.supervisor is not None:
+            self.supervisor.pause()  # a clean stop is no crash; its thread ends after the children
+        if self._owns_runtime_file():
+            self.runtime_file.unlink(missing_ok=True)
+        if self.metrics is not None:
+            self.metrics.stop()
+            self.metrics = None
         if self.console_feed is not None:  # first: open event streams would keep uvicorn waiting
             self.console_feed.stop()
             self.console_feed = None
@@ -265,3 +451,35 @@ class Stack:
         if self.store is not None:
             self.store.close()
             self.store = None
+        if self.supervisor is not None:
+            self.supervisor.stop()
+
+    def _owns_runtime_file(self) -> bool:
+        """A refused start must not delete the file of the `up` that is running."""
+        try:
+            return bool(json.loads(self.runtime_file.read_text()).get("pid") == os.getpid())
+        except (OSError, ValueError, AttributeError):
+            return False
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _thread_ended() -> str:
+    return "its thread ended; see the log above for its last error"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie or a recycled pid of something else is not a running trainmedic.
+    try:
+        status = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True
+    return status != "Z" and b"trainmedic" in cmdline

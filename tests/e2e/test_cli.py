@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -72,6 +73,7 @@ def test_demo_monitor_mode_only_recommends(tmp_path: Path) -> None:
 
 def test_up_starts_and_ctrl_c_stops_cleanly(tmp_path: Path) -> None:
     metrics_port = free_port()
+    main_metrics_port = free_port()
     log = tmp_path / "up.out"
     with open(log, "w") as fh:
         proc = subprocess.Popen(
@@ -84,6 +86,8 @@ def test_up_starts_and_ctrl_c_stops_cleanly(tmp_path: Path) -> None:
                 "0",
                 "--metrics-port",
                 str(metrics_port),
+                "--metrics-address",
+                f"127.0.0.1:{main_metrics_port}",
                 "--data-dir",
                 str(tmp_path),
             ],
@@ -95,12 +99,18 @@ def test_up_starts_and_ctrl_c_stops_cleanly(tmp_path: Path) -> None:
     while "trainmedic is up" not in log.read_text() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.2)
     assert "trainmedic is up" in log.read_text(), log.read_text()[-3000:]
-    # Prometheus metrics: the streams worker on its own port, the rest of `up` at the API's /metrics.
+    # Prometheus metrics: the streams worker on its own port, the rest of `up` on its own listener
+    # (no token, read-only); the token-only API no longer serves them.
     worker_metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
     assert "trainmedic_detection_latency_seconds_bucket" in worker_metrics
-    api_url = json.loads((tmp_path / "runtime.json").read_text())["api_url"]
-    main_metrics = urllib.request.urlopen(f"{api_url}/metrics/", timeout=10).read().decode()
+    runtime = json.loads((tmp_path / "runtime.json").read_text())
+    api_url = runtime["api_url"]
+    assert runtime["metrics_url"] == f"http://127.0.0.1:{main_metrics_port}/metrics"
+    main_metrics = urllib.request.urlopen(runtime["metrics_url"], timeout=10).read().decode()
     assert "trainmedic_actions_total" in main_metrics and "trainmedic_action_latency_seconds" in main_metrics
+    with pytest.raises(urllib.error.HTTPError) as gone:
+        urllib.request.urlopen(f"{api_url}/metrics/", timeout=10)
+    assert gone.value.code == 404
     # The operator commands find the running stack through DATA_DIR/runtime.json and its token file.
     common = ["--data-dir", str(tmp_path)]
     show = subprocess.run([*TRAINMEDIC, "mode", "show", *common], capture_output=True, text=True, timeout=60)

@@ -24,9 +24,8 @@ from __future__ import annotations
 import hmac
 import math
 import mimetypes
-import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import Annotated, Any
@@ -37,6 +36,7 @@ from fastapi.responses import FileResponse, Response, StreamingResponse
 
 from sinks.audit import AuditStore
 from trainmedic.console.live import LiveFeed
+from trainmedic.limits import bounded_since
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 
@@ -56,17 +56,19 @@ SECURITY_HEADERS = {
 # An incident is open until it has an outcome: a result, a rejection, or a decision to do nothing.
 OPEN_STATUSES = ("pending_decision", "awaiting_approval", "acting")
 
+# Every part bounded by the window (children: an hour of clock skew before it, as
+# sinks/audit_queries.py CHILD_SKEW_S), so partitions and the time sort key prune.
 _INCIDENTS_SQL = """
 SELECT
     i.incident_id AS incident_id,
     i.event_time AS detected_at,
     i.first_signal_time AS first_signal_time,
-    i.job_id AS job_id,
-    i.partition AS partition,
+    nullIf(i.job_id, '') AS job_id,
+    nullIf(i.partition, '') AS partition,
     i.job_nodes AS job_nodes,
     toString(i.category) AS category,
     toString(i.severity) AS severity,
-    i.culprit_node AS culprit_node,
+    nullIf(i.culprit_node, '') AS culprit_node,
     i.confidence AS confidence,
     toString(i.recommended_action) AS recommended_action,
     i.explanation AS explanation,
@@ -96,6 +98,7 @@ LEFT JOIN (
         toString(argMax(mode, event_time)) AS mode,
         argMax(reason, event_time) AS reason
     FROM {db}.decisions FINAL
+    WHERE event_time >= toDateTime64({since:Float64} - 3600, 3, 'UTC')
     GROUP BY incident_id
 ) AS d ON d.incident_id = i.incident_id
 LEFT JOIN (
@@ -105,6 +108,7 @@ LEFT JOIN (
         argMax(reason, event_time) AS reject_reason,
         argMax(operator, event_time) AS operator
     FROM {db}.approvals FINAL
+    WHERE event_time >= toDateTime64({since:Float64} - 3600, 3, 'UTC')
     GROUP BY incident_id
 ) AS ap ON ap.incident_id = i.incident_id
 LEFT JOIN (
@@ -117,10 +121,12 @@ LEFT JOIN (
         argMax(verified_at, event_time) AS verified_at,
         argMax(action_latency_s, event_time) AS action_latency_s
     FROM {db}.action_results FINAL
+    WHERE event_time >= toDateTime64({since:Float64} - 3600, 3, 'UTC')
     GROUP BY incident_id
 ) AS r ON r.incident_id = i.incident_id
 LEFT JOIN (
-    SELECT incident_id, count() AS trips FROM {db}.guardrail_trips FINAL GROUP BY incident_id
+    SELECT incident_id, count() AS trips FROM {db}.guardrail_trips FINAL
+    WHERE event_time >= toDateTime64({since:Float64} - 3600, 3, 'UTC') GROUP BY incident_id
 ) AS g ON g.incident_id = i.incident_id
 WHERE i.event_time >= toDateTime64({since:Float64}, 3, 'UTC')
 ORDER BY detected_at DESC, incident_id
@@ -154,15 +160,11 @@ def incident_status(row: dict[str, Any]) -> str:
     return "awaiting_approval"
 
 
-_DURATION = re.compile(r"(\d+)([smhdw])")
-_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-
-
 def _since(text: str) -> timedelta:
-    m = _DURATION.fullmatch(text.strip().lower())
-    if not m or int(m.group(1)) == 0:
-        raise HTTPException(status_code=422, detail=f"since {text!r}: expected a duration like 30m, 24h or 7d")
-    return timedelta(seconds=int(m.group(1)) * _UNIT_S[m.group(2)])
+    try:
+        return bounded_since(text)  # the audit CLI's parser, with the API's upper bound
+    except ValueError as exc:
+        raise HTTPException(status_code=422, detail=f"since: {exc}") from None
 
 
 def _jsonable(value: Any) -> Any:
@@ -203,6 +205,7 @@ def console_router(
     store: AuditStore,
     token: str | Sequence[str],
     feed: LiveFeed | None,
+    health: Callable[[], dict[str, Any]] | None = None,
     *,
     static_dir: Path = STATIC_DIR,
 ) -> APIRouter:
@@ -272,9 +275,12 @@ def console_router(
 
     @router.get("/api/console/status", dependencies=auth)
     def status() -> dict[str, Any]:
+        # `stack`: the supervisor's view of every part of `up` (the same as /api/health).
+        stack = health() if health is not None else None
         if feed is None:
-            return {"feed": None}
+            return {"feed": None, "stack": stack}
         return {
+            "stack": stack,
             "feed": {
                 "alive": feed.alive,
                 "ready": feed.ready.is_set(),
@@ -284,7 +290,7 @@ def console_router(
                 "skipped_old": feed.skipped_old,
                 "undecodable": feed.undecodable,
                 "dropped_clients": feed.dropped_clients,
-            }
+            },
         }
 
     @router.get("/api/incidents", dependencies=auth)
