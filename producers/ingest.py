@@ -49,7 +49,7 @@ import os
 import ssl
 import threading
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -482,6 +482,26 @@ def _error(status: int, reason: str, **extra: Any) -> web.Response:
     return web.json_response({"error": reason, **extra}, status=status, headers=headers)
 
 
+class _RefusalLog:
+    """At most one log line per refusal reason per `every_s`, carrying how many were refused since:
+    a client hammering the endpoint with bad requests must not flood the log."""
+
+    def __init__(self, every_s: float = 10.0) -> None:
+        self.every_s = every_s
+        self._last: dict[str, float] = {}
+        self._since: dict[str, int] = defaultdict(int)
+
+    def __call__(self, level: int, reason: str, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        self._since[reason] += 1
+        if now - self._last.get(reason, -self.every_s) < self.every_s:
+            return
+        count, self._since[reason] = self._since[reason], 0
+        self._last[reason] = now
+        suffix = f" ({count} refused for {reason} since the last line)" if count > 1 else ""
+        log.log(level, msg + suffix, *args)
+
+
 def create_app(publisher: Publisher, token: str, *, max_body_bytes: int = MAX_BODY_BYTES) -> web.Application:
     """The ingest application; `app[STATS_KEY]` holds its counters."""
     if not token or len(token) < MIN_TOKEN_CHARS:
@@ -490,6 +510,7 @@ def create_app(publisher: Publisher, token: str, *, max_body_bytes: int = MAX_BO
         raise IngestConfigError("the ingest token must be printable without whitespace")
     secret = token.encode()
     stats = IngestStats()
+    refused = _RefusalLog()
 
     def authorized(request: web.Request) -> bool:
         scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
@@ -503,7 +524,13 @@ def create_app(publisher: Publisher, token: str, *, max_body_bytes: int = MAX_BO
             peer = request.remote or "?"
             if not authorized(request):
                 stats.rejected["unauthorized"] += 1
-                log.warning("ingest %s from %s: 401 (missing or wrong bearer token)", request.path, peer)
+                refused(
+                    logging.WARNING,
+                    "unauthorized",
+                    "ingest %s from %s: 401 (missing or wrong bearer token)",
+                    request.path,
+                    peer,
+                )
                 return _error(401, "unauthorized")
             if request.content_length is not None and request.content_length > max_body_bytes:
                 stats.rejected["too_large"] += 1
@@ -525,7 +552,15 @@ def create_app(publisher: Publisher, token: str, *, max_body_bytes: int = MAX_BO
                 events = parse(body, time.time())
             except _BadRequest as bad:
                 stats.rejected[bad.reason] += 1
-                log.info("ingest %s from %s: 400 %s: %s", request.path, peer, bad.field, bad.problem)
+                refused(
+                    logging.INFO,
+                    bad.reason,
+                    "ingest %s from %s: 400 %s: %s",
+                    request.path,
+                    peer,
+                    bad.field,
+                    bad.problem,
+                )
                 return _error(400, bad.reason, field=bad.field, problem=bad.problem)
             try:
                 # Publisher.publish can block while librdkafka's queue is full: not on the event loop.
@@ -562,7 +597,12 @@ def create_app(publisher: Publisher, token: str, *, max_body_bytes: int = MAX_BO
             return web.json_response({"error": "unsupported_grant_type"}, status=400)
         if not hmac.compare_digest(presented.encode(), secret):
             stats.rejected["unauthorized"] += 1
-            log.warning("ingest /oauth2/token from %s: 401 (wrong client secret)", request.remote or "?")
+            refused(
+                logging.WARNING,
+                "invalid_client",
+                "ingest /oauth2/token from %s: 401 (wrong client secret)",
+                request.remote or "?",
+            )
             return web.json_response({"error": "invalid_client"}, status=401)
         return web.json_response(
             {"access_token": token, "token_type": "Bearer", "expires_in": 3600},
@@ -700,7 +740,7 @@ class IngestServer:
             loop.close()
 
     async def _bind(self) -> None:
-        runner = web.AppRunner(self.app)
+        runner = web.AppRunner(self.app, access_log=None)  # one (rate-limited) line per refusal, not two
         await runner.setup()
         site = web.TCPSite(runner, self.host, self.port, ssl_context=self.ssl_context)
         try:

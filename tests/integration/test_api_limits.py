@@ -1,9 +1,12 @@
 """Bounded input on the operator API of a real Stack: a YAML alias bomb (read-only token) is a
 quick 400 while /api/health keeps answering; look-back windows that would overflow are 422;
-a token file others may read is refused before anything starts."""
+a token file others may read is refused before anything starts; a flood of refused ingest
+requests writes one log line per reason per interval."""
 
 from __future__ import annotations
 
+import logging
+import secrets
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from producers.ingest import STATS_KEY, IngestServer, create_app
+from producers.publisher import Publisher
 from sinks.backends.simulated import SimulatedScheduler
 from streams.policy import DEFAULT_POLICY
 from tests.unit.test_safeyaml import alias_bomb
@@ -108,3 +113,51 @@ def test_token_file_readable_by_others_is_refused_before_anything_starts(
         stack.start()
     assert stack._worker is None and stack.store is None  # refused before start-up work
     assert not (data / "logs").exists()
+
+
+def test_refused_ingest_requests_log_one_line_per_reason_per_interval(
+    broker: EmbeddedBroker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A flood of bad requests to the real ingest server: one line per reason, with the count."""
+    caplog.set_level(logging.DEBUG)
+    publisher = Publisher(broker.bootstrap, "test-ingest")
+    app = create_app(publisher, secrets.token_urlsafe(24))
+    server = IngestServer(app, "127.0.0.1", 0).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            for _ in range(50):
+                assert (
+                    http.post("/v1/nvsentinel", json={}, headers={"Authorization": "Bearer wrong"}).status_code == 401
+                )
+            for _ in range(30):
+                assert (
+                    http.post("/v1/nvsentinel", content=b"{", headers={"Authorization": "Bearer x"}).status_code == 401
+                )
+        assert app[STATS_KEY].rejected["unauthorized"] == 80
+        lines = [r.getMessage() for r in caplog.records if r.name == "trainmedic.producers.ingest"]
+        assert lines == ["ingest /v1/nvsentinel from 127.0.0.1: 401 (missing or wrong bearer token)"], lines
+        assert not [r for r in caplog.records if r.name == "aiohttp.access"]
+    finally:
+        server.stop()
+        publisher.flush(10)
+
+
+def test_refusal_log_reports_the_count_of_the_quiet_interval(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from producers import ingest
+
+    clock = [1000.0]
+    monkeypatch.setattr(ingest.time, "monotonic", lambda: clock[0])
+    refused = ingest._RefusalLog(every_s=10.0)
+    caplog.set_level(logging.INFO, logger="trainmedic.producers.ingest")
+    for _ in range(5):
+        refused(logging.WARNING, "unauthorized", "401 from %s", "peer")
+    refused(logging.INFO, "invalid_json", "400 from %s", "peer")
+    clock[0] += 10.0
+    refused(logging.WARNING, "unauthorized", "401 from %s", "peer")
+    assert [r.getMessage() for r in caplog.records] == [
+        "401 from peer",
+        "400 from peer",
+        "401 from peer (5 refused for unauthorized since the last line)",
+    ]
