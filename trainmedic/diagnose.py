@@ -34,8 +34,10 @@ through a `RankMap` (node list + block/cyclic distribution, or a rank map file).
 
 from __future__ import annotations
 
+import gzip
 import re
 import sys
+import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,10 +62,11 @@ from trainmedic.rankmap import RankMap, RankMapError, from_nodelist, load_rank_m
 OFFLINE_JOB = "offline"
 STDIN = "-"
 _NO_HOST = "-"
-_KERNEL_NAMES = re.compile(r"(^|[_.-])(kern\.log|dmesg|syslog|messages)")
+_KERNEL_NAMES = re.compile(r"(^|[_.-])(kern\.log|dmesg|syslog|messages)")  # also rotated: kern.log.2.gz
 # NCCL's own prefix "host:pid:tid [gpu] NCCL ..." names the node that wrote the line.
 _NCCL_HOST = re.compile(r"^(?P<host>[A-Za-z0-9][A-Za-z0-9._-]*):\d+:\d+ \[\d+\] NCCL")
-LINE_STEP_S = 0.001  # line order: a line without a timestamp is this much after the one before
+LINE_STEP_S = 0.001
+BINARY_SNIFF_BYTES = 8192  # line order: a line without a timestamp is this much after the one before
 
 
 @dataclass(frozen=True)
@@ -116,16 +119,30 @@ class Input:
     kernel: bool
 
 
-def _read_lines(path: Path) -> list[str]:
+def _read_bytes(path: Path) -> bytes:
     try:
-        return path.read_bytes().decode("utf-8", errors="replace").splitlines()
+        data = path.read_bytes()
+        # Rotated logs come compressed (kern.log.2.gz, job-1234.out.gz).
+        return gzip.decompress(data) if path.suffix == ".gz" else data
+    except (gzip.BadGzipFile, EOFError, zlib.error) as exc:  # BadGzipFile is an OSError: first
+        raise DiagnoseError(f"{path}: not a readable gzip file: {exc}") from None
     except OSError as exc:
-        raise DiagnoseError(f"{path}: cannot read: {exc.strerror}") from None
+        raise DiagnoseError(f"{path}: cannot read: {exc.strerror or exc}") from None
+
+
+def _is_binary(data: bytes) -> bool:
+    # A NUL byte near the start: a core file, an image, a checkpoint - not a log.
+    return b"\0" in data[:BINARY_SNIFF_BYTES]
+
+
+def _lines(data: bytes) -> list[str]:
+    return data.decode("utf-8", errors="replace").splitlines()
 
 
 def gather_inputs(args: Sequence[str | Path], stdin: TextIO | None = None) -> list[Input]:
-    """Files as given, directories expanded to every file in them (recursively, sorted), '-' as
-    standard input (a job log, once)."""
+    """Files as given, directories expanded to every file in them (recursively, sorted; binary
+    files found there - core dumps, images - are left out), '-' as standard input (a job log,
+    once). Files ending in .gz are decompressed."""
     if not args:
         raise DiagnoseError("no files given")
     out: list[Input] = []
@@ -140,12 +157,13 @@ def gather_inputs(args: Sequence[str | Path], stdin: TextIO | None = None) -> li
             continue
         path = Path(arg)
         if path.is_dir():
-            files = sorted(p for p in path.rglob("*") if p.is_file())
-            if not files:
-                raise DiagnoseError(f"{path}: directory holds no file")
-            out += [Input(str(p), _read_lines(p), is_kernel_log(p)) for p in files]
+            found = [(p, _read_bytes(p)) for p in sorted(p for p in path.rglob("*") if p.is_file())]
+            texts = [(p, data) for p, data in found if not _is_binary(data)]
+            if not texts:
+                raise DiagnoseError(f"{path}: directory holds no text file")
+            out += [Input(str(p), _lines(data), is_kernel_log(p)) for p, data in texts]
         elif path.is_file():
-            out.append(Input(str(path), _read_lines(path), is_kernel_log(path)))
+            out.append(Input(str(path), _lines(_read_bytes(path)), is_kernel_log(path)))
         else:
             raise DiagnoseError(f"{path}: no such file or directory")
     return out

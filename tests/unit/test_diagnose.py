@@ -202,7 +202,7 @@ def test_exit_status_and_bad_input() -> None:
     assert (rc, report["category"]) == (0, "healthy")
     for args, needle in [
         ((str(CORPUS / "no_such_case"),), "no such file or directory"),
-        (("--nodelist", "gpu[01-04", *case_files("healthy_megatron_gpt2_345m")), "unclosed"),
+        (("--nodelist", "gpu[01-04", *case_files("healthy_megatron_gpt2_345m")), "gpu[01-04"),
         (("--nodelist", "gpu01", "--distribution", "plane", *case_files("healthy_megatron_gpt2_345m")), "plane"),
         (("--ranks-per-node", "8", *case_files("healthy_megatron_gpt2_345m")), "need a node list"),
         (("--rank-map", "/nonexistent/map", *case_files("healthy_megatron_gpt2_345m")), "cannot read the rank map"),
@@ -277,3 +277,31 @@ def test_kernel_text_detectors_run_offline(tmp_path: Path) -> None:
     kern.write_bytes((LOGS / "kernel_hung_lustre.log").read_bytes())
     rc, report = run_json(str(kern))
     assert (rc, report["category"], report["evidence"][0]["source"]) == (1, "storage", "kernel")
+
+
+def test_directories_skip_binary_files_and_read_gzip(tmp_path: Path) -> None:
+    import gzip
+
+    case = "gpu_xid79_nccl_timeouts"
+    for f in case_files(case):
+        src = Path(f)
+        if src.name.startswith("kern"):
+            # A rotated, compressed kernel log keeps its kernel-log name.
+            (tmp_path / f"{src.name}.2.gz").write_bytes(gzip.compress(src.read_bytes()))
+        else:
+            (tmp_path / src.name).write_bytes(src.read_bytes())
+    (tmp_path / "core.python.1234").write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(64))
+    rc, report = run_json(str(tmp_path))
+    assert (rc, report["category"], report["culprit"]) == (1, "gpu_hardware", "gpu01")
+    assert not any("core.python" in f for f in report["files"])
+    assert any(f.endswith(".gz") for f in report["files"])
+    (tmp_path / "bad.gz").write_bytes(b"not gzip at all")
+    proc = run_cli("--json", str(tmp_path / "bad.gz"))
+    assert proc.returncode == 2 and "not a readable gzip file" in proc.stderr
+
+
+def test_xid_quoted_in_a_monitoring_alert() -> None:
+    # An alert naming the instance and quoting its syslog Xid line (corpus dev case, m4-logs).
+    rc, report = run_json(*case_files("gpu_m4_xid64_monitoring_instance"))
+    assert (rc, report["category"], report["culprit"]) == (1, "gpu_hardware", "gpu02")
+    assert report["evidence"][0]["source"] == "kernel"
