@@ -9,6 +9,7 @@ versions are recorded in `schema_migrations`.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -25,40 +26,22 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import clickhouse_connect
-import orjson
 from clickhouse_connect.driver.client import Client
 from confluent_kafka import Consumer, KafkaError, Message
 
 from schemas.clients import consumer_config
 from schemas.codec import DecodeError, decode
 from schemas.deadletter import make_dead_letter
-from schemas.events import (
-    Action,
-    ActionResult,
-    Anomaly,
-    Approval,
-    DeadLetter,
-    Decision,
-    Event,
-    GuardrailTrip,
-    Incident,
-    ModeChange,
-    NodeReturn,
-    SchedEvent,
-)
-from schemas.topics import (
-    ACTION_RESULTS,
-    ACTIONS,
-    ANOMALIES,
-    APPROVALS,
-    DEADLETTER,
-    DECISIONS,
-    GUARDRAIL_TRIPS,
-    INCIDENTS,
-    MODE_CHANGES,
-    NODE_RETURNS,
-    SCHED_EVENTS,
-    Topic,
+from schemas.events import Event
+from schemas.topics import Topic
+from sinks.audit_schema import (
+    BY_NAME,
+    DEAD_LETTERS_T,
+    DECLARED,
+    AuditSchemaError,
+    LayoutSettings,
+    Table,
+    check_settings,
 )
 
 log = logging.getLogger("trainmedic.audit")
@@ -66,402 +49,10 @@ log = logging.getLogger("trainmedic.audit")
 DDL_DIR = Path(__file__).resolve().parent.parent / "infra" / "clickhouse"
 
 
-def _ts(t: float | None) -> datetime | None:
-    return None if t is None else datetime.fromtimestamp(t, tz=UTC)
-
-
-def _anomaly(e: Anomaly) -> list[Any]:
-    return [
-        e.event_id,
-        _ts(e.event_time),
-        _ts(e.produced_at),
-        e.detector,
-        e.signature,
-        e.category,
-        e.severity,
-        e.role,
-        e.source,
-        e.job_id,
-        e.node,
-        e.rank,
-        e.partition,
-        e.line,
-        e.meaning,
-    ]
-
-
-def _incident(e: Incident) -> list[Any]:
-    evidence = orjson.dumps([ev.model_dump(mode="json") for ev in e.evidence]).decode()
-    return [
-        e.incident_id,
-        _ts(e.event_time),
-        _ts(e.first_signal_time),
-        e.job_id,
-        e.partition,
-        e.job_nodes,
-        e.category,
-        e.severity,
-        e.culprit_node,
-        e.culprit_rank,
-        e.confidence,
-        e.recommended_action,
-        e.explanation,
-        evidence,
-        e.anomaly_ids,
-        round(e.event_time - e.first_signal_time, 3),
-        e.job_name,
-        e.user,
-        e.account,
-    ]
-
-
-def _decision(e: Decision) -> list[Any]:
-    return [
-        e.decision_id,
-        _ts(e.event_time),
-        e.incident_id,
-        e.job_id,
-        e.partition,
-        e.category,
-        e.culprit_node,
-        e.action,
-        e.mode,
-        "action" if e.executed else "recommendation",
-        e.rule,
-        e.reason,
-        _ts(e.first_signal_time),
-        _ts(e.incident_time),
-    ]
-
-
-def _action(e: Action) -> list[Any]:
-    return [
-        e.action_id,
-        _ts(e.event_time),
-        e.decision_id,
-        e.incident_id,
-        e.job_id,
-        e.node,
-        e.partition,
-        e.action,
-        e.reason,
-        e.requested_by,
-        _ts(e.incident_time),
-    ]
-
-
-def _result(e: ActionResult) -> list[Any]:
-    latency = round(e.verified_at - e.incident_time, 3) if e.verified_at else None
-    return [
-        e.action_id,
-        _ts(e.event_time),
-        e.incident_id,
-        e.job_id,
-        e.node,
-        e.action,
-        e.status,
-        e.backend,
-        e.steps,
-        e.error,
-        _ts(e.started_at),
-        _ts(e.verified_at),
-        _ts(e.incident_time),
-        _ts(e.first_signal_time),
-        latency,
-    ]
-
-
-def _approval(e: Approval) -> list[Any]:
-    return [
-        e.approval_id,
-        _ts(e.event_time),
-        e.decision_id,
-        e.incident_id,
-        e.job_id,
-        e.partition,
-        e.category,
-        e.action,
-        e.verdict,
-        e.reason,
-        e.comment,
-        e.operator,
-    ]
-
-
-def _mode_change(e: ModeChange) -> list[Any]:
-    return [
-        e.event_id,
-        _ts(e.event_time),
-        e.partition,
-        e.category,
-        e.old_mode,
-        e.new_mode,
-        e.operator,
-        e.reason,
-        e.forced,
-        e.outcome,
-        e.readiness,
-    ]
-
-
-def _sched(e: SchedEvent) -> list[Any]:
-    return [
-        e.event_id,
-        _ts(e.event_time),
-        e.kind,
-        e.job_id,
-        e.node,
-        e.state,
-        e.previous_state,
-        e.nodes,
-        e.partition,
-        e.reason,
-        e.flags,
-        e.job_name,
-        e.user,
-        e.account,
-    ]
-
-
-def _node_return(e: NodeReturn) -> list[Any]:
-    return [e.event_id, _ts(e.event_time), e.node, e.incident_id, e.drain_reason, e.operator, e.comment]
-
-
-def _guardrail_trip(e: GuardrailTrip) -> list[Any]:
-    return [
-        e.event_id,
-        _ts(e.event_time),
-        e.guardrail,
-        e.action_id,
-        e.incident_id,
-        e.job_id,
-        e.node,
-        e.partition,
-        e.action,
-        e.detail,
-    ]
-
-
-def _dead(e: DeadLetter) -> list[Any]:
-    return [
-        e.event_id,
-        _ts(e.event_time),
-        e.component,
-        e.original_topic,
-        e.original_partition,
-        e.original_offset,
-        e.reason,
-        e.payload_b64,
-    ]
-
-
 _Row = Callable[[Any], list[Any]]
+# topic name -> (topic, table, row mapping, column list), all from the one declaration per table.
 TABLES: dict[str, tuple[Topic, str, _Row, list[str]]] = {
-    ANOMALIES.name: (
-        ANOMALIES,
-        "anomalies",
-        _anomaly,
-        [
-            "event_id",
-            "event_time",
-            "produced_at",
-            "detector",
-            "signature",
-            "category",
-            "severity",
-            "role",
-            "source",
-            "job_id",
-            "node",
-            "rank",
-            "partition",
-            "line",
-            "meaning",
-        ],
-    ),
-    INCIDENTS.name: (
-        INCIDENTS,
-        "incidents",
-        _incident,
-        [
-            "incident_id",
-            "event_time",
-            "first_signal_time",
-            "job_id",
-            "partition",
-            "job_nodes",
-            "category",
-            "severity",
-            "culprit_node",
-            "culprit_rank",
-            "confidence",
-            "recommended_action",
-            "explanation",
-            "evidence",
-            "anomaly_ids",
-            "detection_latency_s",
-            "job_name",
-            "user",
-            "account",
-        ],
-    ),
-    DECISIONS.name: (
-        DECISIONS,
-        "decisions",
-        _decision,
-        [
-            "decision_id",
-            "event_time",
-            "incident_id",
-            "job_id",
-            "partition",
-            "category",
-            "culprit_node",
-            "action",
-            "mode",
-            "kind",
-            "rule",
-            "reason",
-            "first_signal_time",
-            "incident_time",
-        ],
-    ),
-    ACTIONS.name: (
-        ACTIONS,
-        "actions",
-        _action,
-        [
-            "action_id",
-            "event_time",
-            "decision_id",
-            "incident_id",
-            "job_id",
-            "node",
-            "partition",
-            "action",
-            "reason",
-            "requested_by",
-            "incident_time",
-        ],
-    ),
-    ACTION_RESULTS.name: (
-        ACTION_RESULTS,
-        "action_results",
-        _result,
-        [
-            "action_id",
-            "event_time",
-            "incident_id",
-            "job_id",
-            "node",
-            "action",
-            "status",
-            "backend",
-            "steps",
-            "error",
-            "started_at",
-            "verified_at",
-            "incident_time",
-            "first_signal_time",
-            "action_latency_s",
-        ],
-    ),
-    APPROVALS.name: (
-        APPROVALS,
-        "approvals",
-        _approval,
-        [
-            "approval_id",
-            "event_time",
-            "decision_id",
-            "incident_id",
-            "job_id",
-            "partition",
-            "category",
-            "action",
-            "verdict",
-            "reason",
-            "comment",
-            "operator",
-        ],
-    ),
-    MODE_CHANGES.name: (
-        MODE_CHANGES,
-        "mode_changes",
-        _mode_change,
-        [
-            "event_id",
-            "event_time",
-            "partition",
-            "category",
-            "old_mode",
-            "new_mode",
-            "operator",
-            "reason",
-            "forced",
-            "outcome",
-            "readiness",
-        ],
-    ),
-    SCHED_EVENTS.name: (
-        SCHED_EVENTS,
-        "sched_events",
-        _sched,
-        [
-            "event_id",
-            "event_time",
-            "kind",
-            "job_id",
-            "node",
-            "state",
-            "previous_state",
-            "nodes",
-            "partition",
-            "reason",
-            "flags",
-            "job_name",
-            "user",
-            "account",
-        ],
-    ),
-    NODE_RETURNS.name: (
-        NODE_RETURNS,
-        "node_returns",
-        _node_return,
-        ["event_id", "event_time", "node", "incident_id", "drain_reason", "operator", "comment"],
-    ),
-    GUARDRAIL_TRIPS.name: (
-        GUARDRAIL_TRIPS,
-        "guardrail_trips",
-        _guardrail_trip,
-        [
-            "event_id",
-            "event_time",
-            "guardrail",
-            "action_id",
-            "incident_id",
-            "job_id",
-            "node",
-            "partition",
-            "action",
-            "detail",
-        ],
-    ),
-    DEADLETTER.name: (
-        DEADLETTER,
-        "dead_letters",
-        _dead,
-        [
-            "event_id",
-            "event_time",
-            "component",
-            "original_topic",
-            "original_partition",
-            "original_offset",
-            "reason",
-            "payload_b64",
-        ],
-    ),
+    topic: (t.topic, t.name, t.row, t.column_names) for topic, t in DECLARED.items()
 }
 
 
@@ -516,6 +107,8 @@ def chdb_folder_holder(folder: Path) -> str | None:
 # --- migrations ---------------------------------------------------------------------
 
 MIGRATION_NAME = re.compile(r"^(\d{3})_([a-z0-9_]+)\.sql$")
+REBUILD_LINE = re.compile(r"^-- rebuild: ([a-z0-9_, ]+)$", re.MULTILINE)
+REBUILD_SUFFIX = "__rebuild"
 
 # The ledger itself predates every numbered migration, so it is created outside them.
 # ReplacingMergeTree by version: two processes migrating one server at once both
@@ -574,6 +167,13 @@ class Migration:
     def statements(self, database: str) -> list[str]:
         return split_sql(self.path.read_text().replace("{db}", database))
 
+    def rebuilds(self) -> list[str]:
+        """Tables a `-- rebuild: a, b` line asks to bring to their declared layout (sinks/audit_schema.py)."""
+        names = [n.strip() for m in REBUILD_LINE.finditer(self.path.read_text()) for n in m.group(1).split(",")]
+        if unknown := [n for n in names if n not in BY_NAME]:
+            raise AuditStoreError(f"{self.path.name}: rebuild of undeclared table(s) {', '.join(unknown)}")
+        return names
+
 
 def load_migrations(ddl_dir: Path = DDL_DIR) -> list[Migration]:
     """The numbered migrations NNN_name.sql of a folder, in version order."""
@@ -592,11 +192,12 @@ def load_migrations(ddl_dir: Path = DDL_DIR) -> list[Migration]:
 class AuditStore:
     """A ClickHouse client (chDB or server) plus the audit schema. Thread-safe."""
 
-    def __init__(self, url: str, database: str = "trainmedic") -> None:
+    def __init__(self, url: str, database: str = "trainmedic", layout: LayoutSettings | None = None) -> None:
         if not database.replace("_", "").isalnum():
             raise AuditStoreError(f"database name {database!r}: letters, digits and _ only")
         self.url = url
         self.database = database
+        self._layout = layout  # None: from the environment when migrate() runs (sinks/audit_schema.py)
         folder = chdb_folder(url)
         if folder is not None and (holder := chdb_folder_holder(folder)) and holder != f"PID {os.getpid()}":
             raise ChdbFolderLocked(folder, holder)
@@ -611,9 +212,27 @@ class AuditStore:
         self._lock = threading.Lock()
 
     @classmethod
-    def embedded(cls, data_dir: Path, database: str = "trainmedic") -> AuditStore:
+    def embedded(cls, data_dir: Path, database: str = "trainmedic", layout: LayoutSettings | None = None) -> AuditStore:
         data_dir.mkdir(parents=True, exist_ok=True)
-        return cls(f"chdb://{data_dir.resolve()}", database)
+        return cls(f"chdb://{data_dir.resolve()}", database, layout)
+
+    @property
+    def is_chdb(self) -> bool:
+        return chdb_folder(self.url) is not None
+
+    def layout(self) -> LayoutSettings:
+        """The retention/replication settings, checked: AuditStoreError names what is wrong."""
+        try:
+            settings = self._layout if self._layout is not None else LayoutSettings.from_env()
+            check_settings(settings)
+        except AuditSchemaError as exc:
+            raise AuditStoreError(str(exc)) from None
+        if settings.cluster and self.is_chdb:
+            raise AuditStoreError(
+                f"audit cluster {settings.cluster!r} set, but {self.url} is chDB: chDB has no Keeper or "
+                "cluster; Replicated tables need a ClickHouse server cluster"
+            )
+        return settings
 
     def _command(self, sql: str) -> None:
         with self._lock:
@@ -638,6 +257,7 @@ class AuditStore:
         (IF NOT EXISTS, OR REPLACE), so rerunning 001 there changes nothing.
         """
         migrations = load_migrations(ddl_dir)
+        layout = self.layout()
         for stmt in _BOOTSTRAP:
             self._command(stmt.replace("{db}", self.database))
         applied = self.applied_migrations()
@@ -651,6 +271,8 @@ class AuditStore:
                     # Editing an applied migration does not reapply it: the change belongs in a new file.
                     log.warning("migration %s was edited after it was applied to %s", m.path.name, self.database)
                 continue
+            for table in m.rebuilds():
+                self.rebuild(BY_NAME[table], layout)
             for stmt in m.statements(self.database):
                 self._command(stmt)
             self.insert(
@@ -660,7 +282,139 @@ class AuditStore:
             )
             log.info("audit database %s: applied migration %s", self.database, m.path.name)
             done.append(m)
+        self.apply_retention(layout)
         return done
+
+    # --- the declared layout: rebuild a live table, keep TTL in step with settings ---------
+
+    def _columns(self, name: str) -> list[tuple[str, str]]:
+        rows = self.query(
+            "SELECT name, type FROM system.columns WHERE database = {d:String} AND table = {t:String} ORDER BY position",
+            {"d": self.database, "t": name},
+        )
+        return [(r["name"], r["type"]) for r in rows]
+
+    def _table_info(self, name: str) -> dict[str, Any] | None:
+        rows = self.query(
+            "SELECT sorting_key, partition_key, engine_full FROM system.tables "
+            "WHERE database = {d:String} AND name = {t:String}",
+            {"d": self.database, "t": name},
+        )
+        return rows[0] if rows else None
+
+    def layout_matches(self, table: Table, name: str | None = None) -> bool:
+        """Whether a table has the declared columns, types, sort key and partition key."""
+        info = self._table_info(name or table.name)
+        return (
+            info is not None
+            and info["sorting_key"] == ", ".join(table.order_by)
+            and info["partition_key"] == f"toYYYYMM({table.time_column})"
+            and self._columns(name or table.name) == [(c.name, c.type) for c in table.columns]
+        )
+
+    def _copy_select(self, table: Table, source: str, target: str) -> str:
+        """INSERT ... SELECT from a table of the old layout: NULL keys become ''."""
+        have = dict(self._columns(source))
+        cols, exprs = [], []
+        for c in table.columns:
+            if c.name not in have:
+                continue  # a column the old layout lacked: its DEFAULT
+            cols.append(f"`{c.name}`")
+            nullable_to_key = c.default == "''" and "Nullable" in have[c.name] and "Nullable" not in c.type
+            exprs.append(f"ifNull(`{c.name}`, '')" if nullable_to_key else f"`{c.name}`")
+        db = self.database
+        return f"INSERT INTO {db}.{target} ({', '.join(cols)}) SELECT {', '.join(exprs)} FROM {db}.{source}"
+
+    def _copy_missing(self, table: Table, source: str) -> int:
+        """Copy the rows of `source` whose id the table lacks; return how many ids were missing."""
+        db, ident = self.database, table.id_column
+        missing_sql = (
+            f"SELECT count() AS n FROM {db}.{source} WHERE {ident} NOT IN (SELECT {ident} FROM {db}.{table.name})"
+        )
+        missing = int(self.query(missing_sql)[0]["n"])
+        if missing:
+            copy = self._copy_select(table, source, table.name)
+            self._command(f"{copy} WHERE {ident} NOT IN (SELECT {ident} FROM {db}.{table.name})")
+        return missing
+
+    def rebuild(self, table: Table, layout: LayoutSettings) -> bool:
+        """Bring a live table to its declared layout; True when it was rebuilt.
+
+        New table beside it, INSERT SELECT, swap (EXCHANGE TABLES: atomic, Atomic
+        databases; RENAME where that is refused), then every row the old table
+        received meanwhile (a writer still running during the copy) is copied over
+        before the old one is dropped. Before the swap, a failure drops the copy and
+        leaves the old table serving; after it, the old rows wait under the
+        `__rebuild` name and the next run copies them (it checks for that first).
+        Idempotent: a table already in the declared layout is left alone.
+        """
+        name, side = table.name, table.name + REBUILD_SUFFIX
+        db = self.database
+        if self._table_info(name) is None:
+            self._command(table.ddl(db, layout))
+            return True
+        if self.layout_matches(table):
+            if self._table_info(side) is not None and not self.layout_matches(table, side):
+                # A swap that was interrupted before its catch-up: finish it.
+                self._copy_missing(table, side)
+                self._finish(table, side)
+            return False
+        self._command(f"DROP TABLE IF EXISTS {db}.{side}")  # a copy left by a run that failed before its swap
+        try:
+            self._command(table.ddl(db, layout, name=side))
+            self._command(self._copy_select(table, name, side))
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                self._command(f"DROP TABLE IF EXISTS {db}.{side}")
+            raise AuditStoreError(
+                f"rebuild of {db}.{name} failed before the swap; the old table still serves: {exc}"
+            ) from exc
+        self._swap(name, side)
+        log.info("audit: %s.%s swapped to the declared layout; copying rows written during the copy", db, name)
+        self._copy_missing(table, side)
+        if not self.is_chdb:
+            time.sleep(1.0)  # an insert in flight at the swap lands in the old table: let it finish, copy again
+            self._copy_missing(table, side)
+        self._finish(table, side)
+        return True
+
+    def _swap(self, name: str, side: str) -> None:
+        db = self.database
+        try:
+            self._command(f"EXCHANGE TABLES {db}.{name} AND {db}.{side}")
+        except Exception as exc:
+            # EXCHANGE needs an Atomic database (the default since ClickHouse 20.10; chDB 26.9 too).
+            if "Atomic" not in str(exc) and "NOT_IMPLEMENTED" not in str(exc) and "not supported" not in str(exc):
+                raise AuditStoreError(f"swap of {db}.{name} failed; the old table still serves: {exc}") from exc
+            log.warning("audit: EXCHANGE TABLES refused (%s); falling back to RENAME", exc)
+            self._command(f"RENAME TABLE {db}.{name} TO {db}.{name}__old, {db}.{side} TO {db}.{name}")
+            self._command(f"RENAME TABLE {db}.{name}__old TO {db}.{side}")
+
+    def _finish(self, table: Table, side: str) -> None:
+        if left := self._copy_missing(table, side):
+            raise AuditStoreError(
+                f"{self.database}.{side}: {left} row(s) of the old layout were still missing after the copy; "
+                "kept there, rerun migrate"
+            )
+        self._command(f"DROP TABLE IF EXISTS {self.database}.{side}")
+
+    def apply_retention(self, layout: LayoutSettings) -> list[str]:
+        """Set each declared-layout table's TTL to the settings; return the tables changed."""
+        changed = []
+        for table in BY_NAME.values():
+            info = self._table_info(table.name)
+            if info is None or not self.layout_matches(table):
+                continue
+            ttl = table.ttl(layout)
+            has_ttl = " TTL " in info["engine_full"]
+            if ttl is not None and f"TTL {ttl}" not in info["engine_full"]:
+                self._command(f"ALTER TABLE {self.database}.{table.name} MODIFY TTL {ttl}")
+            elif ttl is None and has_ttl:
+                self._command(f"ALTER TABLE {self.database}.{table.name} REMOVE TTL")
+            else:
+                continue
+            changed.append(table.name)
+        return changed
 
     def migration_status(self, ddl_dir: Path = DDL_DIR) -> list[dict[str, Any]]:
         """Every migration known to the code or the database, applied or pending."""
@@ -743,7 +497,7 @@ class AuditSink:
                 letter = make_dead_letter(
                     "sinks.audit", msg.topic() or "", msg.partition(), msg.offset(), str(exc), msg.value()
                 )
-                rows["dead_letters"].append(_dead(letter))
+                rows["dead_letters"].append(DEAD_LETTERS_T.row(letter))
                 continue
             rows[table].append(to_row(event))
         return rows

@@ -23,6 +23,7 @@ from typing import Any
 
 from schemas.vocab import CATEGORIES, NEVER_ACTS
 from sinks.audit import AuditStore
+from sinks.audit_queries import CHILD_SKEW_S, summary_sql
 from streams.policy import Policy
 
 MISS_LOOKBACK_S = 3600.0
@@ -67,10 +68,12 @@ def _epoch(v: Any) -> float:
 
 
 def _recommendations(store: AuditStore, since_s: float) -> list[dict[str, Any]]:
+    # The incident summary of the window only (partition pruning, time sort key), not the whole view.
+    since = "event_time >= fromUnixTimestamp64Milli({t:Int64})"
+    child = f"event_time >= fromUnixTimestamp64Milli({{t:Int64}} - {CHILD_SKEW_S * 1000})"
     return store.query(
         "SELECT incident_id, detected_at, job_id, partition, category, culprit_node, detection_latency_s, "
-        "action_latency_s, verdict FROM {db}.incident_summary "
-        "WHERE decision_kind = 'recommendation' AND detected_at >= fromUnixTimestamp64Milli({t:Int64})",
+        f"action_latency_s, verdict FROM ({summary_sql(since, child)}) WHERE decision_kind = 'recommendation'",
         {"t": int(since_s * 1000)},
     )
 
@@ -90,7 +93,12 @@ def _confirmations(store: AuditStore, recs: list[dict[str, Any]], window_s: floa
         return set()
     later = store.query(
         "SELECT job_id, culprit_node, event_time FROM {db}.incidents FINAL "
-        "WHERE job_id IS NOT NULL AND culprit_node IS NOT NULL"
+        "WHERE event_time >= fromUnixTimestamp64Milli({t:Int64}) AND job_id IN {jobs:Array(String)} "
+        "AND culprit_node != ''",
+        {
+            "t": int(min(_epoch(r["detected_at"]) for r in recs) * 1000),
+            "jobs": sorted({r["job_id"] for r in recs if r["job_id"]}),
+        },
     )
     seen: dict[tuple[str, str], list[float]] = defaultdict(list)
     for r in later:
@@ -116,7 +124,7 @@ def _misses(store: AuditStore, since_s: float) -> dict[str | None, int]:
     if not drains:
         return {}
     ours = store.query(
-        "SELECT culprit_node, event_time FROM {db}.incidents FINAL WHERE culprit_node IS NOT NULL "
+        "SELECT culprit_node, event_time FROM {db}.incidents FINAL WHERE culprit_node != '' "
         "AND event_time >= fromUnixTimestamp64Milli({t:Int64})",
         {"t": int((since_s - MISS_LOOKBACK_S) * 1000)},
     )

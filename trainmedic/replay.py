@@ -22,6 +22,7 @@ import orjson
 
 from schemas.events import Evidence, Incident
 from sinks.audit import AuditStore
+from sinks.audit_queries import CHILD_SKEW_S, summary_sql
 from sinks.backends.base import JobState, NodeState
 from sinks.guardrails import Guardrails, GuardrailSettings
 from streams.policy import Policy, decide
@@ -61,15 +62,15 @@ def _incident(row: dict[str, Any]) -> Incident:
         event_id=row["incident_id"],
         incident_id=row["incident_id"],
         event_time=row["event_time"].timestamp(),
-        job_id=row["job_id"],
-        partition=row["partition"],
+        job_id=row["job_id"] or None,  # the table keeps '' for none
+        partition=row["partition"] or None,  # the table keeps '' for none
         job_nodes=list(row["job_nodes"]),
         job_name=row.get("job_name"),
         user=row.get("user"),
         account=row.get("account"),
         category=row["category"],
         severity=row["severity"],
-        culprit_node=row["culprit_node"],
+        culprit_node=row["culprit_node"] or None,  # the table keeps '' for none
         culprit_rank=row["culprit_rank"],
         confidence=float(row["confidence"]),
         recommended_action=row["recommended_action"],
@@ -86,11 +87,15 @@ def load_incident(store: AuditStore, incident_id: str) -> Incident | None:
 
 
 def _load(store: AuditStore, since_s: float) -> list[tuple[Incident, dict[str, Any]]]:
+    # The summary of the replayed window only, not the whole incident_summary view.
+    since = "event_time >= fromUnixTimestamp64Milli({t:Int64})"
+    child = f"event_time >= fromUnixTimestamp64Milli({{t:Int64}} - {CHILD_SKEW_S * 1000})"
     rows = store.query(
         "SELECT i.*, s.decision_kind AS decision_kind, s.decision_action AS decision_action, "
         "s.recovery_s AS recovery_s, s.action_latency_s AS action_latency_s "
-        "FROM {db}.incidents AS i FINAL LEFT JOIN {db}.incident_summary AS s ON s.incident_id = i.incident_id "
-        "WHERE i.event_time >= fromUnixTimestamp64Milli({t:Int64}) ORDER BY i.event_time",
+        f"FROM {{db}}.incidents AS i FINAL LEFT JOIN ({summary_sql(since, child)}) AS s "
+        "ON s.incident_id = i.incident_id WHERE i.event_time >= fromUnixTimestamp64Milli({t:Int64}) "
+        "ORDER BY i.event_time",
         {"t": int(since_s * 1000)},
     )
     return [(_incident(r), r) for r in rows]

@@ -230,14 +230,16 @@ def _snapshot(store: AuditStore) -> dict[str, Any]:
 def test_migrate_twice_changes_nothing(chdb_url: str, database: str) -> None:
     store = AuditStore(chdb_url, database)
     try:
+        versions = [m.version for m in load_migrations()]
+        assert {1, 2, 3, 4, 5, 7} <= set(versions)
         first = store.migrate()
-        assert [m.version for m in first] == [m.version for m in load_migrations()] == [1, 2, 3, 4, 5]
+        assert [m.version for m in first] == versions
         before = _snapshot(store)
         assert set(before["create"]) == AUDIT_TABLES | VIEWS | {"schema_migrations"}
-        assert [r["version"] for r in before["ledger"]] == [1, 2, 3, 4, 5]
+        assert [r["version"] for r in before["ledger"]] == versions
         assert store.migrate() == []
         assert _snapshot(store) == before
-        assert [s["state"] for s in store.migration_status()] == ["applied"] * 5
+        assert [s["state"] for s in store.migration_status()] == ["applied"] * len(versions)
     finally:
         store.close()
 
@@ -259,7 +261,7 @@ def test_migrate_upgrades_a_database_made_before_the_ledger(chdb_url: str, datab
             keep = [i for i, c in enumerate(cols) if (table, c) in have]
             row = to_row(event)
             store.insert(table, [[row[i] for i in keep]], [cols[i] for i in keep])
-        assert [m.version for m in store.migrate()] == [1, 2, 3, 4, 5]
+        assert [m.version for m in store.migrate()] == [m.version for m in load_migrations()]
         assert store.query("SELECT count() AS n FROM {db}.incidents FINAL")[0]["n"] == 1
         assert queries.incidents(store)[0]["job_id"] == "77"
     finally:
