@@ -233,7 +233,8 @@ def diagnose(
     else:
         culprit = report["culprit"] or report["culprit_node_resolved"] or "no single node"
         if report["culprit_rank"] is not None:
-            culprit += f" (rank {report['culprit_rank']})"
+            how = ", node from the rank map" if not report["culprit"] and report["culprit_node_resolved"] else ""
+            culprit += f" (rank {report['culprit_rank']}{how})"
         typer.echo(
             f"category    {report['category']}\nculprit     {culprit}\naction      {report['action']}\n"
             f"confidence  {report['confidence']}\nwhy         {report['explanation']}"
