@@ -1,41 +1,35 @@
 """Find running jobs' output files from Slurm and follow them.
 
 One `squeue --json` per poll lists RUNNING jobs; each new job is looked up once
-with `scontrol show job -o` for its StdOut/StdErr paths (already expanded by
-Slurm, unlike squeue's patterns), node list and task count. A tailer then
-follows those files until the job leaves RUNNING. Restarted (requeued) jobs are
-followed again with their new allocation.
+with `scontrol show job` (``--json`` on 23.11+, ``-o`` text on 22.05, chosen
+from the squeue document's data parser) for its StdOut/StdErr paths (expanded
+by Slurm, unlike 22.05 squeue's patterns), node list and task count. A tailer
+then follows those files until the job leaves RUNNING. Restarted (requeued)
+jobs are followed again with their new allocation. All Slurm output is read
+through slurmio, so 22.05 to 24.11 give the same result.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import orjson
-
 from producers.joblogs import JobLayout, JobLogProducer
 from producers.position import FilePosition, PositionStore
 from producers.publisher import Publisher
-from producers.slurm import LocalRunner, Runner, SlurmCommandError, expand_hostlist
+from slurmio.hostlist import expand_hostlist
+from slurmio.runners import LocalRunner, Runner, SlurmCommandError
+from slurmio.scontrol import parse_scontrol_line, show_job
+from slurmio.squeue import read_jobs
+from slurmio.versions import DataParser
 
 log = logging.getLogger("trainmedic.jobdiscovery")
 
-_KV = re.compile(r"(?:^|\s)([A-Za-z][A-Za-z0-9_/:.]*)=")
-
-
-def parse_scontrol_job(line: str) -> dict[str, str]:
-    """`scontrol show job -o` line -> fields (values may contain spaces)."""
-    fields: dict[str, str] = {}
-    matches = list(_KV.finditer(line))
-    for i, m in enumerate(matches):
-        end = matches[i + 1].start() if i + 1 < len(matches) else len(line)
-        fields.setdefault(m.group(1), line[m.end() : end].strip())
-    return fields
+#: `scontrol show job -o` line -> fields; slurmio's one text parser.
+parse_scontrol_job = parse_scontrol_line
 
 
 @dataclass(frozen=True)
@@ -69,6 +63,7 @@ class JobDiscovery:
         self.tailer_errors = 0
         self.positions = positions
         self._factory = tailer_factory or self._tailer
+        self._parser: DataParser | None = None  # the cluster's data parser, from the last squeue
 
     def _tailer(self, job: JobFiles) -> JobLogProducer:
         resume: dict[Path, FilePosition] = {}
@@ -98,29 +93,35 @@ class JobDiscovery:
         # A node-local discoverer asks about its own node only. Slurm 22.05's --json ignores
         # the filter (the whole queue comes back), so the node check below stays.
         argv = ["squeue", "--json", "--nodelist", self.only_node] if self.only_node else ["squeue", "--json"]
-        data = orjson.loads(self.runner(argv, self.timeout_s))
+        doc = read_jobs(self.runner(argv, self.timeout_s), "squeue --json")
+        self._parser = doc.parser
         out = {}
-        for j in data.get("jobs") or []:
-            if str(j.get("job_state", "")).upper() != "RUNNING":
+        for j in doc.jobs.values():
+            if j.state != "RUNNING":
                 continue
-            if self.only_node and self.only_node not in expand_hostlist(str(j.get("nodes") or "")):
+            if self.only_node and self.only_node not in expand_hostlist(j.nodes):
                 continue
-            out[str(j["job_id"])] = int(j.get("restart_cnt") or 0)
+            out[j.job_id] = j.restart_cnt
         return out
 
     def describe(self, job_id: str, restarts: int) -> JobFiles:
-        f = parse_scontrol_job(self.runner(["scontrol", "show", "job", "-o", job_id], self.timeout_s))
-        nodes = tuple(expand_hostlist(f.get("NodeList") or ""))
-        paths = tuple(dict.fromkeys(Path(p) for p in (f.get("StdOut"), f.get("StdErr")) if p and p != "/dev/null"))
-        tasks = int(f["NumTasks"]) if f.get("NumTasks", "").isdigit() else None
+        if self._parser is None:  # describe() before any squeue: learn the version first
+            self.running_jobs()
+        assert self._parser is not None
+        job = show_job(self.runner, job_id, self.timeout_s, self._parser)
+        if job is None:
+            raise ValueError(f"job {job_id} is no longer known to slurmctld")
+        nodes = tuple(expand_hostlist(job.nodes))
+        paths = tuple(dict.fromkeys(Path(p) for p in (job.std_out, job.std_err) if p and p != "/dev/null"))
+        tasks = job.tasks
         rpn = tasks // len(nodes) if tasks and nodes and tasks % len(nodes) == 0 else None
-        return JobFiles(job_id, restarts, nodes, f.get("Partition") or None, rpn, paths)
+        return JobFiles(job_id, restarts, nodes, job.partition, rpn, paths)
 
     def poll_once(self) -> int:
         """Discover new jobs, drop finished ones, publish new lines; returns lines published."""
         try:
             running = self.running_jobs()
-        except (SlurmCommandError, orjson.JSONDecodeError, KeyError, ValueError) as exc:
+        except (SlurmCommandError, ValueError) as exc:  # SlurmFormatError is both
             self.errors += 1
             log.warning("job discovery: squeue failed: %s", exc)
             running = {jid: r for (jid, r) in self.tailers}  # keep following what we have

@@ -1,9 +1,11 @@
 """Slurm producer: the cluster's job and node changes -> sched.events.
 
-`trainmedic produce slurm` polls the whole cluster with ONE ``squeue --json``
-and ONE ``sinfo --json`` per interval (on 22.05 both ignore ``--jobs``/``-n``
-filters, so everything is parsed) and publishes a ``SchedEvent`` for each
-change, never the unchanged rest:
+`trainmedic produce slurm` polls the whole cluster with ONE
+``squeue --json --states=all`` and ONE ``sinfo --json`` per interval and
+publishes a ``SchedEvent`` for each change, never the unchanged rest. The
+documents are read by slurmio, which knows every data parser from 22.05
+(v0.0.38) to 24.11 (v0.0.42) and refuses a shape it does not know (the poll
+fails, counted as ``parse``) instead of misreading it:
 
 - ``kind="job"``: a job's state changed (PENDING, RUNNING, COMPLETING,
   COMPLETED, FAILED, CANCELLED, TIMEOUT, NODE_FAIL, PREEMPTED, REQUEUED, ...)
@@ -59,10 +61,9 @@ Commands are argv lists run without a shell, with an explicit environment
 error, timeout, bad JSON) is logged and counted in ``failed_polls``; it changes
 no state and never ends `run`.
 
-Where commands run is pluggable: a ``Runner`` maps an argv to its stdout.
-`LocalRunner` runs them here; an SSH runner (login node) or a pyslurm-backed
-runner that answers ``squeue --json`` / ``sinfo --json`` with the same openapi
-v0.0.38 documents fits the same slot, so a pyslurm source needs no change here.
+Where commands run is pluggable: a slurmio ``Runner`` maps an argv to its
+stdout. `LocalRunner` runs them here; the executor's SSH runner (login node)
+keeps the same contract and fits the same slot.
 
 One producer per state file: two instances sharing one would each count changes.
 """
@@ -70,28 +71,30 @@ One producer per state file: two instances sharing one would each count changes.
 from __future__ import annotations
 
 import contextlib
-import functools
-import itertools
 import json
 import logging
 import os
 import re
 import secrets
-import shlex
-import subprocess
 import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from producers.publisher import Publisher
 from schemas.events import SchedEvent
 from schemas.ids import stable_id
 from schemas.topics import SCHED_EVENTS
+from slurmio.hostlist import HostlistError, expand_hostlist
+from slurmio.records import ExitStatus
+from slurmio.runners import LocalRunner, Runner, SlurmCommandError
+from slurmio.sinfo import parse_sinfo as slurmio_parse_sinfo
+from slurmio.squeue import SQUEUE_ALL, parse_jobs
+from slurmio.versions import SlurmFormatError, load_document
 
 __all__ = [
     "DEFAULT_STATE_PATH",
@@ -115,8 +118,6 @@ STATE_VERSION = 1
 SNAPSHOT = "SNAPSHOT"
 GONE = "GONE"
 
-_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-_EMPTY = ("", "(null)", "None", "N/A", "none")
 # The load of a healthy node (idle/allocated/mixed) is not news.
 _UP_STATES = frozenset({"IDLE", "ALLOCATED", "MIXED"})
 # Set and cleared around every job end or backfill plan: noise, not health.
@@ -154,161 +155,6 @@ def default_state_path(data_dir: Path) -> Path:
     return Path(data_dir) / "producers" / "slurm-state.json"
 
 
-# --------------------------------------------------------------------- hostlists
-class HostlistError(ValueError):
-    """A Slurm hostlist expression that cannot be expanded."""
-
-
-_MAX_HOSTS = 1_000_000
-
-
-def expand_hostlist(text: str | None) -> list[str]:
-    """Expand a Slurm hostlist (``gpu[01-03,05],cpu1``) into node names, in Slurm's order.
-
-    Supports comma lists, ranges and single numbers in brackets, zero padding
-    (the width of a range's lower bound, as Slurm: ``n[08-10]`` -> n08 n09 n10,
-    ``n[8-10]`` -> n8 n9 n10), several bracket groups in one name (cartesian
-    product: ``a[1-2]b[3-4]`` -> a1b3 a1b4 a2b3 a2b4) and text after a group.
-    Empty input and Slurm's placeholders (``(null)``, ``None``) give [].
-    Raises HostlistError on malformed input or more than a million names.
-    """
-    if text is None:
-        return []
-    stripped = text.strip()
-    if stripped in _EMPTY:
-        return []
-    return list(_expand_cached(stripped))
-
-
-@functools.lru_cache(maxsize=4096)
-def _expand_cached(text: str) -> tuple[str, ...]:
-    out: list[str] = []
-    for item in _split_top_level(text):
-        out.extend(_expand_name(item, _MAX_HOSTS - len(out)))
-    return tuple(out)
-
-
-def _split_top_level(text: str) -> list[str]:
-    items: list[str] = []
-    depth = 0
-    start = 0
-    for i, ch in enumerate(text):
-        if ch == "[":
-            if depth:
-                raise HostlistError(f"nested '[' in hostlist {text!r}")
-            depth = 1
-        elif ch == "]":
-            if not depth:
-                raise HostlistError(f"unbalanced ']' in hostlist {text!r}")
-            depth = 0
-        elif ch == "," and not depth:
-            items.append(text[start:i])
-            start = i + 1
-    if depth:
-        raise HostlistError(f"unclosed '[' in hostlist {text!r}")
-    items.append(text[start:])
-    for item in items:
-        if not item.strip():
-            raise HostlistError(f"empty name in hostlist {text!r}")
-    return [item.strip() for item in items]
-
-
-# ASCII digits, and few of them: int() refuses 4,300+ digits with a plain ValueError, which
-# _safe_expand (catching HostlistError only) would let through.
-_RANGE = re.compile(r"([0-9]+)(?:-([0-9]+))?")
-_MAX_DIGITS = 18  # always fits an int64; real node numbers are a few digits
-
-
-def _expand_name(item: str, budget: int) -> list[str]:
-    parts: list[list[str]] = []
-    pos = 0
-    for m in re.finditer(r"\[([^\]]*)\]", item):
-        if m.start() > pos:
-            parts.append([item[pos : m.start()]])
-        parts.append(_expand_ranges(m.group(1), item))
-        pos = m.end()
-    if pos < len(item):
-        parts.append([item[pos:]])
-    total = 1
-    for p in parts:
-        total *= len(p)
-    if total > budget:
-        raise HostlistError(f"hostlist {item!r} expands to more than {_MAX_HOSTS} names")
-    return ["".join(combo) for combo in itertools.product(*parts)]
-
-
-def _expand_ranges(body: str, item: str) -> list[str]:
-    out: list[str] = []
-    for spec in body.split(","):
-        m = _RANGE.fullmatch(spec.strip())
-        if m is None:
-            raise HostlistError(f"bad range {spec!r} in hostlist {item!r}")
-        lo_text, hi_text = m.group(1), m.group(2)
-        if max(len(lo_text), len(hi_text or "")) > _MAX_DIGITS:
-            raise HostlistError(f"number too long in range {spec[:40]!r} in hostlist {item[:80]!r}")
-        lo = int(lo_text)
-        hi = int(hi_text) if hi_text is not None else lo
-        if hi < lo:
-            raise HostlistError(f"descending range {spec!r} in hostlist {item!r}")
-        if hi - lo >= _MAX_HOSTS:
-            raise HostlistError(f"range {spec!r} in hostlist {item!r} is too large")
-        width = len(lo_text)
-        out.extend(str(n).zfill(width) for n in range(lo, hi + 1))
-    return out
-
-
-# --------------------------------------------------------------------- transport
-class SlurmCommandError(RuntimeError):
-    """A Slurm command could not be run, timed out or exited non-zero."""
-
-
-class Runner(Protocol):
-    """Runs one argv (never through a shell) and returns its stdout; raises SlurmCommandError."""
-
-    def __call__(self, argv: Sequence[str], timeout: float) -> str: ...
-
-
-class LocalRunner:
-    """Runs Slurm commands on this machine with an explicit, minimal environment.
-
-    Stray SLURM_* variables of the caller (SLURM_JOB_ID inside an allocation,
-    SQUEUE_FORMAT, ...) must not change what the commands print.
-    """
-
-    def __init__(self, slurm_conf: str | None = None) -> None:
-        env = {
-            "PATH": os.environ.get("PATH") or _DEFAULT_PATH,
-            "LC_ALL": "C",
-            "HOME": os.environ.get("HOME", "/"),
-        }
-        conf = slurm_conf if slurm_conf is not None else os.environ.get("SLURM_CONF")
-        if conf:
-            env["SLURM_CONF"] = conf
-        self.env: Mapping[str, str] = env
-
-    def __call__(self, argv: Sequence[str], timeout: float) -> str:
-        args = [str(a) for a in argv]
-        try:
-            proc = subprocess.run(
-                args,
-                shell=False,
-                stdin=subprocess.DEVNULL,
-                capture_output=True,
-                text=True,
-                timeout=timeout,
-                env=dict(self.env),
-                check=False,
-            )
-        except subprocess.TimeoutExpired as exc:
-            raise SlurmCommandError(f"{shlex.join(args)} timed out after {timeout:g}s") from exc
-        except OSError as exc:
-            raise SlurmCommandError(f"{shlex.join(args)} could not be run: {exc}") from exc
-        if proc.returncode != 0:
-            err = (proc.stderr or proc.stdout).strip()[:500] or "(no output)"
-            raise SlurmCommandError(f"{shlex.join(args)} exited {proc.returncode}: {err}")
-        return proc.stdout
-
-
 # --------------------------------------------------------------------- parsing
 @dataclass(frozen=True)
 class JobView:
@@ -322,7 +168,7 @@ class JobView:
     nodes: str = ""  # Slurm hostlist, expanded only when an event needs it
     partition: str | None = None
     state_reason: str | None = None
-    exit_code: int | None = None  # raw wait status, as squeue --json gives it
+    exit: ExitStatus | None = None
     name: str | None = None
     user: str | None = None
     account: str | None = None
@@ -343,106 +189,49 @@ class NodeView:
 
 
 def _load_document(text: str, what: str) -> dict[str, Any]:
-    try:
-        data = json.loads(text)
-    # JSONDecodeError is a ValueError; so is an integer past int()'s 4,300 digits.
-    except ValueError as exc:
-        raise SlurmCommandError(f"{what}: output is not JSON: {exc}") from exc
-    except RecursionError:
-        raise SlurmCommandError(f"{what}: output is nested too deeply to parse") from None
-    if not isinstance(data, dict):
-        raise SlurmCommandError(f"{what}: expected a JSON object, got {type(data).__name__}")
-    errors = data.get("errors") or []
-    if errors:
-        raise SlurmCommandError(f"{what}: errors {errors!r}"[:1000])
-    return data
-
-
-def _int(value: object) -> int:
-    if isinstance(value, bool):
-        return int(value)
-    if isinstance(value, int):
-        return value
-    try:
-        return int(str(value))
-    except (TypeError, ValueError):
-        return 0
-
-
-def _list(value: object) -> list[Any]:
-    # A field that should be a list but is not (a number, or a string that would iterate
-    # by character) is read as empty rather than failing the whole poll.
-    return value if isinstance(value, list) else []
-
-
-def _opt_str(value: object) -> str | None:
-    if value is None:
-        return None
-    text = str(value).strip()
-    return None if text in _EMPTY else text
+    return load_document(text, what)
 
 
 def parse_squeue(data: Mapping[str, Any]) -> dict[str, JobView]:
-    """``squeue --json`` (openapi v0.0.38) -> job id -> JobView; entries without an id are skipped."""
-    jobs: dict[str, JobView] = {}
-    raw = data.get("jobs")
-    if not isinstance(raw, list):
-        raise SlurmCommandError("squeue --json: no 'jobs' list")
-    for entry in raw:
-        if not isinstance(entry, dict) or entry.get("job_id") in (None, ""):
-            continue
-        job_id = str(entry["job_id"])
-        exit_code = entry.get("exit_code")
-        jobs[job_id] = JobView(
+    """``squeue --json`` of any data parser slurmio reads -> job id -> JobView.
+
+    Raises SlurmCommandError (a SlurmFormatError naming field and version) for a
+    shape its version does not promise.
+    """
+    return {
+        job_id: JobView(
             job_id=job_id,
-            state=str(entry.get("job_state") or "UNKNOWN").upper(),
-            restart_cnt=_int(entry.get("restart_cnt")),
-            submit_time=_int(entry.get("submit_time")),
-            start_time=_int(entry.get("start_time")),
-            end_time=_int(entry.get("end_time")),
-            suspend_time=_int(entry.get("suspend_time")),
-            nodes=_opt_str(entry.get("nodes")) or "",
-            partition=_opt_str(entry.get("partition")),
-            state_reason=_opt_str(entry.get("state_reason")),
-            exit_code=exit_code if isinstance(exit_code, int) and not isinstance(exit_code, bool) else None,
-            name=_opt_str(entry.get("name")),
-            user=_opt_str(entry.get("user_name")),
-            account=_opt_str(entry.get("account")),
+            state=j.state,
+            restart_cnt=j.restart_cnt,
+            submit_time=j.submit_time or 0,
+            start_time=j.start_time or 0,
+            end_time=j.end_time or 0,
+            suspend_time=j.suspend_time or 0,
+            nodes=j.nodes,
+            partition=j.partition,
+            state_reason=j.state_reason,
+            exit=j.exit,
+            name=j.name,
+            user=j.user,
+            account=j.account,
         )
-    return jobs
+        for job_id, j in parse_jobs(data, "squeue --json").jobs.items()
+    }
 
 
 def parse_sinfo(data: Mapping[str, Any]) -> dict[str, NodeView]:
-    """``sinfo --json`` (openapi v0.0.38) -> node name -> NodeView."""
-    nodes: dict[str, NodeView] = {}
-    raw = data.get("nodes")
-    if not isinstance(raw, list):
-        raise SlurmCommandError("sinfo --json: no 'nodes' list")
-    for entry in raw:
-        if not isinstance(entry, dict) or not entry.get("name"):
-            continue
-        name = str(entry["name"])
-        # Some versions put flags into the state string ("IDLE+DRAIN").
-        base, *inline = str(entry.get("state") or "UNKNOWN").upper().split("+")
-        flags = [str(f).upper() for f in _list(entry.get("state_flags"))]
-        flags.extend(f for f in inline if f and f not in flags)
-        nodes[name] = NodeView(
+    """``sinfo --json`` of any data parser slurmio reads -> node name -> NodeView."""
+    return {
+        name: NodeView(
             name=name,
-            state=base,
-            flags=tuple(sorted(set(flags))),
-            reason=_opt_str(entry.get("reason")),
-            reason_time=_int(entry.get("reason_changed_at")),
-            partitions=tuple(str(p) for p in _list(entry.get("partitions"))),
+            state=n.state,
+            flags=n.flags,
+            reason=n.reason,
+            reason_time=n.reason_time or 0,
+            partitions=n.partitions,
         )
-    return nodes
-
-
-def _exit_text(wait_status: int | None) -> str | None:
-    if not wait_status:
-        return None
-    if wait_status & 0x7F:
-        return f"signal {wait_status & 0x7F}"
-    return f"exit {(wait_status >> 8) & 0xFF}"
+        for name, n in slurmio_parse_sinfo(data, "sinfo --json").nodes.items()
+    }
 
 
 # --------------------------------------------------------------------- state
@@ -602,7 +391,9 @@ class SlurmProducer:
     # ---- polling
     def fetch(self) -> tuple[dict[str, JobView], dict[str, NodeView]]:
         """One squeue --json and one sinfo --json; raises SlurmCommandError."""
-        jobs = parse_squeue(_load_document(self.runner(["squeue", "--json"], self.command_timeout_s), "squeue --json"))
+        # --states=all: 23.02+ list only pending/running jobs by default, and a job's end
+        # (COMPLETED, FAILED, ...) must be seen, not inferred from its absence.
+        jobs = parse_squeue(_load_document(self.runner(list(SQUEUE_ALL), self.command_timeout_s), "squeue --json"))
         nodes = parse_sinfo(_load_document(self.runner(["sinfo", "--json"], self.command_timeout_s), "sinfo --json"))
         return jobs, nodes
 
@@ -611,6 +402,9 @@ class SlurmProducer:
         now = time.time()
         try:
             jobs, nodes = self.fetch()
+        except SlurmFormatError as exc:  # a Slurm whose output slurmio cannot read
+            self._fail("parse", str(exc))
+            return []
         except SlurmCommandError as exc:
             self._fail("command", str(exc))
             return []
@@ -789,7 +583,7 @@ class SlurmProducer:
             anchor = ()
             when = 0
         reason_parts = [p for p in (view.state_reason,) if p]
-        if view.state in _FINISHED and (exit_text := _exit_text(view.exit_code)):
+        if view.state in _FINISHED and view.exit is not None and (exit_text := view.exit.text()):
             reason_parts.append(exit_text)
         flags = ["REQUEUED"] if mem is not None and view.restart_cnt > mem.restart_cnt else []
         return SchedEvent(
