@@ -539,10 +539,14 @@ def diagnose_paths(
         action = "drain_and_requeue"
     if action == "drain_and_requeue" and resolved is None:
         who = f"rank {inc.culprit_rank}" if inc.culprit_rank is not None else "the failing rank"
-        explanation += (
-            f"; isolate the node of {who} (not resolved: give --nodelist with --ranks-per-node, "
-            "or --rank-map) before the restart, or it may land on the same bad GPU"
+        if inc.culprit_gpu is not None:
+            who += f" (GPU {inc.culprit_gpu})"
+        how = (
+            "not resolved: give --nodelist with --ranks-per-node, or --rank-map"
+            if inc.culprit_rank is not None
+            else "the logs name neither its host nor its rank"
         )
+        explanation += f"; isolate the node of {who} ({how}) before the restart, or it may land on the same bad GPU"
     return {
         "category": inc.category,
         "culprit": inc.culprit_node,
