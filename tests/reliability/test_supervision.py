@@ -160,6 +160,41 @@ def test_killed_worker_is_restarted_unhealthy_in_between_and_the_gap_is_not_lost
     assert len(gpu07_incidents()) == 1
 
 
+def test_killed_broker_comes_back_on_its_port_with_its_topics_and_the_loop_works(up: Up, tmp_path: Path) -> None:
+    from confluent_kafka.admin import AdminClient
+
+    from schemas.clients import admin_config
+    from schemas.topics import ALL_TOPICS, DEFAULT_PARTITIONS
+
+    info = up.wait_up()
+    api = info["api_url"]
+    broker, worker = up.child("tansu"), up.child("trainmedic.streams_worker")
+    os.kill(broker, signal.SIGKILL)
+    code, report = wait_for("health 503 naming the broker", lambda: (h := up.health(api))[0] == 503 and h, timeout=30)
+    assert report["down"]["broker"] == "signal SIGKILL"
+    wait_for("health 200 again", lambda: up.health(api)[0] == 200, timeout=180)
+    assert up.health(api)[1]["components"]["broker"]["restarts"] == 1
+    # Same address; every topic with its partition count; a fresh worker (its state went with the broker).
+    assert f"tcp://127.0.0.1:{info['broker_port']}" in cmdline(up.child("tansu"))
+    topics = AdminClient(admin_config(info["bootstrap"])).list_topics(timeout=10).topics
+    assert {t.name: len(topics[t.name].partitions) for t in ALL_TOPICS} == {
+        t.name: DEFAULT_PARTITIONS for t in ALL_TOPICS
+    }
+    assert up.child("trainmedic.streams_worker") != worker
+    assert "events it held that no consumer had read are lost" in up.text()
+
+    kern = tmp_path / "kern.log"
+    kern.write_text(xid79_line("gpu05") + "\n")
+    pub = Publisher(info["bootstrap"], "test-producer")
+    KernelLogProducer(pub, kern, node="gpu05", from_start=True).poll_once()
+    assert pub.flush(10) == 0
+    wait_for(
+        "an incident from the new broker",
+        lambda: [r for r in up.get(api, "/api/incidents?since=1h") if r.get("culprit_node") == "gpu05"],
+        timeout=120,
+    )
+
+
 def test_sigkill_of_up_leaves_no_process_of_its_tree(up: Up) -> None:
     up.wait_up()
     kids = children(up.proc.pid)
