@@ -9,8 +9,8 @@ Three ways, as Slurm places tasks:
   a hostfile): one ``RANK NODE`` per line (``RANK: NODE`` and ``RANK,NODE`` too, ``FIRST-LAST NODE``
   for a range), ``#`` comments and blank lines ignored.
 
-The node list is a Slurm hostlist expression (``gpu[01-04]``), expanded by the Slurm producer's
-expander, the project's one. Under torchrun inside srun (one srun task per node, torchrun
+The node list is a Slurm hostlist expression (``gpu[01-04]``), expanded by slurmio, the
+project's one Slurm layer. Under torchrun inside srun (one srun task per node, torchrun
 starting ``--nproc_per_node`` workers), ranks per node is torchrun's local world size:
 `ranks_per_node_from_log` reads it from the log when the launcher printed it.
 """
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, cast, get_args
 
-from producers.slurm import HostlistError, expand_hostlist
+from slurmio.hostlist import HostlistError, expand_hostlist
 
 Distribution = Literal["block", "cyclic"]
 DISTRIBUTIONS: tuple[str, ...] = get_args(Distribution)
