@@ -23,6 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
 START = REPO / "infra" / "slurm" / "start.sh"
 STOP = REPO / "infra" / "slurm" / "stop.sh"
+START_2411 = REPO / "infra" / "slurm" / "start-2411.sh"
+STOP_2411 = REPO / "infra" / "slurm" / "stop-2411.sh"
 _db_counter = itertools.count(1)
 
 
@@ -58,16 +60,38 @@ def database() -> str:
 
 
 @dataclass(frozen=True)
+class SshLogin:
+    """A login node of a test cluster: where to SSH and with which keys."""
+
+    host: str
+    port: int
+    user: str
+    key: Path
+    known_hosts: Path
+
+
+@dataclass(frozen=True)
 class Cluster:
     slurm_conf: str
     state_dir: Path
+    version: str = "22.05"
+    # 24.11 runs in a trixie root: its clients are wrappers in bin_dir, put first on PATH.
+    bin_dir: Path | None = None
+    login: SshLogin | None = None
 
     def env(self) -> dict[str, str]:
+        path = os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
         return {
-            "PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
+            "PATH": f"{self.bin_dir}:{path}" if self.bin_dir else path,
             "LC_ALL": "C",
             "SLURM_CONF": self.slurm_conf,
         }
+
+    def runner(self) -> Any:
+        """A slurmio LocalRunner that talks to this cluster."""
+        from slurmio.runners import LocalRunner
+
+        return LocalRunner(self.slurm_conf, path=self.env()["PATH"])
 
 
 def _slurm_installed() -> bool:
@@ -97,6 +121,53 @@ def slurm_cluster() -> Iterator[Cluster]:
     yield Cluster(slurm_conf=slurm_conf, state_dir=state_dir)
     if started_here and not os.environ.get("TRAINMEDIC_SLURM_KEEP"):
         subprocess.run(["bash", str(STOP)], capture_output=True, timeout=120, check=False)
+
+
+@pytest.fixture(scope="session")
+def slurm2411_cluster() -> Iterator[Cluster]:
+    """A real Slurm 24.11 (Debian trixie root, infra/slurm/start-2411.sh) beside the 22.05 one.
+
+    The first run builds the root with debootstrap (about a minute, needs the
+    Debian mirror of this machine's apt sources); later runs start in seconds,
+    and a running cluster is left alone (the script is idempotent).
+    """
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run the Slurm 24.11 root (chroot, mount namespace, mknod)")
+    state_dir = Path(os.environ.get("TRAINMEDIC_SLURM2411_DIR", "/tmp/trainmedic-slurm2411"))
+    t0 = time.monotonic()
+    proc = subprocess.run(["bash", str(START_2411)], capture_output=True, text=True, timeout=900, check=False)
+    startup_s = time.monotonic() - t0
+    if proc.returncode != 0:
+        pytest.fail(f"infra/slurm/start-2411.sh failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    print(f"\n[slurm 24.11] {proc.stdout.strip()} (start-2411.sh took {startup_s:.2f}s)")
+    started_here = "already up" not in proc.stdout
+    env: dict[str, str] = {}
+    for token in shlex.split((state_dir / "env.sh").read_text(), comments=True):
+        if "=" in token and not token.startswith("PATH="):
+            key, value = token.split("=", 1)
+            env[key] = value
+    conf, bin_dir = env.get("SLURM_CONF", ""), env.get("TRAINMEDIC_SLURM2411_BIN", "")
+    assert conf and Path(conf).is_file() and bin_dir, f"{state_dir}/env.sh lacks SLURM_CONF / TRAINMEDIC_SLURM2411_BIN"
+    user_host, port = env["TRAINMEDIC_SLURM2411_SSH"].rsplit(":", 1)
+    user, host = user_host.split("@", 1)
+    login = SshLogin(
+        host, int(port), user, Path(env["TRAINMEDIC_SLURM2411_SSH_KEY"]), Path(env["TRAINMEDIC_SLURM2411_KNOWN_HOSTS"])
+    )
+    yield Cluster(slurm_conf=conf, state_dir=state_dir, version="24.11", bin_dir=Path(bin_dir), login=login)
+    if started_here and not os.environ.get("TRAINMEDIC_SLURM_KEEP"):
+        subprocess.run(["bash", str(STOP_2411)], capture_output=True, timeout=120, check=False)
+
+
+SLURM_VERSIONS = ("22.05", "24.11")
+
+
+@pytest.fixture(params=SLURM_VERSIONS)
+def slurm_any(request: pytest.FixtureRequest) -> Cluster:
+    """Each real Slurm this project runs, in turn: a test that takes it runs once per version."""
+    name = "slurm_cluster" if request.param == "22.05" else "slurm2411_cluster"
+    cluster = request.getfixturevalue(name)
+    assert isinstance(cluster, Cluster)
+    return cluster
 
 
 def read_topic(bootstrap: str, topic: str, seconds: float = 3.0) -> list[bytes]:

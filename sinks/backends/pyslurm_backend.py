@@ -49,7 +49,6 @@ from sinks.backends.base import BackendError, JobState, NodeState
 # Slurm's placeholders, counters and hold markers identically.
 from sinks.backends.slurm_cli import (
     JobNotFoundError,
-    LocalRunner,
     _held,
     _opt_str,
     _to_int,
@@ -57,6 +56,7 @@ from sinks.backends.slurm_cli import (
     validate_node_name,
     validate_reason,
 )
+from slurmio.runners import LocalRunner, SlurmCommandError
 
 __all__ = ["PyslurmBackend", "check_versions", "slurm_major"]
 
@@ -109,15 +109,14 @@ def _local_slurm_version() -> str:
     # environment hygiene (and SLURM_CONF) as the CLI backend.
     hint = "pass slurm_version='XX.YY' to PyslurmBackend"
     try:
-        res = LocalRunner()(["scontrol", "--version"], _PROBE_TIMEOUT_S)
-    except BackendError as exc:
+        out = LocalRunner()(["scontrol", "--version"], _PROBE_TIMEOUT_S)
+    except SlurmCommandError as exc:  # slurmio's runner: the message names the command and its exit
         raise BackendError(f"cannot determine the local Slurm version: {exc}; {hint}") from exc
-    if res.returncode != 0 or _VERSION_RE.search(res.stdout) is None:
-        err = res.stderr.strip() or res.stdout.strip() or "(no output)"
+    if _VERSION_RE.search(out) is None:
         raise BackendError(
-            f"cannot determine the local Slurm version: scontrol --version exited {res.returncode}: {err}; {hint}"
+            f"cannot determine the local Slurm version: scontrol --version printed {out.strip()[:200]!r}; {hint}"
         )
-    return res.stdout.strip()
+    return out.strip()
 
 
 def _import_pyslurm() -> Any:

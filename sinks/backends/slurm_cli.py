@@ -1,33 +1,43 @@
 """Slurm backend that drives the Slurm command-line tools (scontrol, squeue, ...).
 
 Commands are argv lists run without a shell. Where they run is decided by a
-``CommandRunner``: ``LocalRunner`` runs them on this machine with an explicit
-environment; an SSH runner (same call signature) can be plugged in later to run
-them on a login node. Every user-supplied value is validated before any command
-is built, so a bad node name or job id never reaches a process.
+slurmio ``Runner`` (``(argv, timeout) -> stdout``, raising SlurmCommandError):
+``LocalRunner`` runs them on this machine with an explicit environment; the
+SSH runner (sinks/backends/slurm_ssh.py) runs them on a login node. Every
+user-supplied value is validated before any command is built, so a bad node
+name or job id never reaches a process.
 
-Checked against Slurm 22.05 (openapi v0.0.38 JSON from ``sinfo``/``squeue``).
+All Slurm output is read through slurmio, so the backend works the same on
+every data parser from 22.05 (v0.0.38) to 24.11 (v0.0.42); both ends are
+tested against real clusters (infra/slurm/start.sh, start-2411.sh).
 """
 
 from __future__ import annotations
 
-import json
-import os
+import contextlib
 import re
-import shlex
-import subprocess
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import NoReturn
 
 from sinks.backends.base import BackendError, JobState, NodeState
+from slurmio.hostlist import HostlistError
+from slurmio.hostlist import expand_hostlist as _expand_hostlist
+from slurmio.records import JobInfo, NodeInfo
+from slurmio.runners import LocalRunner, Runner, SlurmCommandError
+from slurmio.scontrol import is_no_such_job, parse_scontrol_line, show_job
+from slurmio.sinfo import read_sinfo
+from slurmio.squeue import read_jobs
+from slurmio.versions import DataParser, known_versions
+
+#: The runner protocol the backend takes (slurmio's; kept under its old name).
+CommandRunner = Runner
 
 __all__ = [
-    "CommandResult",
     "CommandRunner",
     "JobNotFoundError",
     "LocalRunner",
     "SlurmCliBackend",
+    "parse_scontrol_line",
     "validate_job_id",
     "validate_node_name",
     "validate_reason",
@@ -36,9 +46,9 @@ __all__ = [
 _NODE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _JOB_ID_RE = re.compile(r"[0-9]{1,12}")
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
-_NO_SUCH_JOB = "invalid job id specified"
-_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _EMPTY = ("", "(null)", "None", "N/A")
+# `scontrol show job -o` works on every version: the form to use before any JSON told us the version.
+_TEXT_FORM = known_versions()["v0.0.38"]
 
 
 class JobNotFoundError(BackendError):
@@ -70,70 +80,6 @@ def validate_reason(reason: str) -> str:
     return reason
 
 
-# --------------------------------------------------------------------- transport
-@dataclass(frozen=True)
-class CommandResult:
-    argv: tuple[str, ...]
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-class CommandRunner(Protocol):
-    """Runs one argv (never through a shell) and returns its result.
-
-    Raises BackendError only when the command could not be run at all
-    (missing binary, timeout, transport failure); a non-zero exit is returned.
-    """
-
-    def __call__(self, argv: Sequence[str], timeout: float) -> CommandResult: ...
-
-
-class LocalRunner:
-    """Runs commands on this machine with ``subprocess.run(shell=False)``.
-
-    The child gets an explicit, minimal environment (PATH, LC_ALL=C, HOME and
-    SLURM_CONF) so stray SLURM_* variables of the caller cannot change what the
-    commands do.
-    """
-
-    def __init__(
-        self,
-        slurm_conf: str | None = None,
-        extra_env: Mapping[str, str] | None = None,
-    ) -> None:
-        env: dict[str, str] = {
-            "PATH": os.environ.get("PATH") or _DEFAULT_PATH,
-            "LC_ALL": "C",
-            "HOME": os.environ.get("HOME", "/"),
-        }
-        conf = slurm_conf if slurm_conf is not None else os.environ.get("SLURM_CONF")
-        if conf:
-            env["SLURM_CONF"] = conf
-        if extra_env:
-            env.update(extra_env)
-        self.env: Mapping[str, str] = env
-
-    def __call__(self, argv: Sequence[str], timeout: float) -> CommandResult:
-        args = [str(a) for a in argv]
-        try:
-            proc = subprocess.run(
-                args,
-                shell=False,
-                stdin=subprocess.DEVNULL,
-                capture_output=True,
-                text=True,
-                timeout=timeout,
-                env=dict(self.env),
-                check=False,
-            )
-        except subprocess.TimeoutExpired as exc:
-            raise BackendError(f"{shlex.join(args)} timed out after {timeout:g}s") from exc
-        except OSError as exc:
-            raise BackendError(f"{shlex.join(args)} could not be run: {exc}") from exc
-        return CommandResult(tuple(args), proc.returncode, proc.stdout, proc.stderr)
-
-
 # --------------------------------------------------------------------- backend
 class SlurmCliBackend:
     """SchedulerBackend on top of scontrol / squeue / sinfo / scancel."""
@@ -149,18 +95,20 @@ class SlurmCliBackend:
     ) -> None:
         if runner is not None and slurm_conf is not None:
             raise ValueError("pass slurm_conf to the runner, not together with a custom runner")
-        self._run_cmd: CommandRunner = runner if runner is not None else LocalRunner(slurm_conf)
+        self._run_cmd: Runner = runner if runner is not None else LocalRunner(slurm_conf)
         self.timeout = timeout
+        self.parser: DataParser | None = None  # the cluster's data parser, from the last JSON read
 
     # ---- plumbing
-    def _exec(self, argv: Sequence[str]) -> CommandResult:
+    def _raw(self, argv: Sequence[str]) -> str:
+        """Run one command; SlurmCommandError (exit code and stderr included) passes through."""
         return self._run_cmd(argv, self.timeout)
 
-    def _run(self, argv: Sequence[str]) -> CommandResult:
-        res = self._exec(argv)
-        if res.returncode != 0:
-            raise _error(res)
-        return res
+    def _run(self, argv: Sequence[str]) -> str:
+        try:
+            return self._raw(argv)
+        except SlurmCommandError as exc:
+            _raise_backend_error(exc)
 
     # ---- nodes
     def drain_node(self, node: str, reason: str) -> None:
@@ -189,8 +137,12 @@ class SlurmCliBackend:
         raise BackendError(f"sinfo --json: no such node {node!r}")
 
     def list_nodes(self) -> list[NodeState]:
-        data = _load_json(self._run(["sinfo", "--json"]))
-        return [_node_from_json(e) for e in data.get("nodes") or [] if isinstance(e, dict)]
+        try:
+            doc = read_sinfo(self._run(["sinfo", "--json"]))
+        except SlurmCommandError as exc:  # a shape slurmio does not know (SlurmFormatError)
+            _raise_backend_error(exc)
+        self.parser = doc.parser
+        return [_node_state(n) for n in doc.nodes.values()]
 
     def annotate_job(self, job_id: str, note: str) -> None:
         self._run(["scontrol", "update", f"JobId={validate_job_id(job_id)}", f"Comment={validate_reason(note)}"])
@@ -224,7 +176,8 @@ class SlurmCliBackend:
             self._run(update)
         except BackendError:
             if not was_held:  # best effort; the update error is what gets reported
-                self._exec(["scontrol", "release", job_id])
+                with contextlib.suppress(SlurmCommandError, BackendError):
+                    self._raw(["scontrol", "release", job_id])
             raise
         if not was_held:
             self._run(["scontrol", "release", job_id])
@@ -247,129 +200,79 @@ class SlurmCliBackend:
 
     def job_state(self, job_id: str) -> JobState:
         job_id = validate_job_id(job_id)
-        res = self._exec(["squeue", "--json", "--jobs", job_id])
-        if res.returncode == 0:
-            # 22.05's `squeue --json` ignores --jobs and lists every job: filter here.
-            for entry in _load_json(res).get("jobs") or []:
-                if isinstance(entry, dict) and str(entry.get("job_id")) == job_id:
-                    return self._job_from_json(job_id, entry)
-        elif _NO_SUCH_JOB not in res.stderr.lower():
-            raise _error(res)
-        return self._job_from_scontrol(job_id)
+        try:
+            # --states=all: 23.02+ answer a finished job's id with "Invalid job id" without it.
+            doc = read_jobs(self._raw(["squeue", "--json", "--states=all", "--jobs", job_id]))
+        except SlurmCommandError as exc:
+            if isinstance(exc, BackendError) or not is_no_such_job(exc):
+                _raise_backend_error(exc)
+        else:
+            self.parser = doc.parser
+            # 22.05's `squeue --json` ignores --jobs and lists every job: the lookup filters.
+            if job_id in doc.jobs:
+                return self._job_state(doc.jobs[job_id])
+        try:
+            found = show_job(self._run_cmd, job_id, self.timeout, self.parser or _TEXT_FORM)
+        except SlurmCommandError as exc:
+            _raise_backend_error(exc)
+        if found is None:
+            raise JobNotFoundError(f"job {job_id} does not exist (squeue and scontrol do not know it)")
+        return self._job_state(found)
 
     # ---- parsing helpers
     def expand_hostlist(self, nodelist: str | None) -> tuple[str, ...]:
-        """Expand a Slurm hostlist like ``gpu[01-03],cpu1`` to node names."""
-        if nodelist is None or nodelist.strip() in _EMPTY:
-            return ()
-        text = nodelist.strip()
-        if "[" not in text:
-            return tuple(n for n in text.split(",") if n)
-        out = self._run(["scontrol", "show", "hostnames", text]).stdout
-        return tuple(line.strip() for line in out.splitlines() if line.strip())
+        """Expand a Slurm hostlist like ``gpu[01-03],cpu1`` to node names (slurmio.hostlist)."""
+        try:
+            return tuple(_expand_hostlist(nodelist))
+        except HostlistError as exc:
+            raise BackendError(str(exc)) from exc
 
-    def _job_from_json(self, job_id: str, entry: Mapping[str, Any]) -> JobState:
+    def _job_state(self, job: JobInfo) -> JobState:
         extra = {
-            k: str(entry[k])
-            for k in ("state_reason", "priority", "batch_host", "required_nodes")
-            if entry.get(k) is not None
+            k: str(v)
+            for k, v in (
+                ("state_reason", job.state_reason),
+                ("priority", job.priority),
+                ("batch_host", job.batch_host),
+                ("required_nodes", job.required_nodes or None),
+            )
+            if v is not None
         }
         return JobState(
-            job_id=job_id,
-            state=str(entry.get("job_state") or "UNKNOWN").upper(),
-            nodes=self.expand_hostlist(_opt_str(entry.get("nodes"))),
-            excluded_nodes=self.expand_hostlist(_opt_str(entry.get("excluded_nodes"))),
-            partition=_opt_str(entry.get("partition")),
-            name=_opt_str(entry.get("name")),
-            restart_count=_to_int(entry.get("restart_cnt")),
-            comment=_opt_str(entry.get("comment")),
-            held=_held(extra),
-            extra=extra,
-        )
-
-    def _job_from_scontrol(self, job_id: str) -> JobState:
-        res = self._exec(["scontrol", "show", "job", "-o", job_id])
-        if res.returncode != 0:
-            if _NO_SUCH_JOB in res.stderr.lower():
-                raise JobNotFoundError(f"job {job_id} does not exist: {_describe(res)}")
-            raise _error(res)
-        line = next((ln for ln in res.stdout.splitlines() if ln.startswith("JobId=")), "")
-        fields = parse_scontrol_line(line)
-        if fields.get("JobId") != job_id:
-            raise JobNotFoundError(f"job {job_id} does not exist: {_describe(res)}")
-        state = fields.get("JobState", "UNKNOWN").upper()
-        names = {
-            "Reason": "state_reason",
-            "Priority": "priority",
-            "BatchHost": "batch_host",
-            "ReqNodeList": "required_nodes",
-        }
-        extra = {ours: fields[theirs] for theirs, ours in names.items() if theirs in fields}
-        return JobState(
-            job_id=job_id,
-            state=state,
-            nodes=self.expand_hostlist(fields.get("NodeList")),
-            excluded_nodes=self.expand_hostlist(fields.get("ExcNodeList")),
-            partition=_opt_str(fields.get("Partition")),
-            name=_opt_str(fields.get("JobName")),
-            restart_count=_to_int(fields.get("Restarts")),
-            comment=_opt_str(fields.get("Comment")),
-            held=_held(extra),
+            job_id=job.job_id,
+            state=job.state,
+            nodes=self.expand_hostlist(job.nodes),
+            excluded_nodes=self.expand_hostlist(job.excluded_nodes),
+            partition=job.partition,
+            name=job.name,
+            restart_count=job.restart_cnt,
+            comment=job.comment,
+            held=job.held,
             extra=extra,
         )
 
 
 # --------------------------------------------------------------------- module helpers
-_KEY_RE = re.compile(r"(?:^|\s)([A-Za-z][A-Za-z0-9_/:.]*)=")
-
-
 def _held(extra: Mapping[str, str]) -> bool:
     # A held job has priority 0 and a JobHeld* reason (requeuehold sets JobHeldAdmin).
     return extra.get("priority") == "0" or extra.get("state_reason", "").startswith("JobHeld")
 
 
-def parse_scontrol_line(line: str) -> dict[str, str]:
-    """Parse one ``scontrol show -o`` line into Key -> value.
-
-    Values may contain spaces (Reason=, Command=, paths), so a value runs up to
-    the next `` Key=``. The first occurrence of a key wins.
-    """
-    fields: dict[str, str] = {}
-    matches = list(_KEY_RE.finditer(line))
-    for i, m in enumerate(matches):
-        end = matches[i + 1].start() if i + 1 < len(matches) else len(line)
-        fields.setdefault(m.group(1), line[m.end() : end].strip())
-    return fields
+def _raise_backend_error(exc: SlurmCommandError) -> NoReturn:
+    # The SSH runner's transport errors (SshHostKeyError, ...) are BackendErrors already: keep their type.
+    if isinstance(exc, BackendError):
+        raise exc
+    raise BackendError(str(exc)) from exc
 
 
-def _node_from_json(entry: Mapping[str, Any]) -> NodeState:
-    raw_state = str(entry.get("state") or "UNKNOWN").upper()
-    # Defensive: some versions put flags into the state string ("IDLE+DRAIN").
-    base, *inline_flags = raw_state.split("+")
-    flags = [str(f).upper() for f in entry.get("state_flags") or []]
-    flags.extend(f for f in inline_flags if f and f not in flags)
-    reason = entry.get("reason")
-    partitions = entry.get("partitions") or []
+def _node_state(node: NodeInfo) -> NodeState:
     return NodeState(
-        name=str(entry.get("name")),
-        state=base,
-        flags=tuple(flags),
-        reason=str(reason) if reason else None,
-        partitions=tuple(str(p) for p in partitions),
+        name=node.name,
+        state=node.state,
+        flags=node.flags,
+        reason=node.reason,
+        partitions=node.partitions,
     )
-
-
-def _load_json(res: CommandResult) -> dict[str, Any]:
-    try:
-        data = json.loads(res.stdout)
-    except json.JSONDecodeError as exc:
-        raise BackendError(f"{shlex.join(res.argv)}: output is not JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise BackendError(f"{shlex.join(res.argv)}: unexpected JSON {type(data).__name__}")
-    errors = data.get("errors") or []
-    if errors:
-        raise BackendError(f"{shlex.join(res.argv)}: errors {errors!r}")
-    return data
 
 
 def _opt_str(value: object) -> str | None:
@@ -384,12 +287,3 @@ def _to_int(value: object) -> int:
         return int(str(value))
     except (TypeError, ValueError):
         return 0
-
-
-def _describe(res: CommandResult) -> str:
-    err = res.stderr.strip() or res.stdout.strip() or "(no output)"
-    return f"{shlex.join(res.argv)} exited {res.returncode}: {err}"
-
-
-def _error(res: CommandResult) -> BackendError:
-    return BackendError(_describe(res))

@@ -1,7 +1,10 @@
 """SSH mode: the Slurm CLI backend with its commands run on a login node over SSH.
 
-``SshRunner`` is a ``CommandRunner`` (``(argv, timeout) -> CommandResult``) that
-keeps one asyncssh connection open and runs each argv as one remote command.
+``SshRunner`` is a slurmio ``Runner`` (``(argv, timeout) -> stdout``, raising
+SlurmCommandError naming the command) that keeps one asyncssh connection open
+and runs each argv as one remote command. Its transport errors (`SshError`)
+are both BackendError and SlurmCommandError, so the backends and the
+producers, which take any slurmio runner, handle them alike.
 
 Security properties, all enforced here rather than left to configuration:
 
@@ -38,12 +41,14 @@ from typing import Any, TypeVar
 import asyncssh
 
 from sinks.backends.base import BackendError
-from sinks.backends.slurm_cli import CommandResult, SlurmCliBackend
+from sinks.backends.slurm_cli import SlurmCliBackend
+from slurmio.runners import SlurmCommandError
 
 __all__ = [
     "ALLOWED_COMMANDS",
     "SlurmSshBackend",
     "SshAuthError",
+    "SshError",
     "SshHostKeyError",
     "SshRunner",
     "slurm_ssh_backend",
@@ -65,11 +70,15 @@ _SAFETY_MARGIN_S = 5.0
 _T = TypeVar("_T")
 
 
-class SshHostKeyError(BackendError):
+class SshError(BackendError, SlurmCommandError):
+    """The SSH transport failed (connect, login, lost link, timeout); the message says whether it ran."""
+
+
+class SshHostKeyError(SshError):
     """The server's host key is not in known_hosts (or differs): nothing was run."""
 
 
-class SshAuthError(BackendError):
+class SshAuthError(SshError):
     """The server refused our key: nothing was run."""
 
 
@@ -158,7 +167,7 @@ class SshRunner:
             prefix.append(f"SLURM_CONF={self.slurm_conf}")
         return shlex.join([*prefix, binary, *args[1:]])
 
-    def __call__(self, argv: Sequence[str], timeout: float) -> CommandResult:
+    def __call__(self, argv: Sequence[str], timeout: float) -> str:
         args = tuple(str(a) for a in argv)
         command = self.remote_command(args)
         shown = shlex.join(args)
@@ -196,7 +205,7 @@ class SshRunner:
     def _ensure_loop(self) -> asyncio.AbstractEventLoop:
         with self._thread_lock:
             if self._closed:
-                raise BackendError(f"SSH runner for {self.target} is closed")
+                raise SshError(f"SSH runner for {self.target} is closed")
             if self._loop is None:
                 loop = asyncio.new_event_loop()
                 thread = threading.Thread(
@@ -217,9 +226,9 @@ class SshRunner:
             return future.result(timeout=budget)
         except TimeoutError as exc:  # concurrent.futures.TimeoutError is this builtin since 3.11
             if future.done():  # the coroutine's own TimeoutError, not our wait running out
-                raise BackendError(f"{what}: {type(exc).__name__}: {exc}") from exc
+                raise SshError(f"{what}: {type(exc).__name__}: {exc}") from exc
             future.cancel()
-            raise BackendError(f"{what}: no answer after {budget:g}s") from exc
+            raise SshError(f"{what}: no answer after {budget:g}s") from exc
 
     async def _connection(self) -> asyncssh.SSHClientConnection:
         if self._conn_lock is None:  # created here so it belongs to the runner's loop
@@ -269,7 +278,7 @@ class SshRunner:
                 f"SSH login as {self.target} with key {self.key_path} was refused; nothing was run: {exc.reason}"
             ) from None
         except (TimeoutError, asyncssh.Error, OSError) as exc:
-            raise BackendError(
+            raise SshError(
                 f"SSH connect to {self.target} failed; nothing was run: {type(exc).__name__}: {_reason(exc)}"
             ) from None
         self.connections_opened += 1
@@ -283,7 +292,7 @@ class SshRunner:
             with contextlib.suppress(TimeoutError, asyncssh.Error, OSError):
                 await asyncio.wait_for(conn.wait_closed(), self.connect_timeout)
 
-    async def _run(self, args: tuple[str, ...], command: str, timeout: float) -> CommandResult:
+    async def _run(self, args: tuple[str, ...], command: str, timeout: float) -> str:
         shown = shlex.join(args)
         for attempt in (1, 2):
             conn = await self._connection()
@@ -296,13 +305,13 @@ class SshRunner:
                 if attempt == 1:
                     log.info("ssh %s: channel open failed (%s); retrying on a new connection", self.target, exc.reason)
                     continue
-                raise BackendError(f"{shown} could not be run over SSH to {self.target}: {exc.reason}") from None
+                raise SshError(f"{shown} could not be run over SSH to {self.target}: {exc.reason}") from None
             except asyncssh.TimeoutError as exc:
-                raise BackendError(f"{shown} timed out after {timeout:g}s over SSH to {self.target}") from exc
+                raise SshError(f"{shown} timed out after {timeout:g}s over SSH to {self.target}") from exc
             except (asyncssh.Error, OSError) as exc:
                 # Lost mid-command: it may or may not have run; the caller verifies state.
                 await self._forget(conn)
-                raise BackendError(
+                raise SshError(
                     f"{shown}: SSH connection to {self.target} lost while running; outcome unknown: {_reason(exc)}"
                 ) from None
             return self._result(args, result)
@@ -313,19 +322,24 @@ class SshRunner:
             self._conn = None
         conn.close()
 
-    def _result(self, args: tuple[str, ...], result: asyncssh.SSHCompletedProcess) -> CommandResult:
+    def _result(self, args: tuple[str, ...], result: asyncssh.SSHCompletedProcess) -> str:
         stdout = _text(result.stdout)
         stderr = _text(result.stderr)
         if result.exit_status is None or result.exit_status < 0:
             signal = result.exit_signal[0] if result.exit_signal else "unknown"
-            raise BackendError(f"{shlex.join(args)} was killed on {self.target} (signal {signal}): {stderr.strip()}")
+            raise SshError(f"{shlex.join(args)} was killed on {self.target} (signal {signal}): {stderr.strip()}")
         code = int(result.exit_status)
         if code in _NOT_RUN_CODES and not stdout:
-            # Same contract as LocalRunner: a missing binary raises, a failing one returns.
-            raise BackendError(
-                f"{shlex.join(args)} could not be run on {self.target} (exit {code}): {stderr.strip() or '(no output)'}"
+            raise SshError(
+                f"{shlex.join(args)} could not be run on {self.target} (exit {code}): {stderr.strip() or '(no output)'}",
+                argv=args,
+                returncode=code,
+                stderr=stderr,
             )
-        return CommandResult(args, code, stdout, stderr)
+        if code != 0:
+            # Same contract as slurmio's LocalRunner: exit code and stderr ride along.
+            raise SlurmCommandError.exited(args, code, stdout, stderr, where=f" on {self.target}")
+        return stdout
 
 
 class SlurmSshBackend(SlurmCliBackend):

@@ -1,6 +1,7 @@
-"""SlurmCliBackend against a REAL local Slurm 22.05 cluster (infra/slurm/start.sh).
+"""SlurmCliBackend against the REAL local Slurm clusters: every test runs on
+22.05 (infra/slurm/start.sh) and on 24.11 (infra/slurm/start-2411.sh).
 
-Needs root (the cluster runs as SlurmUser=root and mknods fake GPU devices).
+Needs root (the clusters run as SlurmUser=root and mknod fake GPU devices).
 Tests are order-independent: every test starts with gpu01..gpu04 idle and
 undrained, and cancels its jobs / resumes its nodes on teardown.
 """
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from sinks.backends.base import BackendError, SchedulerBackend
-from sinks.backends.slurm_cli import CommandResult, LocalRunner, SlurmCliBackend
+from sinks.backends.slurm_cli import LocalRunner, SlurmCliBackend
 from tests.conftest import Cluster
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,19 +52,19 @@ def _wait_for(what: str, probe: Callable[[], bool], timeout: float, interval: fl
 
 
 @pytest.fixture
-def backend(slurm_cluster: Cluster) -> SlurmCliBackend:
-    return SlurmCliBackend(slurm_conf=slurm_cluster.slurm_conf)
+def backend(slurm_any: Cluster) -> SlurmCliBackend:
+    return SlurmCliBackend(slurm_any.runner())
 
 
 @pytest.fixture(autouse=True)
-def clean_cluster(slurm_cluster: Cluster, backend: SlurmCliBackend) -> Iterator[None]:
+def clean_cluster(slurm_any: Cluster, backend: SlurmCliBackend) -> Iterator[None]:
     """Every test starts and ends with no live jobs and all nodes idle/undrained."""
 
     def reset() -> None:
-        live = _run(slurm_cluster, "squeue", "-h", "-t", "all", "-o", "%i %T").split()
+        live = _run(slurm_any, "squeue", "-h", "-t", "all", "-o", "%i %T").split()
         ids = [j for j, st in zip(live[::2], live[1::2], strict=True) if st not in TERMINAL]
         if ids:
-            _run(slurm_cluster, "scancel", *ids)
+            _run(slurm_any, "scancel", *ids)
         for node in NODES:
             state = backend.node_state(node)
             if state.drained or state.state in ("DOWN", "FAIL"):
@@ -81,11 +82,11 @@ def clean_cluster(slurm_cluster: Cluster, backend: SlurmCliBackend) -> Iterator[
 
 
 @pytest.fixture
-def submit(slurm_cluster: Cluster, backend: SlurmCliBackend) -> Iterator[Callable[..., str]]:
+def submit(slurm_any: Cluster, backend: SlurmCliBackend) -> Iterator[Callable[..., str]]:
     submitted: list[str] = []
 
     def _submit(*args: str) -> str:
-        out = _run(slurm_cluster, "sbatch", "--parsable", "--output=/dev/null", *args).strip()
+        out = _run(slurm_any, "sbatch", "--parsable", "--output=/dev/null", *args).strip()
         job_id = out.split(";")[0]
         submitted.append(job_id)
         return job_id
@@ -106,7 +107,7 @@ class RecordingRunner:
         self.inner = inner
         self.calls: list[tuple[str, ...]] = []
 
-    def __call__(self, argv: Sequence[str], timeout: float) -> CommandResult:
+    def __call__(self, argv: Sequence[str], timeout: float) -> str:
         self.calls.append(tuple(argv))
         return self.inner(argv, timeout)
 
@@ -189,8 +190,8 @@ def test_hold_release_and_cancel(backend: SlurmCliBackend, submit: Callable[...,
     _wait_for("job CANCELLED", lambda: backend.job_state(job).state == "CANCELLED", 30)
 
 
-def test_shell_metacharacters_in_node_name_never_run(slurm_cluster: Cluster, tmp_path: Path) -> None:
-    runner = RecordingRunner(LocalRunner(slurm_cluster.slurm_conf))
+def test_shell_metacharacters_in_node_name_never_run(slurm_any: Cluster, tmp_path: Path) -> None:
+    runner = RecordingRunner(slurm_any.runner())
     backend = SlurmCliBackend(runner)
     pwned = tmp_path / "pwned"
     for bad in (
@@ -228,3 +229,18 @@ def test_unknown_node_raises(backend: SlurmCliBackend) -> None:
         backend.node_state("nosuch")
     with pytest.raises(BackendError, match="scontrol update NodeName=nosuch"):
         backend.resume_node("nosuch")
+
+
+def test_requeue_of_a_held_pending_job_only_narrows_its_nodes(
+    backend: SlurmCliBackend, submit: Callable[..., str]
+) -> None:
+    """A held job is PENDING: ExcNodeList is updated in place, the hold is kept, nothing restarts."""
+    job = submit("--hold", "--nodes=3", "--wrap", "sleep 600")
+    backend.requeue_job(job, ["gpu01"])
+    js = backend.job_state(job)
+    assert js.state == "PENDING" and js.held
+    assert js.excluded_nodes == ("gpu01",) and js.restart_count == 0
+    backend.release_job(job)
+    _wait_for("job RUNNING", lambda: backend.job_state(job).state == "RUNNING", 30)
+    js = backend.job_state(job)
+    assert sorted(js.nodes) == ["gpu02", "gpu03", "gpu04"]
