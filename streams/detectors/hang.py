@@ -478,16 +478,25 @@ DUMP_THREAD = re.compile(
     r"Thread (?:0x[0-9a-fA-F]+|\d+) (?:\((?:active|idle|most recent call first)|\(Thread 0x))"
 )
 # Innermost frames that mean "parked": waiting in a collective, or for the data loader.
+# py-spy writes "func (file:line)", faulthandler 'File "file", line N in func'.
+_COLLECTIVE_FUNCS = r"(?:all_?reduce|all_?gather\w*|reduce_scatter\w*|all_to_all\w*|alltoall\w*|broadcast\w*|barrier|\w*wait\w*|recv|send)"
 PARKED_IN: tuple[tuple[str, re.Pattern[str]], ...] = (
     (
         "a collective",
         re.compile(
             r"nccl\w*Kernel|ProcessGroupNCCL|\b(?:all_?reduce|all_?gather\w*|reduce_scatter\w*|all_to_all\w*|"
             r"alltoall\w*|broadcast|barrier|_wait\w*)\b.*(?:distributed|c10d|deepspeed|comm|nccl)|"
-            r"torch/distributed/\S*\b(?:wait|barrier)"
+            r"torch/distributed/\S*\b(?:wait|barrier)|"
+            rf'File "[^"]*(?:torch/distributed|deepspeed/comm|nccl)[^"]*", line \d+ in {_COLLECTIVE_FUNCS}\b'
         ),
     ),
-    ("the data loader", re.compile(r"torch/utils/data/\S*dataloader|_worker_loop|_next_data|_try_get_data")),
+    (
+        "the data loader",
+        re.compile(
+            r"torch/utils/data/\S*dataloader|_worker_loop|_next_data|_try_get_data|"
+            r'File "[^"]*torch/utils/data/[^"]*", line \d+ in \w+'
+        ),
+    ),
 )
 # A dump that follows one of these is a crash report (faulthandler on SIGSEGV), not a stuck job.
 CRASH_DUMP = re.compile(r"Fatal Python error|Segmentation fault|Traceback \(most recent call last\)")

@@ -305,3 +305,19 @@ def test_xid_quoted_in_a_monitoring_alert() -> None:
     rc, report = run_json(*case_files("gpu_m4_xid64_monitoring_instance"))
     assert (rc, report["category"], report["culprit"]) == (1, "gpu_hardware", "gpu02")
     assert report["evidence"][0]["source"] == "kernel"
+
+
+def test_parked_threads_tell_a_hang_dump_from_a_crash_dump() -> None:
+    from producers.joblogs import split_rank_prefix
+    from streams.detectors.hang import parked_threads
+
+    def texts(path: Path) -> list[str]:
+        return [split_rank_prefix(x).text for x in path.read_text().splitlines()]
+
+    # py-spy dumps of hung jobs: BLOOM's eval deadlock (broadcast) and accelerate#3104 (all_gather).
+    bloom = parked_threads(texts(CORPUS / "hang_bloom_eval_pyspy_dumps" / "py-spy-gpu01.out"))
+    assert bloom and bloom[0] == ("a collective", "broadcast (torch/distributed/distributed_c10d.py:1191)")
+    accel = parked_threads(texts(PROGRESS / "pyspy_dump_allgather.log"))
+    assert [what for what, _ in accel] == ["a collective"]  # the idle tqdm monitor's wait() is not one
+    # faulthandler's dump after "Fatal Python error: Segmentation fault" is a crash report, not a hang.
+    assert parked_threads(texts(CORPUS / "unknown_segfault_barrier" / "job.out")) == []
