@@ -325,16 +325,16 @@ class AuditStore:
         db = self.database
         return f"INSERT INTO {db}.{target} ({', '.join(cols)}) SELECT {', '.join(exprs)} FROM {db}.{source}"
 
+    def _missing(self, table: Table) -> str:
+        """WHERE clause for rows (of another table) whose id the table lacks."""
+        return f"{table.id_column} NOT IN (SELECT {table.id_column} FROM {self.database}.{table.name})"
+
     def _copy_missing(self, table: Table, source: str) -> int:
-        """Copy the rows of `source` whose id the table lacks; return how many ids were missing."""
-        db, ident = self.database, table.id_column
-        missing_sql = (
-            f"SELECT count() AS n FROM {db}.{source} WHERE {ident} NOT IN (SELECT {ident} FROM {db}.{table.name})"
-        )
-        missing = int(self.query(missing_sql)[0]["n"])
+        """Copy the rows of `source` whose id the table lacks; return how many there were."""
+        where = self._missing(table)
+        missing = int(self.query(f"SELECT count() AS n FROM {self.database}.{source} WHERE {where}")[0]["n"])
         if missing:
-            copy = self._copy_select(table, source, table.name)
-            self._command(f"{copy} WHERE {ident} NOT IN (SELECT {ident} FROM {db}.{table.name})")
+            self._command(f"{self._copy_select(table, source, table.name)} WHERE {where}")
         return missing
 
     def rebuild(self, table: Table, layout: LayoutSettings) -> bool:
@@ -359,6 +359,12 @@ class AuditStore:
                 self._copy_missing(table, side)
                 self._finish(table, side)
             return False
+        if extra := sorted(set(dict(self._columns(name))) - set(table.column_names)):
+            # Copying only the declared columns would drop these: declare them first.
+            raise AuditStoreError(
+                f"{db}.{name} has column(s) {', '.join(extra)} that sinks/audit_schema.py does not declare; "
+                "declare them before its layout is rebuilt (nothing was changed)"
+            )
         self._command(f"DROP TABLE IF EXISTS {db}.{side}")  # a copy left by a run that failed before its swap
         try:
             self._command(table.ddl(db, layout, name=side))
@@ -391,9 +397,10 @@ class AuditStore:
             self._command(f"RENAME TABLE {db}.{name}__old TO {db}.{side}")
 
     def _finish(self, table: Table, side: str) -> None:
-        if left := self._copy_missing(table, side):
+        where = self._missing(table)
+        if left := int(self.query(f"SELECT count() AS n FROM {self.database}.{side} WHERE {where}")[0]["n"]):
             raise AuditStoreError(
-                f"{self.database}.{side}: {left} row(s) of the old layout were still missing after the copy; "
+                f"{self.database}.{side}: {left} row(s) of the old layout are not in {table.name} after the copy; "
                 "kept there, rerun migrate"
             )
         self._command(f"DROP TABLE IF EXISTS {self.database}.{side}")

@@ -245,7 +245,7 @@ def timeline_sql(wheres: dict[str, str], incident_where: str) -> str:
     )
     if w := wheres.get("anomaly"):
         parts.append(f"""SELECT a.event_time, 'anomaly', toUInt8(1), a.event_id,
-    m.m_incident, nullIf(if(a.job_id = '', m.m_job, a.job_id), ''),
+    m.m_incident, nullIf(if(ifNull(a.job_id, '') = '', m.m_job, a.job_id), ''),
     nullIf(a.node, ''), nullIf(a.partition, ''), toString(a.category),
     concat(a.signature, ' (', a.role, ', ', a.severity, ')', if(a.node = '', '', concat(' on ', a.node)),
         if(a.rank IS NULL, '', concat(' rank ', toString(assumeNotNull(a.rank))))),
@@ -330,8 +330,9 @@ def job_timeline(store: AuditStore, job_id: str) -> dict[str, Any]:
     """
     job = "job_id = {j:String}"
     # Kernel anomalies carry no job: those its incidents list, found by node (the sort key's first column).
+    # ifNull: the same query serves a table still in the old layout (NULL for no job) mid-migration.
     kernel = (
-        "job_id = '' AND node IN (SELECT arrayJoin(job_nodes) FROM {db}.incidents FINAL WHERE job_id = {j:String}) "
+        "ifNull(job_id, '') = '' AND node IN (SELECT arrayJoin(job_nodes) FROM {db}.incidents FINAL WHERE job_id = {j:String}) "
         "AND event_id IN (SELECT arrayJoin(anomaly_ids) FROM {db}.incidents FINAL WHERE job_id = {j:String})"
     )
     kinds = ("incident", "decision", "approval", "guardrail_trip", "action", "action_result")

@@ -167,3 +167,18 @@ def test_rows_written_during_the_copy_are_not_lost(chdb_url: str, database: str,
         assert late[0].event_id in ids and len(ids) == 5
     finally:
         store.close()
+
+
+def test_a_column_the_declaration_lacks_stops_the_rebuild(chdb_url: str, database: str, tmp_path: Path) -> None:
+    """Copying only declared columns would drop it: refused, nothing changed."""
+    store = AuditStore(chdb_url, database, LayoutSettings())
+    try:
+        _old_layout(store, tmp_path)
+        store._command(f"ALTER TABLE {database}.incidents ADD COLUMN site String DEFAULT 'x'")
+        _insert_old(store, _events(time.time() - 86400))
+        with pytest.raises(AuditStoreError, match="site that sinks/audit_schema.py does not declare"):
+            store.migrate()
+        assert not store.layout_matches(BY_NAME["incidents"])
+        assert store.query("SELECT count() AS n FROM {db}.incidents FINAL WHERE site = 'x'")[0]["n"] == 4
+    finally:
+        store.close()
