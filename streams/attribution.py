@@ -61,9 +61,10 @@ def recommended_action(category: Category, isolate: bool) -> ActionKind:
     if category in ("user_code", "oom", "numerical", "storage"):
         # A restart would fail again the same way.
         return "stop"
-    if category in ("gpu_hardware", "node") or isolate:
-        return "drain_and_requeue"
-    return "requeue"
+    # Whether the fault lives on the node is the catalog entry's `isolate`, not the category:
+    # NVIDIA's RESTART_APP Xids (a contained ECC error, say) need the job restarted, not the
+    # node taken out; an uncorrectable ECC error or a node failure takes the node out.
+    return "drain_and_requeue" if isolate else "requeue"
 
 
 class Attributor:
