@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from producers.follow import FileFollower
+from producers.position import FilePosition
 from producers.progress import ProgressParser
 from producers.publisher import Publisher
 from producers.tracebacks import TracebackGrouper
@@ -129,13 +130,15 @@ class JobLogProducer:
         node_of_path: Mapping[Path, str] | None = None,
         from_start: bool = True,
         progress: ProgressParser | None = None,
+        resume: Mapping[Path, FilePosition] | None = None,
     ) -> None:
         self.publisher = publisher
         self.job_id = job_id
         self.layout = layout or JobLayout()
         self.partition = partition
         self.node_of_path = {Path(k): v for k, v in (node_of_path or {}).items()}
-        self.followers = [FileFollower(Path(p), from_start=from_start) for p in paths]
+        saved = {Path(k): v for k, v in (resume or {}).items()}
+        self.followers = [FileFollower(Path(p), from_start=from_start, resume=saved.get(Path(p))) for p in paths]
         # Progress lines (step, step time, loss) also go out as their own events: the
         # hang and straggler detectors live on them.
         self.progress = progress or ProgressParser()
@@ -147,6 +150,26 @@ class JobLogProducer:
         if node:
             self.node_of_path[Path(path)] = node
         self.followers.append(FileFollower(Path(path)))
+
+    def position_key(self, path: Path) -> str:
+        return f"job:{self.job_id}:{path}"
+
+    def positions(self) -> dict[str, FilePosition]:
+        """Positions safe to save: a file with lines held in an open traceback is left at its last save."""
+        out = {}
+        for f in self.followers:
+            grouper = self._groupers.get(f.path)
+            if grouper is not None and grouper.holding:
+                continue
+            if (pos := f.position()) is not None:
+                out[self.position_key(f.path)] = pos
+        return out
+
+    def drain(self) -> None:
+        """Publish what open tracebacks still hold (before a stop)."""
+        now = time.time()
+        for path, grouper in self._groupers.items():
+            self._publish(path, grouper.flush(now, force=True), now)
 
     def poll_once(self) -> int:
         now = time.time()
@@ -167,7 +190,9 @@ class JobLogProducer:
                         text=r.text,
                         ts=now,
                         rank=r.rank,
-                        node=path_node or self.layout.node_of(r.rank),
+                        # The file's node, else the rank's by layout, else the host the line names.
+                        node=path_node or self.layout.node_of(r.rank) or r.host,
+                        gpu=r.gpu,
                         lineno=first + i,
                     )
                 )
