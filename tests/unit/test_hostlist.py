@@ -1,15 +1,15 @@
-"""The pure-Python Slurm hostlist expander of the Slurm producer.
+"""slurmio's Slurm hostlist expander (python-hostlist plus Slurm's placeholders and limits).
 
 Expected values are what `scontrol show hostnames` of Slurm 22.05.8 prints
 for the same input (checked by hand on the local cluster; the Slurm producer's
-integration test compares a few against scontrol live).
+integration test compares a few against scontrol live on 22.05 and 24.11).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from producers.slurm import HostlistError, expand_hostlist
+from slurmio.hostlist import HostlistError, expand_hostlist
 
 
 @pytest.mark.parametrize(
