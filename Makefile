@@ -38,7 +38,7 @@ system-deps:
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy schemas producers streams sinks trainmedic sim tests bench
+	$(VENV)/bin/mypy schemas producers streams sinks slurmio trainmedic sim tests bench
 
 ## The end-to-end benchmark (minutes): latency, accuracy, status quo, scale; reports in bench/results/.
 bench: $(STAMP)
@@ -49,9 +49,11 @@ unit: $(STAMP)
 
 slurm-up:
 	bash infra/slurm/start.sh
+	bash infra/slurm/start-2411.sh
 
 slurm-down:
 	bash infra/slurm/stop.sh
+	bash infra/slurm/stop-2411.sh
 
 clean:
 	rm -rf var .pytest_cache .mypy_cache .ruff_cache
