@@ -145,7 +145,8 @@ _CHECKPOINT_RULES: tuple[tuple[re.Pattern[str], str, CheckpointMarker, re.Patter
 # --- progress lines ---------------------------------------------------------------------------
 
 _MEGATRON_ITER = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|")
-_MEGATRON_MS = re.compile(r"elapsed time per iteration \(ms\):\s*([^\s|]+)")
+# Megatron-LM prints milliseconds; Megatron-DeepSpeed (BLOOM's logs) prints seconds.
+_MEGATRON_MS = re.compile(r"elapsed time per iteration \((ms|s)\):\s*([^\s|]+)")
 _MEGATRON_LM_LOSS = re.compile(r"\blm[ _]loss:\s*([^\s|]+)")
 _MEGATRON_ANY_LOSS = re.compile(r"\|\s*([A-Za-z_ ]*?loss):\s*([^\s|]+)")
 _MEGATRON_GRAD = re.compile(r"grad norm:\s*([^\s|]+)")
@@ -257,7 +258,9 @@ class ProgressParser:
             if m is None:
                 return None
             ms = _MEGATRON_MS.search(text)
-            step_time = _nonneg(to_float(ms.group(1))) if ms else None
+            step_time = _nonneg(to_float(ms.group(2))) if ms else None
+            if step_time is not None and ms is not None and ms.group(1) == "s":
+                step_time *= 1000.0
             loss: float | None = None
             lm = _MEGATRON_LM_LOSS.search(text)
             if lm:

@@ -207,3 +207,14 @@ def test_custom_patterns() -> None:
 def test_bad_custom_patterns_are_refused(bad: str) -> None:
     with pytest.raises(ValueError, match="progress pattern"):
         ProgressParser([bad])
+
+
+def test_megatron_deepspeed_seconds_per_iteration() -> None:
+    # BLOOM's Megatron-DeepSpeed log (tests/fixtures/corpus/dev/healthy_bloom_loss_spike_recovered) prints seconds.
+    path = FIXTURES / "corpus" / "dev" / "healthy_bloom_loss_spike_recovered" / "job.out"
+    line = next(ln for ln in path.read_text().splitlines() if "elapsed time per iteration (s)" in ln)
+    text = split_rank_prefix(line).text
+    sample = ProgressParser().parse(text, 1.0, 0, None)
+    assert sample is not None and sample.format == "megatron"
+    seconds = float(text.split("elapsed time per iteration (s):")[1].split("|")[0])
+    assert sample.step_time_s == seconds
