@@ -321,6 +321,32 @@ class Action(Event):
     requested_by: str
     incident_time: Timestamp
     first_signal_time: Timestamp
+    # True when `node`'s own kernel/GPU/health monitor reported the fault (root evidence from
+    # the node itself). Otherwise the executor drains `node` for a job only if the scheduler
+    # says the job runs there: a job's output may not take another job's node out of service.
+    node_reported_fault: bool = False
+
+
+# Scheduler calls that may change the cluster, as recorded before they are made.
+AttemptCall = Literal["drain", "requeue", "cancel", "hold"]
+
+
+class ActionAttempt(Event):
+    """A scheduler call the executor is about to make, written (acks=all, flushed) before it.
+
+    Guardrails count these, not results: a call that was sent may have taken effect whatever
+    happened after it (a requeue that failed, a verification that timed out, a crash).
+    """
+
+    type_name: ClassVar[str] = "action_attempt"
+    action_id: str
+    incident_id: str
+    job_id: str | None = None
+    node: str | None = None
+    partition: str | None = None
+    action: ActionKind
+    call: AttemptCall
+    executor: str = Field(min_length=1, max_length=200)  # the replica (client id) that held the lease
 
 
 class ActionResult(Event):
@@ -424,6 +450,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     Incident,
     Decision,
     Action,
+    ActionAttempt,
     ActionResult,
     Approval,
     ModeChange,

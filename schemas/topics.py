@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from schemas.events import (
     Action,
+    ActionAttempt,
     ActionResult,
     Anomaly,
     Approval,
@@ -43,6 +44,11 @@ INCIDENTS = Topic("incidents", Incident, "job id, else node")
 DECISIONS = Topic("decisions", Decision, "job id, else node")
 ACTIONS = Topic("actions", Action, "job id, else node")
 ACTION_RESULTS = Topic("action.results", ActionResult, "job id, else node")
+# One ordered log on one partition (ATTEMPTS_PARTITION), whatever the topic's partition count:
+# the guardrails' count is read back from it in order, and that partition is the executor's
+# lease (the replica its lease group assigns it to is the one replica that acts).
+ACTION_ATTEMPTS = Topic("action.attempts", ActionAttempt, "action id; every record on partition 0")
+ATTEMPTS_PARTITION = 0
 APPROVALS = Topic("approvals", Approval, "job id, else node")
 MODE_CHANGES = Topic("mode.changes", ModeChange, "partition")
 NODE_RETURNS = Topic("node.returns", NodeReturn, "node")
@@ -61,6 +67,7 @@ ALL_TOPICS: tuple[Topic, ...] = (
     DECISIONS,
     ACTIONS,
     ACTION_RESULTS,
+    ACTION_ATTEMPTS,
     APPROVALS,
     MODE_CHANGES,
     NODE_RETURNS,
@@ -85,6 +92,8 @@ def partition_key(event: Event) -> bytes:
         return event.original_topic.encode()
     if isinstance(event, ModeChange):
         return (event.partition or "*").encode()
+    if isinstance(event, ActionAttempt):
+        return event.action_id.encode()  # informative only: produced to ATTEMPTS_PARTITION
     job_id = getattr(event, "job_id", None)
     if job_id:
         return str(job_id).encode()

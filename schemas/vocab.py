@@ -28,7 +28,15 @@ Source = Literal["job_log", "kernel", "scheduler", "gpu", "external"]
 ResultStatus = Literal["done", "failed", "skipped"]
 # Why an operator rejected a recommendation: a short fixed list, so it can be scored.
 RejectReason = Literal["wrong_node", "wrong_category", "not_a_fault", "not_worth_acting", "other"]
-Guardrail = Literal["kill_switch", "partition_not_allowed", "blast_radius", "restart_budget", "node_cooldown"]
+Guardrail = Literal[
+    "kill_switch",
+    "partition_not_allowed",
+    "blast_radius",
+    "restart_budget",
+    "node_cooldown",
+    # The node to drain is not one of the job's nodes per the scheduler (or they cannot be read).
+    "culprit_not_in_job",
+]
 
 CATEGORIES: tuple[str, ...] = get_args(Category)
 ACTIONS: tuple[str, ...] = get_args(ActionKind)

@@ -1,38 +1,73 @@
-"""The executor: a Kafka consumer group that carries out actions on the scheduler.
+"""The executor: carries out actions on the scheduler, one replica at a time.
 
 For each action it acts, reads the scheduler back until the effect is
 visible (or a timeout), publishes an ActionResult, and only then commits the
 action's offset. Each step first checks whether its effect is already there,
 so a redelivered action is not performed twice.
+
+Before every scheduler call that may change the cluster (drain, requeue, hold,
+cancel) the executor writes an ActionAttempt to action.attempts (acks=all,
+flushed), counts it in the guardrails and confirms it still holds the acting
+lease (sinks/lease.py); only then does it make the call. A node is drained for
+a job's incident only when the scheduler says the job runs there, or the node
+itself reported the fault.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from schemas.clients import consumer_config, producer_config, read_records
 from schemas.codec import DecodeError, decode, encode
 from schemas.deadletter import make_dead_letter
-from schemas.events import Action, ActionResult, GuardrailTrip
-from schemas.topics import ACTION_RESULTS, ACTIONS, DEADLETTER, GUARDRAIL_TRIPS, partition_key
+from schemas.events import Action, ActionAttempt, ActionResult, AttemptCall, GuardrailTrip
+from schemas.topics import (
+    ACTION_ATTEMPTS,
+    ACTION_RESULTS,
+    ACTIONS,
+    ATTEMPTS_PARTITION,
+    DEADLETTER,
+    GUARDRAIL_TRIPS,
+    partition_key,
+)
+from schemas.vocab import Guardrail
 from sinks import metrics
 from sinks.backends.base import BackendError, JobState, SchedulerBackend
 from sinks.guardrails import GuardrailFile, Guardrails
+from sinks.lease import ActingLease, Fenced
 
 log = logging.getLogger("trainmedic.executor")
 
 _GONE = ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
 
+# Called before each scheduler call that may change the cluster; raises to prevent the call.
+BeforeCall = Callable[[Action, AttemptCall], None]
+
 
 class VerifyTimeout(RuntimeError):
     pass
+
+
+class Refused(Exception):
+    """A guardrail stopped the action: nothing (more) is done, the refusal is audited."""
+
+    def __init__(self, guardrail: Guardrail, detail: str) -> None:
+        super().__init__(f"{guardrail}: {detail}")
+        self.guardrail: Guardrail = guardrail
+        self.detail = detail
+
+
+class AttemptNotRecorded(RuntimeError):
+    """The attempt record was not acknowledged: the call is not made, the action is retried."""
 
 
 def _marked_restarts(comment: str | None, action_id: str) -> int | None:
@@ -46,12 +81,16 @@ class ExecutorSettings:
     verify_timeout_s: float = 60.0
     poll_interval_s: float = 0.2
     group: str = "trainmedic-executor"
+    # A replica that has not polled its consumers this long leaves the groups and loses the
+    # acting lease; it must exceed the longest action (a few verify timeouts).
+    max_poll_interval_s: float = 300.0
 
 
 @dataclass
 class _Run:
     action: Action
     started_at: float
+    before_call: BeforeCall
     steps: list[str] = field(default_factory=list)
 
 
@@ -62,8 +101,14 @@ class Executor:
 
     # -- one action -----------------------------------------------------------------
 
-    def execute(self, action: Action) -> ActionResult:
-        run = _Run(action, time.time())
+    def execute(self, action: Action, before_call: BeforeCall) -> ActionResult:
+        """Carry out one action. `before_call` runs before every call that may change the cluster
+        (the service records and counts the attempt there, and checks its lease).
+
+        Raises Refused when a guardrail checked at a call stops the action (the culprit check),
+        and lets Fenced and AttemptNotRecorded through: then no result is due from this replica.
+        """
+        run = _Run(action, time.time(), before_call)
         try:
             if action.action == "none":
                 run.steps.append("nothing to do")
@@ -87,7 +132,7 @@ class Executor:
             return self._result(run, "failed", str(exc), verified=False)
 
     def refused(self, action: Action, why: str) -> ActionResult:
-        run = _Run(action, time.time())
+        run = _Run(action, time.time(), _no_call)
         run.steps.append("refused: " + why)
         return self._result(run, "skipped", why, verified=False)
 
@@ -100,6 +145,26 @@ class Executor:
                 raise VerifyTimeout(f"not verified within {self.settings.verify_timeout_s:.0f} s: {what}")
             time.sleep(self.settings.poll_interval_s)
 
+    def _check_culprit(self, a: Action) -> None:
+        """Refuse to drain a node for a job's incident unless the scheduler places the job there
+        or the node reported the fault itself. Fails closed: unreadable placement, no drain."""
+        if not a.job_id or a.node_reported_fault:
+            return
+        try:
+            nodes = self.backend.job_state(a.job_id).nodes
+        except Exception as exc:  # any failure to read the placement: do not drain
+            raise Refused(
+                "culprit_not_in_job",
+                f"not draining {a.node}: the nodes of job {a.job_id} cannot be read from the scheduler ({exc}), "
+                "and only the node's own kernel/GPU report could justify draining it without them",
+            ) from None
+        if a.node not in nodes:
+            raise Refused(
+                "culprit_not_in_job",
+                f"not draining {a.node}: it is not one of job {a.job_id}'s nodes per the scheduler "
+                f"({','.join(nodes) or 'none'}); the job's output named it, the node itself reported nothing",
+            )
+
     def _drain(self, run: _Run) -> None:
         a = run.action
         assert a.node
@@ -111,6 +176,10 @@ class Executor:
             # Someone else drained it: leave their reason alone, it is out of service either way.
             run.steps.append(f"drain {a.node}: already drained by someone else ({state.reason})")
             return
+        # Checked here, just before the call, not only when the action arrived: a redelivered
+        # action is not re-checked by the guardrails, and the job may have moved since.
+        self._check_culprit(a)
+        run.before_call(a, "drain")
         self.backend.drain_node(a.node, a.reason)
 
         def drained() -> bool:
@@ -134,6 +203,7 @@ class Executor:
             )
             if not set(exclude) <= set(before.excluded_nodes):
                 self._wait(f"job {a.job_id} PENDING", lambda: self.backend.job_state(a.job_id or "").state == "PENDING")
+                run.before_call(a, "requeue")
                 self.backend.requeue_job(a.job_id, exclude)
                 run.steps.append(f"requeue {a.job_id}: exclusion of {','.join(exclude)} completed")
             if before.held:
@@ -144,6 +214,8 @@ class Executor:
         elif before.state in _GONE:
             raise BackendError(f"job {a.job_id} is {before.state}; nothing to requeue")
         else:
+            # Recorded before the mark too: a replica that lost the lease writes nothing to the job.
+            run.before_call(a, "requeue")
             self.backend.annotate_job(a.job_id, f"trainmedic {a.action_id} restarts={before.restart_count}")
             self.backend.requeue_job(a.job_id, exclude)
 
@@ -179,6 +251,7 @@ class Executor:
         if a.stop_mode == "hold":
             # Held, not cancelled: the job keeps its place and its history for a human to look at.
             if not (state.held and state.state == "PENDING"):
+                run.before_call(a, "hold")
                 self.backend.hold_job(a.job_id)
 
             def held() -> bool:
@@ -188,6 +261,7 @@ class Executor:
             self._wait(f"job {a.job_id} held", held)
             run.steps.append(f"stop {a.job_id}: verified held (PENDING, held for an operator)")
             return
+        run.before_call(a, "cancel")
         self.backend.cancel_job(a.job_id)
         self._wait(f"job {a.job_id} stopped", lambda: self.backend.job_state(a.job_id or "").state in _GONE)
         run.steps.append(f"stop {a.job_id}: verified CANCELLED")
@@ -214,8 +288,19 @@ class Executor:
         )
 
 
+def _no_call(action: Action, call: AttemptCall) -> None:
+    raise AssertionError(f"a refused action made a {call} call")  # refused() performs nothing
+
+
 class ExecutorService:
-    """The consumer-group loop around Executor. Commit only after the result is published."""
+    """The executor replica: stands by, or holds the acting lease and works the actions topic.
+
+    Every replica joins the lease group; only the lease holder (sinks/lease.py) reads back the
+    attempts, subscribes to the actions topic and calls the scheduler. A replica that loses the
+    lease closes its actions consumer without committing, so the holder after it redoes what it
+    left half done (every step recognises what is already done, and its attempts are counted).
+    Offsets are committed only after the result is published.
+    """
 
     def __init__(
         self,
@@ -227,111 +312,254 @@ class ExecutorService:
         self.executor = executor
         self.guardrails = guardrails or Guardrails(GuardrailFile(None), executor.backend)
         self._bootstrap = bootstrap
-        self._consumer = Consumer(consumer_config(bootstrap, executor.settings.group, client_id))
+        self._client_id = client_id
+        # Names the replica in its attempt records: client ids are often the same on every host.
+        self.replica = f"{client_id}@{socket.gethostname()}:{os.getpid()}:{id(self):x}"
+        settings = executor.settings
+        self._lease = ActingLease(bootstrap, f"{settings.group}.lease", client_id, settings.max_poll_interval_s)
+        self._consumer: Consumer | None = None  # the actions consumer, only while holding the lease
         self._producer = Producer(producer_config(bootstrap, client_id))
+        self._restored_epoch = 0  # the lease epoch whose attempts have been read back
         self.stop_event = threading.Event()
         self.results: list[ActionResult] = []
         self.trips: list[GuardrailTrip] = []
+        self.attempts: list[ActionAttempt] = []  # recorded by this replica
         self.rejected = 0
+        self.fenced = 0  # times this replica found it had lost the lease while working
 
-    def _handle(self, action: Action) -> ActionResult:
+    @property
+    def acting(self) -> bool:
+        """Holds the lease and has read back the attempts: may act."""
+        return self._lease.owned and self._restored_epoch == self._lease.epoch
+
+    # -- the attempt record, the one thing every scheduler call waits for ---------------
+
+    def _before_call(self, action: Action, call: AttemptCall) -> None:
+        if not self.acting:
+            raise Fenced("this replica does not hold the acting lease")
+        attempt = ActionAttempt(
+            event_id=f"att-{action.action_id.removeprefix('act-')}-{call}-{time.time_ns()}",
+            event_time=time.time(),
+            action_id=action.action_id,
+            incident_id=action.incident_id,
+            job_id=action.job_id,
+            node=action.node,
+            partition=action.partition,
+            action=action.action,
+            call=call,
+            executor=self.replica,
+        )
+        # Counted before it is written: if the record fails, this replica still errs on counting.
+        self.guardrails.count(attempt)
+        end = self._record(attempt)
+        # After the record, not before: whatever a confirmed holder did is on the topic before a
+        # successor can hold the lease and read the topic back.
+        self._lease.confirm(end)
+        self.attempts.append(attempt)
+        metrics.ATTEMPTS.labels(call).inc()
+
+    def _record(self, attempt: ActionAttempt) -> int:
+        """Write the attempt to its partition, acks=all, and wait for it; the end offset after it."""
+        delivered: list[tuple[KafkaError | None, int | None]] = []
+
+        def on_delivery(err: KafkaError | None, msg: Message) -> None:
+            delivered.append((err, msg.offset()))
+
+        self._producer.produce(
+            ACTION_ATTEMPTS.name,
+            key=partition_key(attempt),
+            value=encode(attempt),
+            partition=ATTEMPTS_PARTITION,
+            on_delivery=on_delivery,
+        )
+        # One record per flush: the broker's end offset is exact for single-record batches.
+        self._producer.flush(30)
+        err, offset = delivered[0] if delivered else (None, None)
+        if err is not None or offset is None:
+            why = err or "not acknowledged within 30 s"
+            raise AttemptNotRecorded(f"attempt {attempt.call} for {attempt.action_id} not recorded: {why}")
+        return offset + 1
+
+    # -- taking over ----------------------------------------------------------------------
+
+    def _restore(self) -> bool:
+        """Read back every attempt within the guardrails' horizon; False if that failed.
+
+        Fails closed: without the earlier attempts the counts would start from zero, so a
+        replica that cannot read them does not act (it retries)."""
         now = time.time()
-        trip = self.guardrails.check(action, now)
-        if trip is not None:
-            name, detail = trip
-            log.warning("guardrail %s stopped %s: %s", name, action.action_id, detail)
+        try:
+            records = read_records(self._bootstrap, ACTION_ATTEMPTS.name, now - self.guardrails.horizon_s)
+        except (KafkaException, TimeoutError) as exc:
+            log.error("cannot read back %s (%s): not acting until it can be read", ACTION_ATTEMPTS.name, exc)
+            return False
+        attempts = []
+        for _, value in records:
+            try:
+                attempts.append(decode(ActionAttempt, value))
+            except DecodeError as exc:
+                log.error("unreadable record on %s skipped: %s", ACTION_ATTEMPTS.name, exc)
+        counted = self.guardrails.restore(attempts)
+        log.info(
+            "acting lease held: %d attempt record(s) read back from %s, %d new to the guardrails' counts",
+            len(attempts),
+            ACTION_ATTEMPTS.name,
+            counted,
+        )
+        return True
+
+    def _subscribe_actions(self) -> Consumer:
+        settings = self.executor.settings
+        consumer = Consumer(
+            {
+                **consumer_config(self._bootstrap, settings.group, self._client_id),
+                "max.poll.interval.ms": int(settings.max_poll_interval_s * 1000),
+            }
+        )
+        consumer.subscribe(
+            [ACTIONS.name],
+            on_assign=lambda _c, ps: log.info("actions partitions assigned: %s", sorted(p.partition for p in ps)),
+        )
+        return consumer
+
+    def _stand_by(self) -> None:
+        """Stop consuming actions, committing nothing more."""
+        metrics.EXECUTOR_ACTING.set(0)
+        if self._consumer is not None:
+            log.info("standing by: the actions consumer leaves group %s", self.executor.settings.group)
+            try:
+                self._consumer.close()
+            except (KafkaException, RuntimeError) as exc:
+                log.warning("closing the actions consumer: %s", exc)
+            self._consumer = None
+
+    # -- one action ---------------------------------------------------------------------
+
+    def _handle(self, action: Action) -> tuple[ActionResult, GuardrailTrip | None]:
+        now = time.time()
+        try:
+            trip = self.guardrails.check(action, now)
+            if trip is not None:
+                raise Refused(*trip)
+            log.info("executing %s %s job=%s node=%s", action.action_id, action.action, action.job_id, action.node)
+            result = self.executor.execute(action, self._before_call)
+        except Refused as refusal:
+            log.warning("guardrail %s stopped %s: %s", refusal.guardrail, action.action_id, refusal.detail)
             event = GuardrailTrip(
-                event_id=f"grd-{action.action_id.removeprefix('act-')}-{name}",
+                event_id=f"grd-{action.action_id.removeprefix('act-')}-{refusal.guardrail}",
                 event_time=now,
-                guardrail=name,
+                guardrail=refusal.guardrail,
                 action_id=action.action_id,
                 incident_id=action.incident_id,
                 job_id=action.job_id,
                 node=action.node,
                 partition=action.partition,
                 action=action.action,
-                detail=detail,
+                detail=refusal.detail,
             )
-            self._producer.produce(GUARDRAIL_TRIPS.name, key=partition_key(event), value=encode(event))
-            self.trips.append(event)
-            metrics.GUARDRAIL_TRIPS.labels(name).inc()
-            return self.executor.refused(action, f"guardrail {name}: {detail}")
-        log.info("executing %s %s job=%s node=%s", action.action_id, action.action, action.job_id, action.node)
-        result = self.executor.execute(action)
-        if result.status == "done":
-            self.guardrails.record(action, now)
-            if result.verified_at is not None:
-                metrics.ACTION_LATENCY.observe(max(0.0, result.verified_at - action.incident_time))
-        return result
+            return self.executor.refused(action, f"guardrail {refusal.guardrail}: {refusal.detail}"), event
+        if result.status == "done" and result.verified_at is not None:
+            metrics.ACTION_LATENCY.observe(max(0.0, result.verified_at - action.incident_time))
+        return result, None
 
-    def restore(self) -> None:
-        """Read back the results of the actions carried out within the guardrails' horizon."""
-        now = time.time()
-        try:
-            records = read_records(self._bootstrap, ACTION_RESULTS.name, now - self.guardrails.horizon_s)
-        except (KafkaException, TimeoutError) as exc:
-            log.error(
-                "could not read back earlier action results (%s): guardrail counts start from zero; the "
-                "partition drain fraction (read from the scheduler) still applies",
-                exc,
-            )
-            return
-        results = []
-        for _, value in records:
-            try:
-                results.append(decode(ActionResult, value))
-            except DecodeError:
-                continue  # the audit sink dead-letters it
-        log.info(
-            "guardrails: %d carried-out action(s) read back from %s",
-            self.guardrails.restore(results),
-            ACTION_RESULTS.name,
+    def _dead_letter(self, consumer: Consumer, msg: Message, exc: DecodeError) -> None:
+        # An action we cannot read is never guessed at: dead-letter it, loudly.
+        self.rejected += 1
+        log.error("rejected undecodable action at %s/%s: %s", msg.partition(), msg.offset(), exc)
+        letter = make_dead_letter(
+            "sinks.executor", msg.topic() or ACTIONS.name, msg.partition(), msg.offset(), str(exc), msg.value()
         )
+        self._producer.produce(DEADLETTER.name, key=partition_key(letter), value=encode(letter))
+        if self._producer.flush(30) != 0:
+            log.error("dead letter for %s/%s not delivered; not committing", msg.partition(), msg.offset())
+            self._retry_later(consumer, msg)
+            return
+        consumer.commit(message=msg, asynchronous=False)
+
+    @staticmethod
+    def _retry_later(consumer: Consumer, msg: Message) -> None:
+        """Poll this message again (the position has moved past it)."""
+        consumer.seek(TopicPartition(msg.topic() or ACTIONS.name, msg.partition() or 0, msg.offset() or 0))
+
+    def _process(self, consumer: Consumer, msg: Message) -> None:
+        try:
+            action = decode(Action, msg.value() or b"")
+        except DecodeError as exc:
+            self._dead_letter(consumer, msg, exc)
+            return
+        _, ts_ms = msg.timestamp()
+        if ts_ms > 0:
+            metrics.RECORD_AGE.labels("executor", ACTIONS.name).set(max(0.0, time.time() - ts_ms / 1000))
+        try:
+            result, trip = self._handle(action)
+        except AttemptNotRecorded as exc:
+            log.error("%s: no scheduler call made; %s is retried", exc, action.action_id)
+            self._retry_later(consumer, msg)
+            self.stop_event.wait(1.0)
+            return
+        # Only the lease holder says what happened: a fenced replica's verdict could overwrite
+        # its successor's (raises Fenced).
+        self._lease.confirm()
+        metrics.ACTIONS.labels(action.action, result.status).inc()
+        if trip is not None:
+            self._producer.produce(GUARDRAIL_TRIPS.name, key=partition_key(trip), value=encode(trip))
+            metrics.GUARDRAIL_TRIPS.labels(trip.guardrail).inc()
+        self._producer.produce(ACTION_RESULTS.name, key=partition_key(result), value=encode(result))
+        if self._producer.flush(30) != 0:
+            log.error("result of %s not delivered; not committing, it is retried", action.action_id)
+            self._retry_later(consumer, msg)
+            return
+        if trip is not None:
+            self.trips.append(trip)
+        self.results.append(result)
+        log.info("result %s: %s %s", action.action_id, result.status, "; ".join(result.steps))
+        consumer.commit(message=msg, asynchronous=False)
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def _step(self) -> None:
+        self._lease.poll(0.0 if self.acting else 0.2)
+        if not self._lease.owned:
+            metrics.EXECUTOR_ACTING.set(0)
+            if self._lease.elsewhere:
+                # Another replica may hold the lease: leave the actions to it. During a rebalance
+                # that may give the lease back, the consumer stays (idle): closing and re-joining
+                # on every membership change would only churn the actions group.
+                self._stand_by()
+            return
+        if self._restored_epoch != self._lease.epoch:
+            # Gained (or regained) the lease: count what every earlier holder attempted first.
+            if not self._restore():
+                self.stop_event.wait(1.0)
+                return
+            self._restored_epoch = self._lease.epoch
+            metrics.EXECUTOR_ACTING.set(1)
+        if self._consumer is None:
+            self._consumer = self._subscribe_actions()
+        consumer = self._consumer
+        msg = consumer.poll(0.2)
+        if msg is None:
+            return
+        if (err := msg.error()) is not None:
+            if err.code() != KafkaError._PARTITION_EOF:
+                log.warning("consumer error: %s", err)
+            return
+        try:
+            self._process(consumer, msg)
+        except Fenced as exc:
+            # Lost the lease while working: no result, no commit; the next holder redoes it.
+            self.fenced += 1
+            metrics.EXECUTOR_FENCED.inc()
+            log.warning("fenced while handling %s/%s: %s; standing by", msg.partition(), msg.offset(), exc)
+            self._stand_by()
+            self._lease.rejoin()
 
     def run(self) -> None:
-        self.restore()
-        self._consumer.subscribe([ACTIONS.name])
+        self._lease.join()
         try:
             while not self.stop_event.is_set():
-                msg = self._consumer.poll(0.2)
-                if msg is None:
-                    continue
-                if (err := msg.error()) is not None:
-                    if err.code() != KafkaError._PARTITION_EOF:
-                        log.warning("consumer error: %s", err)
-                    continue
-                try:
-                    action = decode(Action, msg.value() or b"")
-                except DecodeError as exc:
-                    # An action we cannot read is never guessed at: dead-letter it, loudly.
-                    self.rejected += 1
-                    log.error("rejected undecodable action at %s/%s: %s", msg.partition(), msg.offset(), exc)
-                    letter = make_dead_letter(
-                        "sinks.executor",
-                        msg.topic() or ACTIONS.name,
-                        msg.partition(),
-                        msg.offset(),
-                        str(exc),
-                        msg.value(),
-                    )
-                    self._producer.produce(DEADLETTER.name, key=partition_key(letter), value=encode(letter))
-                    if self._producer.flush(30) != 0:
-                        log.error("dead letter for %s/%s not delivered; not committing", msg.partition(), msg.offset())
-                        continue
-                    self._consumer.commit(message=msg, asynchronous=False)
-                    continue
-                _, ts_ms = msg.timestamp()
-                if ts_ms > 0:
-                    metrics.RECORD_AGE.labels("executor", ACTIONS.name).set(max(0.0, time.time() - ts_ms / 1000))
-                result = self._handle(action)
-                metrics.ACTIONS.labels(action.action, result.status).inc()
-                self._producer.produce(ACTION_RESULTS.name, key=partition_key(result), value=encode(result))
-                if self._producer.flush(30) != 0:
-                    log.error("result of %s not delivered; not committing, it will be redelivered", action.action_id)
-                    continue
-                self.results.append(result)
-                log.info("result %s: %s %s", action.action_id, result.status, "; ".join(result.steps))
-                self._consumer.commit(message=msg, asynchronous=False)
+                self._step()
         finally:
-            self._consumer.close()
+            self._stand_by()
+            self._lease.close()
             self._producer.flush(5)

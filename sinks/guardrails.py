@@ -2,26 +2,33 @@
 
 Settings live in the `guardrails:` section of the policy file and are reread
 when the file changes, so the kill switch takes effect without a restart.
-Counters of recent drains and requeues are kept in memory and read back from
-the action.results topic when the executor starts, so a restart forgets
-nothing; the per-job budget also reads Slurm's own restart counter. Two
-executor replicas each count only what they did themselves (plus what they
-read at start): the partition drain fraction, read from the scheduler on every
-drain, is the cap they share.
+
+What counts is every scheduler call that may have taken effect, not actions
+that ended well: a drain that was sent counts toward the drain window, the
+node cooldown and the blast radius whether its requeue then failed, timed out
+or the executor crashed; a requeue counts toward the job's restart budget. The
+executor writes an ActionAttempt to the action.attempts topic (acks=all,
+flushed) before each call and feeds it to `count()`; when it takes over the
+acting lease it reads the topic back through the same `count()`. So there is
+one accounting path, a crash between record and call errs on the side of
+counting, and, as exactly one executor replica acts at a time and reads back
+what the previous one recorded before acting, the count holds across replicas.
+The per-job budget also reads Slurm's own restart counter, and the partition
+drain fraction is read from the scheduler on every drain.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import threading
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from schemas.events import Action, ActionResult
+from schemas.events import Action, ActionAttempt, AttemptCall
 from schemas.vocab import Guardrail
 from schemas.yamlsafe import YamlError, load_yaml
 from sinks.backends.base import SchedulerBackend
@@ -100,27 +107,73 @@ class Guardrails:
         self.settings = settings
         self.backend = backend
         self._lock = threading.Lock()
-        self._drains: deque[tuple[float, str]] = deque()
-        self._requeues: dict[str, deque[float]] = {}
+        self._drains: list[tuple[float, str]] = []  # (when, node), in time order
+        self._requeues: dict[str, list[float]] = {}  # job id -> when, in time order
         self._node_acted: dict[str, float] = {}
-        self._done: set[str] = set()  # action ids carried out (this run, or read back at start)
+        self._attempted: set[str] = set()  # action ids with at least one counted call
+        self._counted: set[tuple[str, str]] = set()  # (action id, call): each counts once
 
     @property
     def horizon_s(self) -> float:
-        """How far back carried-out actions still count against a guardrail."""
+        """How far back attempted calls still count against a guardrail."""
         s = self.settings()
         return max(s.drain_window_s, s.restart_window_s, s.node_cooldown_s)
 
-    def restore(self, results: Sequence[ActionResult]) -> int:
-        """Count the actions a previous executor carried out (read back from action.results at
-        start), so that a restart does not reset the blast radius, cooldowns or restart budget."""
-        restored = 0
-        for r in sorted(results, key=lambda r: r.started_at):
-            if r.status != "done" or r.action_id in self._done:
-                continue
-            self._count(r.action_id, r.action, r.node, r.job_id, r.started_at)
-            restored += 1
-        return restored
+    def count(self, attempt: ActionAttempt) -> bool:
+        """Count one scheduler call that may have taken effect: the only way anything is counted,
+        both as the executor makes the call and when it reads action.attempts back.
+
+        One action counts once per kind of call however often it is recorded (a redelivery
+        records its calls again). Returns whether this attempt added to a count.
+        """
+        with self._lock:
+            key = (attempt.action_id, attempt.call)
+            self._attempted.add(attempt.action_id)
+            if key in self._counted:
+                return False
+            self._counted.add(key)
+            at = attempt.event_time
+            if attempt.call == "drain" and attempt.node:
+                bisect.insort(self._drains, (at, attempt.node))
+                self._node_acted[attempt.node] = max(at, self._node_acted.get(attempt.node, 0.0))
+            elif attempt.call == "requeue" and attempt.job_id:
+                bisect.insort(self._requeues.setdefault(attempt.job_id, []), at)
+            # cancel and hold are recorded (and mark the action as attempted) but no limit counts them.
+            return True
+
+    def restore(self, attempts: Iterable[ActionAttempt]) -> int:
+        """Count attempts read back from action.attempts; returns how many added to a count."""
+        return sum(self.count(a) for a in sorted(attempts, key=lambda a: a.event_time))
+
+    def record(self, action: Action, at: float) -> None:
+        """Count every call `action` makes, as if each were attempted at `at` (what-if replays,
+        which have no scheduler to call): through count(), like everything else."""
+        calls: list[AttemptCall] = []
+        if action.action == "drain_and_requeue" and action.node:
+            calls.append("drain")
+        if action.action in ("requeue", "drain_and_requeue") and action.job_id:
+            calls.append("requeue")
+        if action.action == "stop" and action.job_id:
+            calls.append("hold" if action.stop_mode == "hold" else "cancel")
+        for call in calls:
+            self.count(
+                ActionAttempt(
+                    event_id=f"att-{action.action_id}-{call}",
+                    event_time=at,
+                    action_id=action.action_id,
+                    incident_id=action.incident_id,
+                    job_id=action.job_id,
+                    node=action.node,
+                    partition=action.partition,
+                    action=action.action,
+                    call=call,
+                    executor="replay",
+                )
+            )
+
+    def attempted(self, action_id: str) -> bool:
+        with self._lock:
+            return action_id in self._attempted
 
     def check(self, action: Action, now: float) -> Trip | None:
         s = self.settings()
@@ -128,9 +181,10 @@ class Guardrails:
             return "kill_switch", "the global kill switch is on: no scheduler action is taken"
         if action.action == "none":
             return None
-        if action.action_id in self._done:
-            # Already carried out (a redelivery after a crash): the executor recognises it and
-            # publishes the same result again; refusing it now would overwrite "done".
+        if self.attempted(action.action_id):
+            # Its calls are already counted (a redelivery after a crash or a takeover): the
+            # executor finishes it, each step recognising what is already done; refusing it
+            # now would leave a half-done action and overwrite its result.
             return None
         if (
             action.requested_by == "policy"
@@ -156,12 +210,12 @@ class Guardrails:
         last = self._node_acted.get(node)
         if last is not None and now - last < s.node_cooldown_s:
             return "node_cooldown", f"{node} was acted on {now - last:.0f} s ago (cooldown {s.node_cooldown_s:.0f} s)"
-        while self._drains and now - self._drains[0][0] > s.drain_window_s:
-            self._drains.popleft()
-        if len(self._drains) >= s.max_drains_per_window:
-            recent = ", ".join(n for _, n in self._drains)
+        # Attempts older than the window no longer count (nor does memory keep them).
+        self._drains = [(at, n) for at, n in self._drains if now - at <= s.drain_window_s]
+        recent = [n for _, n in self._drains]
+        if len(recent) >= s.max_drains_per_window:
             return "blast_radius", (
-                f"{len(self._drains)} node(s) drained in the last {s.drain_window_s:.0f} s ({recent}); "
+                f"{len(recent)} drain(s) attempted in the last {s.drain_window_s:.0f} s ({', '.join(recent)}); "
                 f"max_drains_per_window is {s.max_drains_per_window}: not draining {node}"
             )
         nodes = self.backend.list_nodes()
@@ -178,32 +232,17 @@ class Guardrails:
         return None
 
     def _check_restarts(self, s: GuardrailSettings, job_id: str, now: float) -> Trip | None:
-        times = self._requeues.setdefault(job_id, deque())
-        while times and now - times[0] > s.restart_window_s:
-            times.popleft()
+        times = [at for at in self._requeues.get(job_id, ()) if now - at <= s.restart_window_s]
+        self._requeues[job_id] = times
+        used_here = len(times)
         try:
             slurm_restarts = self.backend.job_state(job_id).restart_count
         except Exception:  # an unknown job fails later, in the action itself, with its own error
             slurm_restarts = 0
-        used = max(len(times), slurm_restarts)
+        used = max(used_here, slurm_restarts)
         if used >= s.max_restarts_per_job:
             return "restart_budget", (
                 f"job {job_id} was restarted {used} time(s) (max_restarts_per_job {s.max_restarts_per_job} "
                 f"per {s.restart_window_s / 3600:.0f} h): not restarting it again"
             )
         return None
-
-    def record(self, action: Action, now: float) -> None:
-        """Count an action that was carried out."""
-        self._count(action.action_id, action.action, action.node, action.job_id, now)
-
-    def _count(self, action_id: str, kind: str, node: str | None, job_id: str | None, at: float) -> None:
-        with self._lock:
-            if action_id in self._done:
-                return
-            self._done.add(action_id)
-            if node and kind == "drain_and_requeue":
-                self._drains.append((at, node))
-                self._node_acted[node] = max(at, self._node_acted.get(node, 0.0))
-            if job_id and kind in ("requeue", "drain_and_requeue"):
-                self._requeues.setdefault(job_id, deque()).append(at)

@@ -11,6 +11,13 @@ ACTION_LATENCY = Histogram(
     "trainmedic_action_latency_seconds", "Incident published -> effect verified", buckets=LATENCY_BUCKETS
 )
 GUARDRAIL_TRIPS = Counter("trainmedic_guardrail_trips_total", "Actions refused by a guardrail", ["guardrail"])
+ATTEMPTS = Counter(
+    "trainmedic_action_attempts_total", "Scheduler calls recorded on action.attempts before they were made", ["call"]
+)
+EXECUTOR_ACTING = Gauge("trainmedic_executor_acting", "1 while this executor replica holds the acting lease")
+EXECUTOR_FENCED = Counter(
+    "trainmedic_executor_fenced_total", "Times this replica found it had lost the acting lease while working"
+)
 AUDIT_ROWS = Counter("trainmedic_audit_rows_total", "Rows inserted into the audit", ["table"])
 AUDIT_INSERT_FAILURES = Counter("trainmedic_audit_insert_failures_total", "Failed audit inserts (retried)")
 RECORD_AGE = Gauge(

@@ -39,12 +39,15 @@ class _Job:
     held: bool = False
     eligible_at: float = 0.0
     comment: str | None = None
+    requeue: bool = True  # Slurm's --requeue/--no-requeue
 
 
 class SimulatedScheduler:
     name = "simulated"
 
-    def __init__(self, nodes: Sequence[str], partition: str = "gpu", requeue_delay_s: float = 1.0) -> None:
+    def __init__(
+        self, nodes: Sequence[str], partition: str = "gpu", requeue_delay_s: float = 1.0, call_latency_s: float = 0.0
+    ) -> None:
         self._lock = threading.RLock()
         self._nodes = {n: _Node(n, partition) for n in nodes}
         self._jobs: dict[str, _Job] = {}
@@ -52,9 +55,21 @@ class SimulatedScheduler:
         self.requeue_delay_s = requeue_delay_s
         self._listeners: list[Listener] = []
         self.calls: list[str] = []  # every mutating call, for tests and the demo report
+        self.callers: list[str] = []  # the thread that made each of `calls`
+        # How long each mutating call takes before it lands, as on a busy slurmctld (outside the
+        # lock: other clients keep reading the cluster meanwhile). May be changed at any time.
+        self.call_latency_s = call_latency_s
 
     def subscribe(self, listener: Listener) -> None:
         self._listeners.append(listener)
+
+    def _called(self, call: str) -> None:
+        self.calls.append(call)
+        self.callers.append(threading.current_thread().name)
+
+    def _slow(self) -> None:
+        if self.call_latency_s > 0:
+            time.sleep(self.call_latency_s)
 
     def _emit(self, kind: str, change: str, state: JobState | NodeState) -> None:
         for listener in self._listeners:
@@ -62,10 +77,10 @@ class SimulatedScheduler:
 
     # -- job submission (what sbatch does) ------------------------------------------
 
-    def submit(self, name: str, num_nodes: int, partition: str = "gpu") -> str:
+    def submit(self, name: str, num_nodes: int, partition: str = "gpu", requeue: bool = True) -> str:
         with self._lock:
             self._next_id += 1
-            job = _Job(str(self._next_id), name, partition, num_nodes)
+            job = _Job(str(self._next_id), name, partition, num_nodes, requeue=requeue)
             self._jobs[job.job_id] = job
             self._schedule(time.time())
             return job.job_id
@@ -111,56 +126,65 @@ class SimulatedScheduler:
             raise BackendError(f"simulated: no such job {job_id!r}") from None
 
     def drain_node(self, node: str, reason: str) -> None:
+        self._slow()
         with self._lock:
             n = self._node(node)
             n.drained, n.reason = True, reason
-            self.calls.append(f"drain {node}")
+            self._called(f"drain {node}")
             self._emit("node", "DRAIN", self._node_view(n))
 
     def resume_node(self, node: str) -> None:
+        self._slow()
         with self._lock:
             n = self._node(node)
             n.drained, n.reason = False, None
-            self.calls.append(f"resume {node}")
+            self._called(f"resume {node}")
             self._schedule(time.time())
 
     def requeue_job(self, job_id: str, exclude_nodes: Sequence[str]) -> None:
+        self._slow()
         with self._lock:
             job = self._job(job_id)
             if job.state not in ("RUNNING", "PENDING"):
                 raise BackendError(f"simulated: job {job_id} is {job.state}, cannot requeue")
+            if not job.requeue and job.state == "RUNNING":
+                # As `scontrol requeue` on a job submitted with --no-requeue.
+                raise BackendError(f"simulated: job {job_id} is not requeueable (--no-requeue)")
             job.excluded.update(exclude_nodes)
             if job.state == "PENDING":
                 # As Slurm: a queued job is only narrowed, not restarted.
-                self.calls.append(f"exclude {job_id} {','.join(sorted(exclude_nodes))}")
+                self._called(f"exclude {job_id} {','.join(sorted(exclude_nodes))}")
                 return
             job.state, job.nodes = "PENDING", ()
             job.restarts += 1
             job.eligible_at = time.time() + self.requeue_delay_s
-            self.calls.append(f"requeue {job_id} exclude={','.join(sorted(exclude_nodes))}")
+            self._called(f"requeue {job_id} exclude={','.join(sorted(exclude_nodes))}")
             self._emit("job", "REQUEUED", self._job_view(job))
 
     def cancel_job(self, job_id: str) -> None:
+        self._slow()
         with self._lock:
             job = self._job(job_id)
             job.state, job.nodes = "CANCELLED", ()
-            self.calls.append(f"cancel {job_id}")
+            self._called(f"cancel {job_id}")
             self._emit("job", "CANCELLED", self._job_view(job))
             self._schedule(time.time())
 
     def hold_job(self, job_id: str) -> None:
+        self._slow()
         with self._lock:
             job = self._job(job_id)
             if job.state == "RUNNING":
                 job.state, job.nodes = "PENDING", ()
                 job.restarts += 1
             job.held = True
-            self.calls.append(f"hold {job_id}")
+            self._called(f"hold {job_id}")
 
     def release_job(self, job_id: str) -> None:
+        self._slow()
         with self._lock:
             self._job(job_id).held = False
-            self.calls.append(f"release {job_id}")
+            self._called(f"release {job_id}")
             self._schedule(time.time())
 
     def annotate_job(self, job_id: str, note: str) -> None:

@@ -44,7 +44,27 @@ def _read_all(bootstrap: str, topic: str, group: str, expect: int, timeout: floa
     return seen
 
 
-def test_two_executors_in_one_group_perform_each_action_once(broker: EmbeddedBroker) -> None:
+def _requeue_action(i: int, job: str) -> Action:
+    return Action(
+        event_id=f"act-{i}",
+        event_time=1.0,
+        action_id=f"act-{i}",
+        decision_id=f"dec-{i}",
+        incident_id=f"inc-{i}",
+        job_id=job,
+        node=None,
+        partition="gpu",
+        action="requeue",
+        reason=f"trainmedic inc-{i}: hang",
+        requested_by="policy",
+        incident_time=1.0,
+        first_signal_time=0.5,
+    )
+
+
+def test_two_executors_one_acts_the_other_takes_over(broker: EmbeddedBroker) -> None:
+    """Two replicas in one group: one holds the acting lease and does everything; when it
+    stops, the other takes over and carries on. Every action is performed once."""
     sched = SimulatedScheduler([f"gpu{i:02d}" for i in range(1, 41)], requeue_delay_s=0.0)
     jobs = [sched.submit(f"j{i}", 1) for i in range(20)]
     services = [
@@ -59,36 +79,69 @@ def test_two_executors_in_one_group_perform_each_action_once(broker: EmbeddedBro
     for t in threads:
         t.start()
     pub = Publisher(broker.bootstrap, "test")
-    for i, job in enumerate(jobs):
-        pub.publish(
-            ACTIONS,
-            Action(
-                event_id=f"act-{i}",
-                event_time=1.0,
-                action_id=f"act-{i}",
-                decision_id=f"dec-{i}",
-                incident_id=f"inc-{i}",
-                job_id=job,
-                node=None,
-                partition="gpu",
-                action="requeue",
-                reason=f"trainmedic inc-{i}: hang",
-                requested_by="policy",
-                incident_time=1.0,
-                first_signal_time=0.5,
-            ),
-        )
+    for i, job in enumerate(jobs[:10]):
+        pub.publish(ACTIONS, _requeue_action(i, job))
     assert pub.flush(10) == 0
-    results = [decode(ActionResult, v) for v in _read_all(broker.bootstrap, ACTION_RESULTS.name, "r", expect=20)]
-    for s in services:
-        s.stop_event.set()
-    for t in threads:
-        t.join(10)
+    first = [decode(ActionResult, v) for v in _read_all(broker.bootstrap, ACTION_RESULTS.name, "r1", expect=10)]
+    actor = next(i for i, s in enumerate(services) if s.results)
+    standby = services[1 - actor]
+    assert len(services[actor].results) == 10 and standby.results == [] and not standby.acting
+    assert {a.executor for a in services[actor].attempts} == {services[actor].replica}
+    services[actor].stop_event.set()
+    threads[actor].join(30)
+    wait_for("the standby to take over the lease", lambda: standby.acting, timeout=60)
+    for i, job in enumerate(jobs[10:], start=10):
+        pub.publish(ACTIONS, _requeue_action(i, job))
+    assert pub.flush(10) == 0
+    results = [decode(ActionResult, v) for v in _read_all(broker.bootstrap, ACTION_RESULTS.name, "r2", expect=20)]
+    standby.stop_event.set()
+    threads[1 - actor].join(30)
+    assert len(first) == 10
     assert sorted(r.action_id for r in results) == sorted(f"act-{i}" for i in range(20))
     assert all(r.status == "done" for r in results)
     assert sorted(c for c in sched.calls if c.startswith("requeue")) == sorted(f"requeue {j} exclude=" for j in jobs)
     assert all(sched.job_state(j).restart_count == 1 for j in jobs)
-    assert all(s.results for s in services), "the group spread the partitions over both replicas"
+    assert sorted(r.action_id for r in standby.results) == sorted(f"act-{i}" for i in range(10, 20))
+
+
+def test_drain_of_a_node_outside_the_job_is_refused_and_audited(broker: EmbeddedBroker) -> None:
+    """A job on gpu01-04 printed `srun: error: Node failure on gpu06`; gpu06 runs another job.
+    The executor checks the job's placement itself before draining: no drain, the reason in the
+    result and a guardrail trip."""
+    sched = SimulatedScheduler([f"gpu{i:02d}" for i in range(1, 9)], requeue_delay_s=0.0)
+    job, other = sched.submit("train", 4), sched.submit("other", 4)  # gpu01-04, gpu05-08
+    svc = ExecutorService(broker.bootstrap, Executor(sched, ExecutorSettings(verify_timeout_s=10, group="foreign")))
+    thread = threading.Thread(target=svc.run, daemon=True)
+    thread.start()
+    pub = Publisher(broker.bootstrap, "test")
+    pub.publish(
+        ACTIONS,
+        Action(
+            event_id="act-foreign",
+            event_time=time.time(),
+            action_id="act-foreign",
+            decision_id="dec-foreign",
+            incident_id="inc-foreign",
+            job_id=job,
+            node="gpu06",
+            partition="gpu",
+            action="drain_and_requeue",
+            reason="trainmedic inc-foreign: node",
+            requested_by="policy",
+            incident_time=time.time(),
+            first_signal_time=time.time(),
+        ),
+    )
+    assert pub.flush(10) == 0
+    results = [decode(ActionResult, v) for v in _read_all(broker.bootstrap, ACTION_RESULTS.name, "r", expect=1)]
+    trips = [decode(GuardrailTrip, v) for v in _read_all(broker.bootstrap, GUARDRAIL_TRIPS.name, "g", expect=1)]
+    svc.stop_event.set()
+    thread.join(30)
+    assert len(results) == 1 and results[0].status == "skipped", results
+    assert "guardrail culprit_not_in_job: not draining gpu06" in (results[0].error or "")
+    assert "gpu01,gpu02,gpu03,gpu04" in (results[0].error or "")
+    assert [t.guardrail for t in trips] == ["culprit_not_in_job"] and trips[0].node == "gpu06"
+    assert sched.calls == [] and sched.job_state(other).state == "RUNNING"
 
 
 def test_alert_storm_blast_radius_one_drain_then_guardrail(

@@ -1,13 +1,15 @@
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from schemas.events import Action, ActionResult
+from schemas.events import Action, ActionAttempt, AttemptCall
 from sinks.backends.simulated import SimulatedScheduler
-from sinks.executor import Executor, ExecutorSettings
+from sinks.executor import Executor, ExecutorSettings, Refused
 from sinks.guardrails import GuardrailConfigError, GuardrailFile, Guardrails, GuardrailSettings, parse_guardrails
+from sinks.lease import Fenced
 
 NODES = [f"gpu{i:02d}" for i in range(1, 11)]
 
@@ -37,6 +39,30 @@ def action(
     )
 
 
+def attempt(a: Action, call: AttemptCall, at: float) -> ActionAttempt:
+    return ActionAttempt(
+        event_id=f"att-{a.action_id}-{call}-{at}",
+        event_time=at,
+        action_id=a.action_id,
+        incident_id=a.incident_id,
+        job_id=a.job_id,
+        node=a.node,
+        partition=a.partition,
+        action=a.action,
+        call=call,
+        executor="test",
+    )
+
+
+def recording(calls: list[str]) -> Callable[[Action, AttemptCall], None]:
+    """A before-call hook that notes each call it lets through."""
+
+    def before(a: Action, call: AttemptCall) -> None:
+        calls.append(call)
+
+    return before
+
+
 def rails(sched: SimulatedScheduler, **settings: object) -> Guardrails:
     s = GuardrailSettings.model_validate(settings)
     return Guardrails(lambda: s, sched)
@@ -53,7 +79,7 @@ def test_blast_radius_counts_drains_in_window() -> None:
     g = rails(sched, max_drains_per_window=1, drain_window_s=600, max_drain_fraction=1.0)
     first = action("gpu01", None, incident="inc-1")
     assert g.check(first, 10.0) is None
-    g.record(first, 10.0)
+    g.count(attempt(first, "drain", 10.0))
     trip = g.check(action("gpu02", None, incident="inc-2"), 20.0)
     assert trip is not None and trip[0] == "blast_radius" and "gpu01" in trip[1]
     assert g.check(action("gpu02", None, incident="inc-2"), 700.0) is None  # window passed
@@ -90,7 +116,7 @@ def test_restart_budget_uses_the_schedulers_counter() -> None:
 def test_node_cooldown() -> None:
     sched = SimulatedScheduler(NODES)
     g = rails(sched, node_cooldown_s=300, max_drains_per_window=10, max_drain_fraction=1.0)
-    g.record(action("gpu03", None), 100.0)
+    g.count(attempt(action("gpu03", None), "drain", 100.0))
     trip = g.check(action("gpu03", None, incident="inc-9"), 200.0)
     assert trip is not None and trip[0] == "node_cooldown"
 
@@ -114,9 +140,11 @@ def test_redelivered_action_is_not_performed_twice() -> None:
     job = sched.submit("t", 4)
     ex = Executor(sched, ExecutorSettings(verify_timeout_s=5, poll_interval_s=0.01))
     a = action("gpu02", job)
-    first = ex.execute(a)
-    second = ex.execute(a)  # redelivered after a crash before the offset commit
+    calls: list[str] = []
+    first = ex.execute(a, recording(calls))
+    second = ex.execute(a, recording(calls))  # redelivered after a crash before the offset commit
     assert first.status == second.status == "done"
+    assert calls == ["drain", "requeue"], "every call the scheduler saw went through the hook, once"
     assert sched.calls == ["drain gpu02", f"requeue {job} exclude=gpu02"]
     assert any("already" in step for step in second.steps)
 
@@ -126,8 +154,8 @@ def test_plain_requeue_recognised_from_the_job_mark() -> None:
     job = sched.submit("t", 2)
     ex = Executor(sched, ExecutorSettings(verify_timeout_s=5, poll_interval_s=0.01))
     a = action(None, job, kind="requeue")
-    assert ex.execute(a).status == "done"
-    again = ex.execute(a)
+    assert ex.execute(a, recording([])).status == "done"
+    again = ex.execute(a, recording([]))
     assert again.status == "done" and sched.job_state(job).restart_count == 1
     assert "already done by this action" in " ".join(again.steps)
 
@@ -136,7 +164,9 @@ def test_node_drained_by_someone_else_is_left_alone() -> None:
     sched = SimulatedScheduler(NODES, requeue_delay_s=0.0)
     job = sched.submit("t", 4)
     sched.drain_node("gpu02", "admin: bad fan")
-    result = Executor(sched, ExecutorSettings(verify_timeout_s=5, poll_interval_s=0.01)).execute(action("gpu02", job))
+    result = Executor(sched, ExecutorSettings(verify_timeout_s=5, poll_interval_s=0.01)).execute(
+        action("gpu02", job), recording([])
+    )
     assert result.status == "done" and sched.node_state("gpu02").reason == "admin: bad fan"
 
 
@@ -148,7 +178,7 @@ def test_crash_between_requeuehold_and_release_is_finished_on_redelivery() -> No
     sched.drain_node("gpu02", a.reason)
     sched.annotate_job(job, f"trainmedic {a.action_id} restarts=0")
     sched.hold_job(job)
-    result = Executor(sched, ExecutorSettings(verify_timeout_s=5, poll_interval_s=0.01)).execute(a)
+    result = Executor(sched, ExecutorSettings(verify_timeout_s=5, poll_interval_s=0.01)).execute(a, recording([]))
     assert result.status == "done", result
     state = sched.job_state(job)
     assert state.state == "RUNNING" and "gpu02" not in state.nodes and state.restart_count == 1
@@ -159,44 +189,80 @@ def test_stop_with_hold_keeps_the_job_held() -> None:
     sched = SimulatedScheduler(NODES, requeue_delay_s=0.0)
     job = sched.submit("t", 2)
     a = action(None, job, kind="stop").model_copy(update={"stop_mode": "hold"})
-    result = Executor(sched, ExecutorSettings(verify_timeout_s=5, poll_interval_s=0.01)).execute(a)
-    assert result.status == "done" and "held" in result.steps[-1]
+    calls: list[str] = []
+    result = Executor(sched, ExecutorSettings(verify_timeout_s=5, poll_interval_s=0.01)).execute(a, recording(calls))
+    assert result.status == "done" and "held" in result.steps[-1] and calls == ["hold"]
     state = sched.job_state(job)
     assert state.state == "PENDING" and state.held
 
 
-def _result(a: Action, status: str, at: float) -> ActionResult:
-    return ActionResult(
-        event_id=f"res-{a.action_id}",
-        event_time=at,
-        action_id=a.action_id,
-        incident_id=a.incident_id,
-        job_id=a.job_id,
-        node=a.node,
-        action=a.action,
-        status=status,  # type: ignore[arg-type]
-        backend="simulated",
-        steps=[],
-        started_at=at,
-        incident_time=1.0,
-        first_signal_time=0.5,
-    )
-
-
-def test_restored_results_keep_the_blast_radius_and_cooldown_across_a_restart() -> None:
+def test_restored_attempts_keep_the_blast_radius_and_cooldown_across_a_restart() -> None:
     sched = SimulatedScheduler(NODES)
     settings = {"max_drains_per_window": 1, "drain_window_s": 600, "max_drain_fraction": 1.0, "node_cooldown_s": 300}
-    done, failed = action("gpu01", None, incident="inc-1"), action("gpu03", None, incident="inc-3")
+    drained, requeued = action("gpu01", "7", incident="inc-1"), action(None, "8", kind="requeue", incident="inc-3")
     restarted = rails(sched, **settings)
-    # Read back twice (a result published again after a crash) and a failure: one drain counts.
-    assert (
-        restarted.restore([_result(done, "done", 10.0), _result(done, "done", 10.0), _result(failed, "failed", 11.0)])
-        == 1
-    )
+    # Read back with duplicates (a redelivery records its calls again): one drain, one requeue count.
+    records = [attempt(drained, "drain", 10.0), attempt(drained, "drain", 12.0), attempt(drained, "requeue", 10.5)]
+    assert restarted.restore([*records, attempt(requeued, "requeue", 11.0)]) == 3
     trip = restarted.check(action("gpu02", None, incident="inc-2"), 20.0)
     assert trip is not None and trip[0] == "blast_radius" and "gpu01" in trip[1]
     trip = restarted.check(action("gpu01", None, incident="inc-9"), 100.0)
     assert trip is not None and trip[0] == "node_cooldown"
-    # The redelivered action itself is not refused: the executor recognises it as done.
-    assert restarted.check(done, 20.0) is None
+    # The redelivered action itself is not refused: its calls are counted, its steps recognise
+    # what is done.
+    assert restarted.check(drained, 20.0) is None
     assert restarted.check(action("gpu02", None, incident="inc-2"), 700.0) is None  # the window has passed
+
+
+def test_an_attempt_counts_whatever_the_action_ended_with() -> None:
+    """A drain whose requeue then failed is counted: counting happens at the call, not the result."""
+    sched = SimulatedScheduler(NODES, requeue_delay_s=3600)  # the requeued job never runs again
+    job = sched.submit("t", 2)
+    g = rails(sched, max_drains_per_window=1, max_drain_fraction=1.0)
+    a = action(sched.job_state(job).nodes[0], job, incident="inc-1")
+
+    def count_it(act: Action, call: AttemptCall) -> None:
+        g.count(attempt(act, call, 10.0))
+
+    ex = Executor(sched, ExecutorSettings(verify_timeout_s=0.3, poll_interval_s=0.01))
+    result = ex.execute(a, count_it)
+    assert result.status == "failed" and "not verified" in (result.error or "")
+    trip = g.check(action("gpu09", None, incident="inc-2"), 20.0)
+    assert trip is not None and trip[0] == "blast_radius", trip
+
+
+def test_a_call_the_hook_refuses_is_not_made() -> None:
+    sched = SimulatedScheduler(NODES, requeue_delay_s=0.0)
+    job = sched.submit("t", 2)
+
+    def fenced(act: Action, call: AttemptCall) -> None:
+        raise Fenced("lost the lease")
+
+    with pytest.raises(Fenced):
+        Executor(sched, ExecutorSettings(verify_timeout_s=5, poll_interval_s=0.01)).execute(
+            action(sched.job_state(job).nodes[0], job), fenced
+        )
+    assert sched.calls == []
+
+
+def test_drain_refused_for_a_node_that_is_not_the_jobs() -> None:
+    sched = SimulatedScheduler(NODES, requeue_delay_s=0.0)
+    job = sched.submit("t", 4)  # gpu01-04
+    other = sched.submit("other", 2)  # gpu05-06
+    ex = Executor(sched, ExecutorSettings(verify_timeout_s=5, poll_interval_s=0.01))
+    calls: list[str] = []
+    with pytest.raises(Refused) as refused:
+        ex.execute(action("gpu06", job, incident="inc-foreign"), recording(calls))
+    assert refused.value.guardrail == "culprit_not_in_job"
+    assert "gpu06" in refused.value.detail and "gpu01,gpu02,gpu03,gpu04" in refused.value.detail
+    assert calls == [] and sched.calls == [] and sched.job_state(other).state == "RUNNING"
+    # The node's own kernel/GPU report is evidence enough, whoever runs there.
+    own = action("gpu06", job, incident="inc-own").model_copy(update={"node_reported_fault": True})
+    assert ex.execute(own, recording(calls)).status == "done" and sched.node_state("gpu06").drained
+
+
+def test_drain_refused_when_the_jobs_nodes_cannot_be_read() -> None:
+    sched = SimulatedScheduler(NODES)
+    with pytest.raises(Refused, match="cannot be read"):
+        Executor(sched, ExecutorSettings(verify_timeout_s=5)).execute(action("gpu01", "99999"), recording([]))
+    assert sched.calls == []
