@@ -369,10 +369,18 @@ def decide(policy: Policy, incident: Incident, now: float, recent_restarts: int 
     )
     if not executed:
         return decision, None
-    return decision, make_action(decision, incident.incident_id, requested_by="policy", now=now)
+    return decision, make_action(
+        decision,
+        incident.incident_id,
+        requested_by="policy",
+        now=now,
+        node_reported_fault=node_reported_fault(incident),
+    )
 
 
-def make_action(decision: Decision, incident_id: str, requested_by: str, now: float) -> Action:
+def make_action(
+    decision: Decision, incident_id: str, requested_by: str, now: float, node_reported_fault: bool = False
+) -> Action:
     # Stable per incident and step, so a redelivered or re-approved action is recognised.
     action_id = stable_id("act", incident_id, decision.action)
     return Action(
@@ -390,6 +398,9 @@ def make_action(decision: Decision, incident_id: str, requested_by: str, now: fl
         requested_by=requested_by,
         incident_time=decision.incident_time,
         first_signal_time=decision.first_signal_time,
+        # The node's own kernel/GPU/health evidence: the executor need not find it in the job's
+        # allocation. Operator approvals leave it False, so the executor checks (fails closed).
+        node_reported_fault=node_reported_fault,
     )
 
 
