@@ -90,6 +90,7 @@ def test_log_named_node_of_the_job_is_isolated() -> None:
     inc = incident(category="node").model_copy(update={"culprit_in_job": True, "evidence": log_evidence})
     d, a = decide(policy, inc, 11.0)
     assert a is not None and (a.action, a.node) == ("drain_and_requeue", "gpu02")
+    assert not a.node_reported_fault  # the executor checks the job's placement again before draining
     # The same line without the scheduler's placement: a recommendation, not an action.
     d, a = decide(policy, inc.model_copy(update={"culprit_in_job": None}), 11.0)
     assert a is None and d.action == "drain_and_requeue" and "placement of the job is unknown" in d.reason
@@ -98,7 +99,7 @@ def test_log_named_node_of_the_job_is_isolated() -> None:
 def test_kernel_evidence_from_the_culprit_node_counts_as_that_node() -> None:
     policy = parse_policy("mode: autonomous\n" + _actions())
     d, a = decide(policy, incident(), 11.0)  # xid_79 from gpu02's own kernel log, placement unknown
-    assert a is not None and a.node == "gpu02"
+    assert a is not None and a.node == "gpu02" and a.node_reported_fault
 
 
 def test_unknown_never_acts() -> None:
