@@ -2,8 +2,8 @@
 # Stop the local Slurm cluster started by infra/slurm/start.sh.
 #
 # Cancels all jobs (so no orphaned job processes outlive slurmd), then stops
-# slurmd x4, slurmctld and munged by their pid files and waits for them to
-# exit. Idempotent. `--purge` also removes the state dir.
+# slurmd x4, slurmctld, slurmdbd, mariadbd and munged by their pid files and
+# waits for them to exit. Idempotent. `--purge` also removes the state dir.
 #
 # Usage: infra/slurm/stop.sh [--purge]
 # Env:   TRAINMEDIC_SLURM_DIR (default /tmp/trainmedic-slurm)
@@ -78,6 +78,8 @@ fi
 specs=("$DIR/run/slurmctld.pid:slurmctld")
 for n in "${NODES[@]}"; do specs+=("$DIR/run/slurmd-$n.pid:slurmd"); done
 stop_daemons "${specs[@]}"
+stop_daemons "$DIR/run/slurmdbd.pid:slurmdbd"   # after slurmctld: it sends its last records there
+stop_daemons "$DIR/mysql/mysqld.pid:mariadbd"
 stop_daemons "$DIR/munge/munged.pid:munged"   # last: the others need it to shut down cleanly
 
 if [ "$PURGE" = 1 ] && [ -d "$DIR" ]; then
