@@ -252,6 +252,11 @@ JobRequeue=1
 GresTypes=gpu
 ${node_lines}PartitionName=gpu Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
+# JWT for slurmrestd (infra/slurm/slurmrestd.sh makes this key): once it exists,
+# slurmctld also accepts tokens from `scontrol token`.
+if [ -s "$ETC/jwt_hs256.key" ]; then
+  printf 'AuthAltTypes=auth/jwt\nAuthAltParameters=jwt_key=%s\n' "$ETC/jwt_hs256.key" >>"$tmpconf"
+fi
 mv -f "$tmpconf" "$CONF"
 chmod 644 "$CONF"
 # 24.11's slurmd refuses to start without a cgroup filesystem unless told not to use one.
