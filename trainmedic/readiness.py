@@ -67,9 +67,16 @@ def _epoch(v: Any) -> float:
     return float(v.timestamp()) if hasattr(v, "timestamp") else float(v)
 
 
+# Incidents whose decision was a recommendation, from the window's decisions (time sort key).
+_RECOMMENDED = (
+    "incident_id IN (SELECT incident_id FROM {db}.decisions FINAL WHERE kind = 'recommendation' "
+    f"AND event_time >= fromUnixTimestamp64Milli({{t:Int64}} - {CHILD_SKEW_S * 1000}))"
+)
+
+
 def _recommendations(store: AuditStore, since_s: float) -> list[dict[str, Any]]:
-    # The incident summary of the window only (partition pruning, time sort key), not the whole view.
-    since = "event_time >= fromUnixTimestamp64Milli({t:Int64})"
+    # The incident summary of the window's recommendations only, not the whole view.
+    since = f"event_time >= fromUnixTimestamp64Milli({{t:Int64}}) AND {_RECOMMENDED}"
     child = f"event_time >= fromUnixTimestamp64Milli({{t:Int64}} - {CHILD_SKEW_S * 1000})"
     return store.query(
         "SELECT incident_id, detected_at, job_id, partition, category, culprit_node, detection_latency_s, "
@@ -91,52 +98,36 @@ def _confirmations(store: AuditStore, recs: list[dict[str, Any]], window_s: floa
     """Recommendations the facts confirmed: a later incident of the same job on the same culprit."""
     if not recs:
         return set()
-    later = store.query(
-        "SELECT job_id, culprit_node, event_time FROM {db}.incidents FINAL "
-        "WHERE event_time >= fromUnixTimestamp64Milli({t:Int64}) AND job_id IN {jobs:Array(String)} "
-        "AND culprit_node != ''",
-        {
-            "t": int(min(_epoch(r["detected_at"]) for r in recs) * 1000),
-            "jobs": sorted({r["job_id"] for r in recs if r["job_id"]}),
-        },
+    # One join in ClickHouse over the window's incidents, instead of every incident into Python.
+    window = "event_time >= fromUnixTimestamp64Milli({t:Int64}) AND job_id != '' AND culprit_node != ''"
+    rows = store.query(
+        "SELECT DISTINCT r.incident_id AS incident_id FROM ("
+        "SELECT incident_id, job_id, culprit_node, toUnixTimestamp64Milli(event_time) AS ms "
+        f"FROM {{db}}.incidents FINAL WHERE {window} AND {_RECOMMENDED}) AS r "
+        f"INNER JOIN (SELECT job_id, culprit_node, toUnixTimestamp64Milli(event_time) AS ms "
+        f"FROM {{db}}.incidents FINAL WHERE {window}) AS l "
+        "ON l.job_id = r.job_id AND l.culprit_node = r.culprit_node "
+        "WHERE l.ms > r.ms AND l.ms <= r.ms + {w:Int64}",
+        {"t": int(min(_epoch(r["detected_at"]) for r in recs) * 1000), "w": int(window_s * 1000)},
     )
-    seen: dict[tuple[str, str], list[float]] = defaultdict(list)
-    for r in later:
-        seen[(r["job_id"], r["culprit_node"])].append(_epoch(r["event_time"]))
-    out = set()
-    for r in recs:
-        if not r["job_id"] or not r["culprit_node"]:
-            continue
-        t0 = _epoch(r["detected_at"])
-        if any(t0 < t <= t0 + window_s for t in seen.get((r["job_id"], r["culprit_node"]), [])):
-            out.add(r["incident_id"])
-    return out
+    return {r["incident_id"] for r in rows} & {r["incident_id"] for r in recs}
 
 
 def _misses(store: AuditStore, since_s: float) -> dict[str | None, int]:
     """Drains by someone else with no incident of ours on that node shortly before, per partition."""
-    drains = store.query(
-        "SELECT node, partition, event_time, reason FROM {db}.sched_events FINAL "
+    # ASOF JOIN: each drain meets the latest incident of ours on its node at or before it;
+    # none (0), or one older than the look-back, makes it a miss. All in ClickHouse.
+    rows = store.query(
+        "SELECT d.partition AS partition, countIf(o.ms = 0 OR o.ms < d.ms - {look:Int64}) AS misses FROM ("
+        "SELECT node, partition, toUnixTimestamp64Milli(event_time) AS ms FROM {db}.sched_events FINAL "
         "WHERE kind = 'node' AND has(flags, 'DRAIN') AND event_time >= fromUnixTimestamp64Milli({t:Int64}) "
-        "AND NOT startsWith(ifNull(reason, ''), 'trainmedic ')",
-        {"t": int(since_s * 1000)},
+        "AND NOT startsWith(ifNull(reason, ''), 'trainmedic ')) AS d "
+        "ASOF LEFT JOIN (SELECT culprit_node, toUnixTimestamp64Milli(event_time) AS ms FROM {db}.incidents FINAL "
+        "WHERE culprit_node != '' AND event_time >= fromUnixTimestamp64Milli({t:Int64} - {look:Int64})) AS o "
+        "ON d.node = o.culprit_node AND d.ms >= o.ms GROUP BY partition SETTINGS join_use_nulls = 0",
+        {"t": int(since_s * 1000), "look": int(MISS_LOOKBACK_S * 1000)},
     )
-    if not drains:
-        return {}
-    ours = store.query(
-        "SELECT culprit_node, event_time FROM {db}.incidents FINAL WHERE culprit_node != '' "
-        "AND event_time >= fromUnixTimestamp64Milli({t:Int64})",
-        {"t": int((since_s - MISS_LOOKBACK_S) * 1000)},
-    )
-    by_node: dict[str, list[float]] = defaultdict(list)
-    for r in ours:
-        by_node[r["culprit_node"]].append(_epoch(r["event_time"]))
-    misses: dict[str | None, int] = defaultdict(int)
-    for d in drains:
-        t = _epoch(d["event_time"])
-        if not any(t - MISS_LOOKBACK_S <= i <= t for i in by_node.get(d["node"], [])):
-            misses[d["partition"]] += 1
-    return misses
+    return {(r["partition"] or None): int(r["misses"]) for r in rows if r["misses"]}
 
 
 def readiness(store: AuditStore, policy: Policy, since_s: float, now: float | None = None) -> list[Score]:
