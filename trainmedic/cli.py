@@ -36,6 +36,14 @@ SshOpt = Annotated[Optional[str], typer.Option("--ssh", help="slurm-ssh: USER@HO
 SshKeyOpt = Annotated[Optional[Path], typer.Option("--ssh-key", help="slurm-ssh: private key file.")]
 KnownHostsOpt = Annotated[Optional[Path], typer.Option("--known-hosts", help="slurm-ssh: known_hosts file (strict).")]
 RemoteConfOpt = Annotated[Optional[str], typer.Option("--remote-slurm-conf", help="slurm-ssh: SLURM_CONF there.")]
+RestUrlOpt = Annotated[Optional[str], typer.Option("--rest-url", help="slurm-rest: slurmrestd URL, https://HOST:PORT.")]
+RestUserOpt = Annotated[Optional[str], typer.Option("--rest-user", help="slurm-rest: the Slurm user of the token.")]
+RestTokenFileOpt = Annotated[
+    Optional[Path],
+    typer.Option(
+        "--rest-token-file", help="slurm-rest: file holding the JWT (default: env TRAINMEDIC_SLURMRESTD_TOKEN)."
+    ),
+]
 
 
 @app.command()
@@ -54,7 +62,8 @@ def up(
     backend: Annotated[
         str,
         typer.Option(
-            help="Scheduler backend: slurm-cli (this host), slurm-ssh (a login node), pyslurm (in-process, untested) or simulated."
+            help="Scheduler backend: slurm-cli (this host), slurm-ssh (a login node), slurm-rest (slurmrestd, JWT), "
+            "pyslurm (in-process, untested) or simulated."
         ),
     ] = "slurm-cli",
     api_port: Annotated[int, typer.Option(help="Port of the operator API (approvals, modes, nodes).")] = 8477,
@@ -79,6 +88,9 @@ def up(
     ssh_key: SshKeyOpt = None,
     known_hosts: KnownHostsOpt = None,
     remote_slurm_conf: RemoteConfOpt = None,
+    rest_url: RestUrlOpt = None,
+    rest_user: RestUserOpt = None,
+    rest_token_file: RestTokenFileOpt = None,
 ) -> None:
     """Start the broker (or use --bootstrap), streams worker, executor and audit sink, supervised; Ctrl-C stops all."""
     from streams.policy import PolicyError, load_policy
@@ -103,7 +115,7 @@ def up(
         load_policy(policy)
     except PolicyError as exc:
         _fail(str(exc))
-    sched = _backend(backend, ssh, ssh_key, known_hosts, remote_slurm_conf)
+    sched = _backend(backend, ssh, ssh_key, known_hosts, remote_slurm_conf, (rest_url, rest_user, rest_token_file))
     try:
         config = StackConfig(
             data_dir=data_dir,
@@ -194,12 +206,21 @@ def demo(
 @app.command()
 def diagnose(
     paths: Annotated[
-        list[str],
+        Optional[list[str]],
         typer.Argument(
             help="Job logs, kernel logs (kern.log*, dmesg*, syslog*), directories (every file in them) or - (stdin)."
         ),
-    ],
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    job: Annotated[
+        Optional[str],
+        typer.Option(
+            "--job", help="A Slurm job id: diagnose its StdOut/StdErr with its node list (from Slurm), plus any PATHS."
+        ),
+    ] = None,
+    slurm_conf: Annotated[
+        Optional[str], typer.Option("--slurm-conf", help="With --job: the slurm.conf to ask (default $SLURM_CONF).")
+    ] = None,
     nodelist: Annotated[
         Optional[str], typer.Option("--nodelist", help="The job's nodes, a Slurm hostlist (gpu[01-04]).")
     ] = None,
@@ -223,9 +244,24 @@ def diagnose(
     from trainmedic.diagnose import DiagnoseError, diagnose_paths
 
     try:
-        report = diagnose_paths(
-            paths, nodelist=nodelist, ranks_per_node=ranks_per_node, distribution=distribution, rank_map=rank_map
-        )
+        if job is not None:
+            from trainmedic.diagnose_job import diagnose_job
+
+            if nodelist is not None or rank_map is not None:
+                raise DiagnoseError("--job takes the node list from Slurm: give no --nodelist or --rank-map with it")
+            report = diagnose_job(
+                job,
+                extra_paths=paths or [],
+                slurm_conf=slurm_conf,
+                ranks_per_node=ranks_per_node,
+                distribution=distribution,
+            )
+        elif not paths:
+            raise DiagnoseError("give log PATHS, or --job ID")
+        else:
+            report = diagnose_paths(
+                paths, nodelist=nodelist, ranks_per_node=ranks_per_node, distribution=distribution, rank_map=rank_map
+            )
     except DiagnoseError as exc:
         _fail(str(exc))
     if as_json:
@@ -235,6 +271,11 @@ def diagnose(
         if report["culprit_rank"] is not None:
             how = ", node from the rank map" if not report["culprit"] and report["culprit_node_resolved"] else ""
             culprit += f" (rank {report['culprit_rank']}{how})"
+        if "job" in report:
+            j = report["job"]
+            typer.echo(
+                f"job         {j['job_id']} ({j['state']}) on {j['nodelist'] or 'no nodes'}: {', '.join(j['paths'])}"
+            )
         typer.echo(
             f"category    {report['category']}\nculprit     {culprit}\naction      {report['action']}\n"
             f"confidence  {report['confidence']}\nwhy         {report['explanation']}"
@@ -254,9 +295,11 @@ def _backend(
     ssh_key: Path | None = None,
     known_hosts: Path | None = None,
     remote_slurm_conf: str | None = None,
+    rest: tuple[str | None, str | None, Path | None] = (None, None, None),
 ) -> Any:
     """The scheduler backend: slurm-cli runs Slurm's CLI here (munge auth); slurm-ssh runs it on a
-    login node over SSH with strict host-key checking; pyslurm calls libslurm in-process (Slurm
+    login node over SSH with strict host-key checking; slurm-rest calls slurmrestd with a JWT
+    (what its API cannot do is refused, see sinks/backends/slurm_rest_api.yaml); pyslurm calls libslurm in-process (Slurm
     23.02+, untested here); simulated is the demo's in-memory scheduler."""
     if name == "slurm-cli":
         from sinks.backends.slurm_cli import SlurmCliBackend
@@ -276,6 +319,19 @@ def _backend(
             return slurm_ssh_backend(host, int(port or 22), user, ssh_key, known_hosts, slurm_conf=remote_slurm_conf)
         except (ValueError, OSError) as exc:
             _fail(f"--ssh-key/--known-hosts: {exc}")
+    if name == "slurm-rest":
+        from sinks.backends.base import BackendError
+        from sinks.backends.slurm_rest import SlurmRestBackend, TokenSource
+
+        rest_url, rest_user, token_file = rest
+        if not rest_url or not rest_user:
+            _fail("--backend slurm-rest needs --rest-url URL and --rest-user USER (token: --rest-token-file FILE)")
+        assert rest_url and rest_user
+        token = TokenSource(file=token_file) if token_file else TokenSource(env="TRAINMEDIC_SLURMRESTD_TOKEN")
+        try:
+            return SlurmRestBackend(rest_url, rest_user, token)
+        except (BackendError, ValueError) as exc:
+            _fail(f"--backend slurm-rest: {exc}")
     if name == "simulated":
         from sinks.backends.simulated import SimulatedScheduler
 
@@ -288,7 +344,7 @@ def _backend(
             return PyslurmBackend()
         except BackendError as exc:
             _fail(f"--backend pyslurm: {exc}")
-    _fail(f"--backend {name!r}: expected slurm-cli, slurm-ssh, pyslurm or simulated")
+    _fail(f"--backend {name!r}: expected slurm-cli, slurm-ssh, slurm-rest, pyslurm or simulated")
 
 
 @app.command("executor")
@@ -302,6 +358,9 @@ def executor_cmd(
     ssh_key: SshKeyOpt = None,
     known_hosts: KnownHostsOpt = None,
     remote_slurm_conf: RemoteConfOpt = None,
+    rest_url: RestUrlOpt = None,
+    rest_user: RestUserOpt = None,
+    rest_token_file: RestTokenFileOpt = None,
 ) -> None:
     """Run only the executor (one replica of its consumer group), e.g. as its own Deployment."""
     from sinks.executor import Executor, ExecutorService, ExecutorSettings
@@ -315,7 +374,7 @@ def executor_cmd(
         rails = GuardrailFile(policy or DEFAULT_POLICY)
     except (StackError, GuardrailConfigError, OSError) as exc:
         _fail(str(exc))
-    sched = _backend(backend, ssh, ssh_key, known_hosts, remote_slurm_conf)
+    sched = _backend(backend, ssh, ssh_key, known_hosts, remote_slurm_conf, (rest_url, rest_user, rest_token_file))
     service = ExecutorService(
         bootstrap,
         Executor(sched, ExecutorSettings(verify_timeout_s=verify_timeout, group=group)),
