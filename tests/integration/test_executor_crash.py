@@ -113,3 +113,45 @@ def test_sigkill_between_act_and_commit_acts_once(
     assert state.state == "RUNNING" and "gpu02" not in state.nodes and state.restart_count == 1
     ctld_log = (slurm_cluster.state_dir / "log" / "slurmctld.log").read_text()
     assert sum(1 for line in ctld_log.splitlines() if f"reason set to: trainmedic {incident}" in line) == 1
+
+
+def test_drain_of_a_node_outside_the_job_is_refused_on_slurm(slurm_cluster: Cluster, slurm: SlurmCliBackend) -> None:
+    """The job runs on gpu01-02 and its output named gpu04: the executor reads the job's nodes from
+    Slurm (squeue) and refuses the drain; gpu04 stays in service. The node's own report drains it."""
+    from sinks.executor import Executor, ExecutorSettings, Refused
+
+    job = (
+        slurm_cmd(
+            slurm_cluster, "sbatch", "--parsable", "-w", "gpu01,gpu02", "--output=/dev/null", "--wrap", "sleep 600"
+        )
+        .strip()
+        .split(";")[0]
+    )
+    wait_for("job RUNNING on gpu01-02", lambda: slurm.job_state(job).nodes == ("gpu01", "gpu02"))
+    now = time.time()
+    action = Action(
+        event_id="act-foreign-slurm",
+        event_time=now,
+        action_id="act-foreign-slurm",
+        decision_id="dec-foreign-slurm",
+        incident_id="inc-foreign-slurm",
+        job_id=job,
+        node="gpu04",
+        partition="gpu",
+        action="drain_and_requeue",
+        reason="trainmedic inc-foreign-slurm: node",
+        requested_by="policy",
+        incident_time=now,
+        first_signal_time=now,
+    )
+    calls: list[str] = []
+    executor = Executor(slurm, ExecutorSettings(verify_timeout_s=30))
+    with pytest.raises(Refused) as refused:
+        executor.execute(action, lambda a, call: calls.append(call))
+    assert refused.value.guardrail == "culprit_not_in_job" and "gpu01,gpu02" in refused.value.detail
+    assert calls == [] and not slurm.node_state("gpu04").drained
+    assert slurm.job_state(job).state == "RUNNING" and slurm.job_state(job).restart_count == 0
+    # A job Slurm does not know (purged, or a forged id): its nodes cannot be read, so no drain.
+    with pytest.raises(Refused, match="cannot be read"):
+        executor.execute(action.model_copy(update={"job_id": "999999"}), lambda a, call: calls.append(call))
+    assert calls == [] and not slurm.node_state("gpu04").drained
