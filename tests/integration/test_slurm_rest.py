@@ -355,3 +355,28 @@ def test_cli_chooses_the_rest_backend(rest_env: dict[str, str], monkeypatch: pyt
     for rest in ((None, "root", token_file), (rest_env["TRAINMEDIC_SLURMRESTD_URL"], "root", None)):
         with pytest.raises(typer.Exit):
             _backend("slurm-rest", rest=rest)
+
+
+@pytest.mark.parametrize("version", ["v0.0.40", "v0.0.41"])
+def test_older_api_versions_served_by_2411(
+    version: str, rest_env: dict[str, str], witness: SlurmCliBackend, submit: Callable[..., str]
+) -> None:
+    """24.11 also serves v0.0.40 (23.11's) and v0.0.41 (24.05's): real replies of those data parsers."""
+    backend = SlurmRestBackend(
+        rest_env["TRAINMEDIC_SLURMRESTD_URL"],
+        "root",
+        TokenSource(file=Path(rest_env["TRAINMEDIC_SLURMRESTD_TOKEN_FILE"])),
+        api_version=version,
+    )
+    assert backend.capabilities()["requeue_running"].startswith(f"no: slurmrestd {version} has no requeue")
+    backend.drain_node("gpu02", f"trainmedic inc-{version}: x")
+    assert witness.node_state("gpu02").reason == f"trainmedic inc-{version}: x"
+    assert backend.node_state("gpu02").drained
+    backend.resume_node("gpu02")
+    job = submit("-N1", "--hold")
+    backend.requeue_job(job, ["gpu01"])
+    assert witness.job_state(job).excluded_nodes == ("gpu01",)
+    mine = backend.job_state(job)
+    assert (mine.state, mine.held, mine.excluded_nodes) == ("PENDING", True, ("gpu01",))
+    backend.cancel_job(job)
+    wait_for(f"job {job} cancelled", lambda: witness.job_state(job).state == "CANCELLED", timeout=30)
