@@ -108,9 +108,28 @@ if ! grep -q '^AuthAltTypes=auth/jwt' "$CONF"; then
 fi
 
 # ---------------------------------------------------------------- user + token
-if ! grep -q "^$REST_USER:" "$ROOT/etc/passwd"; then
-  log "creating system user $REST_USER in the root"
-  in_root useradd --system --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin "$REST_USER"
+# The root and this host share one kernel: slurmrestd's uid must be nobody's on the host
+# either (else it could signal or own what a host user owns), so pick one free in both.
+uid_taken() {  # uid_taken N: N is a uid or gid of any user/group on the host or in the root
+  awk -F: -v n="$1" '$3 == n { found = 1 } END { exit !found }' \
+    /etc/passwd /etc/group "$ROOT/etc/passwd" "$ROOT/etc/group"
+}
+rest_uid="$(awk -F: -v u="$REST_USER" '$1 == u { print $3 }' "$ROOT/etc/passwd")"
+if [ -n "$rest_uid" ] && awk -F: -v n="$rest_uid" '$3 == n { found = 1 } END { exit !found }' /etc/passwd /etc/group; then
+  log "uid/gid $rest_uid of $REST_USER in the root is taken on the host: recreating the user"
+  stop_pid "$PIDFILE" slurmrestd
+  in_root userdel "$REST_USER"
+  in_root groupdel "$REST_USER" 2>/dev/null || true
+  rest_uid=""
+fi
+if [ -z "$rest_uid" ]; then
+  rest_uid=""
+  for n in $(seq 899 -1 800); do uid_taken "$n" || { rest_uid="$n"; break; }; done
+  [ -n "$rest_uid" ] || die "no uid in 800-899 is free on both the host and the root"
+  log "creating system user $REST_USER (uid $rest_uid) in the root"
+  in_root groupadd --system --gid "$rest_uid" "$REST_USER"
+  in_root useradd --system --uid "$rest_uid" --gid "$rest_uid" --no-create-home --home-dir /nonexistent \
+    --shell /usr/sbin/nologin "$REST_USER"
 fi
 mkdir -p "$REST"
 chmod 700 "$REST"

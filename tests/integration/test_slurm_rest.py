@@ -116,6 +116,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def test_slurmrestd_runs_as_its_own_user(slurm2411_cluster: Cluster, rest_env: dict[str, str]) -> None:
+    pid = (slurm2411_cluster.state_dir / "data" / "run" / "slurmrestd.pid").read_text().strip()
+    status = Path(f"/proc/{pid}/status").read_text()
+    assert "slurmrestd" in Path(f"/proc/{pid}/comm").read_text()
+    uids = {int(u) for u in next(ln for ln in status.splitlines() if ln.startswith("Uid:")).split()[1:]}
+    assert 0 not in uids  # it refuses root; and no uid a host user has
+    host_uids = {int(ln.split(":")[2]) for ln in Path("/etc/passwd").read_text().splitlines() if ln.count(":") >= 2}
+    assert not uids & host_uids
+
+
 def test_backend_implements_protocol_and_uses_the_highest_api(rest: SlurmRestBackend) -> None:
     assert isinstance(rest, SchedulerBackend)
     # 24.11's slurmrestd serves v0.0.40, v0.0.41 and v0.0.42: the highest is taken.
