@@ -41,7 +41,7 @@ from schemas.topics import (
 )
 from schemas.vocab import Guardrail
 from sinks import metrics
-from sinks.backends.base import BackendError, JobState, SchedulerBackend
+from sinks.backends.base import ActionRefused, BackendError, JobState, SchedulerBackend
 from sinks.guardrails import GuardrailFile, Guardrails
 from sinks.lease import ActingLease, Fenced
 
@@ -127,6 +127,12 @@ class Executor:
                     raise BackendError("stop needs a job id")
                 self._stop(run)
             return self._result(run, "done", None, verified=True)
+        except ActionRefused as exc:
+            # The backend refused before calling the scheduler (maintenance, someone else's drain,
+            # a down node): nothing changed; the result says why, so the suppression is audited.
+            log.warning("action %s suppressed: %s", action.action_id, exc)
+            run.steps.append(f"refused: {exc}")
+            return self._result(run, "skipped", str(exc), verified=False)
         except (BackendError, VerifyTimeout, ValueError) as exc:
             log.error("action %s failed: %s", action.action_id, exc)
             return self._result(run, "failed", str(exc), verified=False)
@@ -513,7 +519,12 @@ class ExecutorService:
             self.trips.append(trip)
         self.results.append(result)
         log.info("result %s: %s %s", action.action_id, result.status, "; ".join(result.steps))
-        consumer.commit(message=msg, asynchronous=False)
+        try:
+            consumer.commit(message=msg, asynchronous=False)
+        except KafkaException as exc:
+            # The actions group moved on (this replica was evicted from it): whoever consumes the
+            # action next redoes it, each step recognising what is done, and publishes it again.
+            raise Fenced(f"committing {action.action_id} in {self.executor.settings.group}: {exc}") from None
 
     # -- the loop -------------------------------------------------------------------------
 
