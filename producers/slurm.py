@@ -1,7 +1,9 @@
 """Slurm producer: the cluster's job and node changes -> sched.events.
 
 `trainmedic produce slurm` polls the whole cluster with ONE
-``squeue --json --states=all`` and ONE ``sinfo --json`` per interval and
+``squeue --json --states=all``, ONE node listing (``sinfo --json`` on 22.05,
+``scontrol show node --json`` on 23.11+: slurmio.nodes) and ONE
+``scontrol show reservation -o`` per interval and
 publishes a ``SchedEvent`` for each change, never the unchanged rest. The
 documents are read by slurmio, which knows every data parser from 22.05
 (v0.0.38) to 24.11 (v0.0.42) and refuses a shape it does not know (the poll
@@ -23,6 +25,14 @@ fails, counted as ``parse``) instead of misreading it:
   flags, ``reason`` its reason. IDLE, ALLOCATED and MIXED count as one "up"
   state and the COMPLETING/PLANNED flags are ignored, so the load of a healthy
   node never makes an event. A node removed from the configuration: ``GONE``.
+  ``reason_user`` and ``reason_time`` say who set the reason and when, as
+  Slurm reports them: a drain by someone else (NHC, an admin, NVSentinel) is
+  told from trainmedic's own by its reason (`schemas.events.incident_in_reason`)
+  and keeps its author. A node in an active reservation with the ``MAINT``
+  flag (planned maintenance) carries ``reservation`` and the flag
+  ``MAINTENANCE`` at once: Slurm sets that flag itself only at its next
+  periodic reservation check. Reservations are read with one
+  ``scontrol show reservation -o`` per poll (slurmio.reservations).
 
 Restarts and idempotency
 ------------------------
@@ -71,6 +81,7 @@ One producer per state file: two instances sharing one would each count changes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -90,11 +101,13 @@ from schemas.events import SchedEvent
 from schemas.ids import stable_id
 from schemas.topics import SCHED_EVENTS
 from slurmio.hostlist import HostlistError, expand_hostlist
-from slurmio.records import ExitStatus
+from slurmio.nodes import read_all_nodes
+from slurmio.records import ExitStatus, NodeInfo
+from slurmio.reservations import maintenance_nodes, read_reservations
 from slurmio.runners import LocalRunner, Runner, SlurmCommandError
 from slurmio.sinfo import parse_sinfo as slurmio_parse_sinfo
 from slurmio.squeue import SQUEUE_ALL, parse_jobs
-from slurmio.versions import SlurmFormatError, load_document
+from slurmio.versions import SlurmFormatError, detect, load_document
 
 __all__ = [
     "DEFAULT_STATE_PATH",
@@ -182,6 +195,8 @@ class NodeView:
     reason: str | None = None
     reason_time: int = 0
     partitions: tuple[str, ...] = ()
+    reason_user: str | None = None
+    reservation: str | None = None  # the active MAINT reservation holding it
 
     @property
     def unavailable(self) -> bool:
@@ -220,18 +235,24 @@ def parse_squeue(data: Mapping[str, Any]) -> dict[str, JobView]:
 
 
 def parse_sinfo(data: Mapping[str, Any]) -> dict[str, NodeView]:
-    """``sinfo --json`` of any data parser slurmio reads -> node name -> NodeView."""
-    return {
-        name: NodeView(
-            name=name,
-            state=n.state,
-            flags=n.flags,
-            reason=n.reason,
-            reason_time=n.reason_time or 0,
-            partitions=n.partitions,
-        )
-        for name, n in slurmio_parse_sinfo(data, "sinfo --json").nodes.items()
-    }
+    """``sinfo --json`` of any data parser slurmio reads -> node name -> NodeView.
+
+    23.02+ give one reason per group of nodes: `SlurmProducer.fetch` reads
+    nodes with slurmio.nodes.read_all_nodes instead, which has each node's own.
+    """
+    return {name: _node_view(n) for name, n in slurmio_parse_sinfo(data, "sinfo --json").nodes.items()}
+
+
+def _node_view(n: NodeInfo) -> NodeView:
+    return NodeView(
+        name=n.name,
+        state=n.state,
+        flags=n.flags,
+        reason=n.reason,
+        reason_time=n.reason_time or 0,
+        partitions=n.partitions,
+        reason_user=n.reason_user,
+    )
 
 
 # --------------------------------------------------------------------- state
@@ -390,11 +411,19 @@ class SlurmProducer:
 
     # ---- polling
     def fetch(self) -> tuple[dict[str, JobView], dict[str, NodeView]]:
-        """One squeue --json and one sinfo --json; raises SlurmCommandError."""
+        """One squeue --json, one node listing and one scontrol show reservation -o; raises SlurmCommandError."""
         # --states=all: 23.02+ list only pending/running jobs by default, and a job's end
         # (COMPLETED, FAILED, ...) must be seen, not inferred from its absence.
-        jobs = parse_squeue(_load_document(self.runner(list(SQUEUE_ALL), self.command_timeout_s), "squeue --json"))
-        nodes = parse_sinfo(_load_document(self.runner(["sinfo", "--json"], self.command_timeout_s), "sinfo --json"))
+        squeue = _load_document(self.runner(list(SQUEUE_ALL), self.command_timeout_s), "squeue --json")
+        jobs = parse_squeue(squeue)
+        # Each node with its own reason (23.02+ sinfo --json gives a group of nodes one reason).
+        _, infos = read_all_nodes(self.runner, self.command_timeout_s, detect(squeue, "squeue --json"))
+        nodes = {name: _node_view(n) for name, n in infos.items()}
+        in_maint = maintenance_nodes(read_reservations(self.runner, self.command_timeout_s))
+        for name, resv in in_maint.items():
+            if (view := nodes.get(name)) is not None:
+                flags = tuple(sorted({*view.flags, "MAINTENANCE"}))
+                nodes[name] = dataclasses.replace(view, flags=flags, reservation=resv)
         return jobs, nodes
 
     def poll_once(self) -> list[SchedEvent]:
@@ -523,6 +552,9 @@ class SlurmProducer:
                     partition=",".join(view.partitions) or None,
                     reason=view.reason,
                     flags=list(view.flags),
+                    reason_user=view.reason_user if view.reason else None,
+                    reason_time=float(view.reason_time) if view.reason and view.reason_time > 0 else None,
+                    reservation=view.reservation,
                 )
             )
             state.nodes[name] = _NodeMem(view.state, list(view.flags), view.reason, seq)

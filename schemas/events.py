@@ -8,6 +8,7 @@ published it. Latencies are differences of these.
 from __future__ import annotations
 
 import math
+import re
 import time
 from typing import Annotated, ClassVar, Literal
 
@@ -139,6 +140,22 @@ class SchedEvent(Event):
     job_name: str | None = None
     user: str | None = None
     account: str | None = None
+    # A node's reason (kind "node"): who set it and when, as Slurm reports them (another
+    # remediator's drain - NHC, an admin, NVSentinel - is told from ours by its reason).
+    reason_user: str | None = None
+    reason_time: Timestamp | None = None
+    # The active MAINT reservation holding the node (planned maintenance; flags then has MAINTENANCE).
+    reservation: str | None = None
+
+
+#: How trainmedic's own drain reasons start (streams/policy.make_action): "trainmedic inc-...: category".
+DRAIN_REASON_RE = re.compile(r"^trainmedic (inc-[0-9A-Za-z_-]+)")
+
+
+def incident_in_reason(reason: str | None) -> str | None:
+    """The incident id of a drain reason trainmedic wrote; None for anyone else's reason."""
+    m = DRAIN_REASON_RE.match(reason or "")
+    return m.group(1) if m else None
 
 
 class ProgressSample(BaseModel):

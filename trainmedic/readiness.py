@@ -10,11 +10,17 @@ Each recommendation's fate is one of:
 Precision = (approved + confirmed) / decided, decided = approved + rejected + confirmed.
 Misses are faults people found before us: nodes drained by someone else (a Slurm
 node event with DRAIN whose reason is not ours) with no incident of ours on that
-node in the hour before.
+node in the hour before. Planned maintenance is no miss: a node in an active
+MAINT reservation (the Slurm producer flags it MAINTENANCE), or a drain reason
+matching the maintenance patterns (shell globs, case-insensitive; policy
+``readiness.maintenance_reasons`` where the policy has it, else
+DEFAULT_MAINTENANCE_REASONS). One drain (node, reason) counts once, however
+many node events it makes while it lasts.
 """
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from collections import defaultdict
@@ -27,6 +33,19 @@ from sinks.audit_queries import CHILD_SKEW_S, summary_sql
 from streams.policy import Policy
 
 MISS_LOOKBACK_S = 3600.0
+#: Drain reasons of planned work, not faults (shell globs, case-insensitive).
+DEFAULT_MAINTENANCE_REASONS = ("maint*", "maintenance*", "reboot*", "upgrade*")
+
+
+def maintenance_reasons(policy: Policy) -> tuple[str, ...]:
+    # WHY getattr: ReadinessSettings (streams/policy.py) gains maintenance_reasons separately.
+    return tuple(getattr(policy.readiness, "maintenance_reasons", DEFAULT_MAINTENANCE_REASONS))
+
+
+def glob_regex(pattern: str) -> str:
+    """A shell glob (* and ?) as an anchored RE2 regex of the lower-cased glob, for ClickHouse match()."""
+    out = "".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern.lower())
+    return f"^{out}$"
 
 
 @dataclass
@@ -113,19 +132,24 @@ def _confirmations(store: AuditStore, recs: list[dict[str, Any]], window_s: floa
     return {r["incident_id"] for r in rows} & {r["incident_id"] for r in recs}
 
 
-def _misses(store: AuditStore, since_s: float) -> dict[str | None, int]:
-    """Drains by someone else with no incident of ours on that node shortly before, per partition."""
+def _misses(
+    store: AuditStore, since_s: float, patterns: tuple[str, ...] = DEFAULT_MAINTENANCE_REASONS
+) -> dict[str | None, int]:
+    """Drains by someone else, not planned maintenance, with no incident of ours on that node
+    shortly before, per partition."""
     # ASOF JOIN: each drain meets the latest incident of ours on its node at or before it;
     # none (0), or one older than the look-back, makes it a miss. All in ClickHouse.
     rows = store.query(
         "SELECT d.partition AS partition, countIf(o.ms = 0 OR o.ms < d.ms - {look:Int64}) AS misses FROM ("
-        "SELECT node, partition, toUnixTimestamp64Milli(event_time) AS ms FROM {db}.sched_events FINAL "
+        "SELECT node, partition, min(toUnixTimestamp64Milli(event_time)) AS ms FROM {db}.sched_events FINAL "
         "WHERE kind = 'node' AND has(flags, 'DRAIN') AND event_time >= fromUnixTimestamp64Milli({t:Int64}) "
-        "AND NOT startsWith(ifNull(reason, ''), 'trainmedic ')) AS d "
+        "AND NOT startsWith(ifNull(reason, ''), 'trainmedic ') AND NOT has(flags, 'MAINTENANCE') "
+        "AND NOT arrayExists(p -> match(lower(ifNull(reason, '')), p), {maint:Array(String)}) "
+        "GROUP BY node, partition, ifNull(reason, '')) AS d "
         "ASOF LEFT JOIN (SELECT culprit_node, toUnixTimestamp64Milli(event_time) AS ms FROM {db}.incidents FINAL "
         "WHERE culprit_node != '' AND event_time >= fromUnixTimestamp64Milli({t:Int64} - {look:Int64})) AS o "
         "ON d.node = o.culprit_node AND d.ms >= o.ms GROUP BY partition SETTINGS join_use_nulls = 0",
-        {"t": int(since_s * 1000), "look": int(MISS_LOOKBACK_S * 1000)},
+        {"t": int(since_s * 1000), "look": int(MISS_LOOKBACK_S * 1000), "maint": [glob_regex(p) for p in patterns]},
     )
     return {(r["partition"] or None): int(r["misses"]) for r in rows if r["misses"]}
 
@@ -169,7 +193,7 @@ def readiness(store: AuditStore, policy: Policy, since_s: float, now: float | No
             if r["action_latency_s"] is not None:
                 latencies[key][1].append(float(r["action_latency_s"]))
     try:
-        misses = _misses(store, since_s)
+        misses = _misses(store, since_s, maintenance_reasons(policy))
     except Exception:  # no scheduler events recorded (no Slurm producer running): misses unknown
         misses = {}
     for s in scores.values():

@@ -16,6 +16,45 @@ class BackendError(RuntimeError):
     """A scheduler call failed; the message names the command and its error."""
 
 
+class ActionRefused(BackendError):
+    """The backend refused before calling the scheduler: nothing was changed; the message says why.
+
+    The executor reports such an action ``skipped`` with this reason, so the
+    suppressed action is audited (it is not a failure to retry).
+    """
+
+
+# A node in one of these is out of service for a reason someone else owns: never acted on.
+_DOWN_STATES = frozenset({"DOWN", "ERROR", "FUTURE", "UNKNOWN"})
+_HANDS_OFF_FLAGS = frozenset(
+    {"NOT_RESPONDING", "FAIL", "MAINTENANCE", "REBOOT_ISSUED", "POWERED_DOWN", "POWERING_DOWN", "POWER_DOWN"}
+)
+
+
+def refuse_node_action(action: str, state: NodeState, maint_reservation: str | None) -> None:
+    """Raise ActionRefused unless trainmedic may `action` (drain) the node.
+
+    Never acted on: a node in an active MAINT reservation (planned maintenance),
+    one already drained (by anyone: their reason is theirs, and a second drain
+    would overwrite it), and one down, failing or rebooting. Every backend calls
+    this before the scheduler call, with the node's state and reservation read
+    just before.
+    """
+    node = state.name
+    by = f" by {state.reason_user}" if state.reason_user else ""
+    why = f" (reason {state.reason!r}{by})" if state.reason else ""
+    if maint_reservation:
+        raise ActionRefused(
+            f"not {action}ing {node}: it is in maintenance reservation {maint_reservation} (MAINT flag){why}"
+        )
+    if state.drained:
+        raise ActionRefused(f"not {action}ing {node}: it is already drained{why}; trainmedic never overwrites a drain")
+    flags = sorted(_HANDS_OFF_FLAGS.intersection(state.flags))
+    if state.state in _DOWN_STATES or flags:
+        shown = "+".join([state.state, *flags])
+        raise ActionRefused(f"not {action}ing {node}: it is {shown}{why}; a node out of service is left alone")
+
+
 @dataclass(frozen=True)
 class NodeState:
     name: str
@@ -23,6 +62,7 @@ class NodeState:
     flags: tuple[str, ...] = ()  # upper case: DRAIN, NOT_RESPONDING, ...
     reason: str | None = None
     partitions: tuple[str, ...] = ()
+    reason_user: str | None = None  # who set the reason, where Slurm says
 
     @property
     def drained(self) -> bool:

@@ -19,13 +19,14 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import NoReturn
 
-from sinks.backends.base import BackendError, JobState, NodeState
+from sinks.backends.base import BackendError, JobState, NodeState, refuse_node_action
 from slurmio.hostlist import HostlistError
 from slurmio.hostlist import expand_hostlist as _expand_hostlist
+from slurmio.nodes import in_force, read_all_nodes
 from slurmio.records import JobInfo, NodeInfo
+from slurmio.reservations import maintenance_nodes, read_reservations
 from slurmio.runners import LocalRunner, Runner, SlurmCommandError
-from slurmio.scontrol import is_no_such_job, parse_scontrol_line, show_job
-from slurmio.sinfo import read_sinfo
+from slurmio.scontrol import is_no_such_job, parse_scontrol_line, show_job, show_node
 from slurmio.squeue import read_jobs
 from slurmio.versions import DataParser, known_versions
 
@@ -112,8 +113,10 @@ class SlurmCliBackend:
 
     # ---- nodes
     def drain_node(self, node: str, reason: str) -> None:
+        """Drain the node; ActionRefused (nothing run) for a node in maintenance, drained or down."""
         validate_node_name(node)
         validate_reason(reason)
+        refuse_node_action("drain", self.node_state(node), self.maintenance_reservation(node))
         self._run(
             [
                 "scontrol",
@@ -130,19 +133,29 @@ class SlurmCliBackend:
 
     def node_state(self, node: str) -> NodeState:
         validate_node_name(node)
-        # 22.05's `sinfo --json` ignores -n, so filter here.
-        for state in self.list_nodes():
-            if state.name == node:
-                return state
-        raise BackendError(f"sinfo --json: no such node {node!r}")
+        # One node from scontrol (JSON on 23.11+, -o text before), never from 23.02+'s sinfo
+        # --json: it groups nodes by state and gives the whole group ONE reason.
+        try:
+            found = show_node(self._run_cmd, node, self.timeout, self.parser or _TEXT_FORM)
+        except SlurmCommandError as exc:
+            _raise_backend_error(exc)
+        if found is None:
+            raise BackendError(f"scontrol show node: no such node {node!r}")
+        return _node_state(in_force(found))
+
+    def maintenance_reservation(self, node: str) -> str | None:
+        """The active MAINT reservation holding the node, if any (BackendError when unreadable)."""
+        try:
+            return maintenance_nodes(read_reservations(self._run_cmd, self.timeout)).get(validate_node_name(node))
+        except SlurmCommandError as exc:
+            _raise_backend_error(exc)
 
     def list_nodes(self) -> list[NodeState]:
         try:
-            doc = read_sinfo(self._run(["sinfo", "--json"]))
-        except SlurmCommandError as exc:  # a shape slurmio does not know (SlurmFormatError)
+            self.parser, nodes = read_all_nodes(self._run_cmd, self.timeout, self.parser)
+        except SlurmCommandError as exc:  # also a shape slurmio does not know (SlurmFormatError)
             _raise_backend_error(exc)
-        self.parser = doc.parser
-        return [_node_state(n) for n in doc.nodes.values()]
+        return [_node_state(n) for n in nodes.values()]
 
     def annotate_job(self, job_id: str, note: str) -> None:
         self._run(["scontrol", "update", f"JobId={validate_job_id(job_id)}", f"Comment={validate_reason(note)}"])
@@ -272,6 +285,7 @@ def _node_state(node: NodeInfo) -> NodeState:
         flags=node.flags,
         reason=node.reason,
         partitions=node.partitions,
+        reason_user=node.reason_user,
     )
 
 
