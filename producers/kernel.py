@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 
 from producers.follow import FileFollower
+from producers.position import FilePosition
 from producers.publisher import Publisher
 from schemas.events import KernelEvent
 from schemas.ids import stable_id
@@ -259,12 +260,22 @@ class KernelLogProducer:
         node: str | None = None,
         from_start: bool = False,
         gpu_index_of: Callable[[str], int | None] | None = None,
+        resume: FilePosition | None = None,
+        lookback_bytes: int = 0,
     ) -> None:
         self.publisher = publisher
         self.node = node or socket.gethostname()
-        self.follower = FileFollower(Path(path), from_start=from_start)
+        self.follower = FileFollower(Path(path), from_start=from_start, resume=resume, lookback_bytes=lookback_bytes)
         self.gpu_index_of = gpu_index_of
         self.published = 0
+
+    @property
+    def position_key(self) -> str:
+        return f"file:{self.follower.path}"
+
+    def positions(self) -> dict[str, FilePosition]:
+        pos = self.follower.position()
+        return {self.position_key: pos} if pos is not None else {}
 
     def poll_once(self) -> int:
         now = time.time()
@@ -286,27 +297,62 @@ def kmsg_message(record: str) -> str:
     return message.rstrip("\n") if sep and "," in head else record.rstrip("\n")
 
 
-def read_kmsg(path: str = "/dev/kmsg") -> Iterator[str]:
-    """Kernel messages as they arrive; each read() of /dev/kmsg returns one record."""
+def kmsg_seq_usec(record: str) -> tuple[int, int] | None:
+    """(sequence number, microseconds since boot) of a /dev/kmsg record."""
+    head = record.partition(";")[0].split(",")
+    if len(head) < 3 or not (head[1].isascii() and head[1].isdigit() and head[2].isascii() and head[2].isdigit()):
+        return None
+    return int(head[1]), int(head[2])
+
+
+def boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def uptime_s() -> float:
+    try:
+        return float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def read_kmsg(
+    path: str = "/dev/kmsg", after_seq: int | None = None, lookback_s: float = 0.0
+) -> Iterator[tuple[str, int | None]]:
+    """(message, sequence number) of kernel records, from the ring buffer on, then as they arrive.
+
+    Records up to `after_seq` (the last one handled before a restart, same boot) are skipped;
+    without it, only records of the last `lookback_s` seconds of the ring buffer are read.
+    """
+    oldest_usec = max(0.0, uptime_s() - lookback_s) * 1e6
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.lseek(fd, 0, os.SEEK_END)  # new messages only; the ring buffer's past is dmesg's job
         while True:
             try:
-                record = os.read(fd, 8192)
+                raw = os.read(fd, 8192)
             except BrokenPipeError:
                 continue  # records were overwritten before we read them: the next read resyncs
-            yield kmsg_message(record.decode("utf-8", errors="replace"))
+            record = raw.decode("utf-8", errors="replace")
+            head = kmsg_seq_usec(record)
+            if head is not None:
+                seq, usec = head
+                if (after_seq is not None and seq <= after_seq) or (after_seq is None and usec < oldest_usec):
+                    continue
+            yield kmsg_message(record), head[0] if head else None
     finally:
         os.close(fd)
 
 
 def journal_message(line: str) -> tuple[str, str | None] | None:
     """(message, hostname) from one `journalctl -o json` line; None when it is not an entry."""
-    try:
-        entry = orjson.loads(line)
-    except orjson.JSONDecodeError:
-        return None
+    entry = _journal_entry(line)
+    return None if entry is None else _entry_message(entry)
+
+
+def _entry_message(entry: dict[str, Any]) -> tuple[str, str | None] | None:
     msg = entry.get("MESSAGE") if isinstance(entry, dict) else None
     if isinstance(msg, list):  # journald stores non-UTF-8 messages as byte arrays
         if not all(type(b) is int and 0 <= b <= 255 for b in msg):
@@ -318,16 +364,33 @@ def journal_message(line: str) -> tuple[str, str | None] | None:
     return msg, host if isinstance(host, str) else None
 
 
-def read_journal() -> Iterator[tuple[str, str | None]]:
-    proc = subprocess.Popen(
-        ["journalctl", "-k", "-f", "-o", "json", "--since", "now"], stdout=subprocess.PIPE, text=True
-    )
+def _journal_entry(line: str) -> dict[str, Any] | None:
+    try:
+        entry = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return None
+    return entry if isinstance(entry, dict) else None
+
+
+def journal_argv(cursor: str | None, lookback_s: float) -> list[str]:
+    """Resume after the saved cursor; without one, this boot's last `lookback_s` seconds."""
+    argv = ["journalctl", "-k", "-f", "-o", "json"]
+    if cursor:
+        return [*argv, "--after-cursor", cursor]
+    return [*argv, "-b", "--since", f"-{max(0, int(lookback_s))}s"]
+
+
+def read_journal(cursor: str | None = None, lookback_s: float = 0.0) -> Iterator[tuple[str, str | None, str | None]]:
+    """(message, hostname, journal cursor) of kernel entries."""
+    proc = subprocess.Popen(journal_argv(cursor, lookback_s), stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     try:
         for line in proc.stdout:
-            parsed = journal_message(line)
-            if parsed is not None:
-                yield parsed
+            entry = _journal_entry(line)
+            parsed = None if entry is None else _entry_message(entry)
+            if entry is not None and parsed is not None:
+                c = entry.get("__CURSOR")
+                yield parsed[0], parsed[1], c if isinstance(c, str) else None
     finally:
         proc.terminate()
 

@@ -82,3 +82,18 @@ def test_checkpointer_saves_only_when_everything_before_is_acknowledged(tmp_path
 def test_unreadable_position_file_starts_afresh(tmp_path: Path) -> None:
     (tmp_path / "p.json").write_text("{not json")
     assert PositionStore(tmp_path / "p.json").file("file:/x") is None
+
+
+def test_journal_resumes_after_its_cursor_or_looks_back_this_boot() -> None:
+    from producers.kernel import journal_argv
+
+    assert journal_argv("s=abc;i=12", 600)[-2:] == ["--after-cursor", "s=abc;i=12"]
+    argv = journal_argv(None, 600)
+    assert "-b" in argv and argv[-2:] == ["--since", "-600s"]
+
+
+def test_kmsg_record_header() -> None:
+    from producers.kernel import kmsg_seq_usec
+
+    assert kmsg_seq_usec("6,1234,5678901,-;NVRM: Xid (PCI:0000:07:00): 79") == (1234, 5678901)
+    assert kmsg_seq_usec("no header at all") is None
