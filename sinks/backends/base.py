@@ -24,6 +24,10 @@ class ActionRefused(BackendError):
     """
 
 
+class NotPermitted(BackendError):
+    """Slurm refused the call to the user the backend runs as (its AdminLevel is too low): nothing changed."""
+
+
 # A node in one of these is out of service for a reason someone else owns: never acted on.
 _DOWN_STATES = frozenset({"DOWN", "ERROR", "FUTURE", "UNKNOWN"})
 _HANDS_OFF_FLAGS = frozenset(

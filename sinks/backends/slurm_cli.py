@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import NoReturn
 
-from sinks.backends.base import BackendError, JobState, NodeState, refuse_node_action
+from sinks.backends.base import BackendError, JobState, NodeState, NotPermitted, refuse_node_action
 from slurmio.hostlist import HostlistError
 from slurmio.hostlist import expand_hostlist as _expand_hostlist
 from slurmio.nodes import in_force, read_all_nodes
@@ -271,10 +271,21 @@ def _held(extra: Mapping[str, str]) -> bool:
     return extra.get("priority") == "0" or extra.get("state_reason", "").startswith("JobHeld")
 
 
+# What slurmctld answers a user without the rights for a call (22.05 and 24.11).
+_NOT_PERMITTED = ("Invalid user id", "Access/permission denied")
+
+
 def _raise_backend_error(exc: SlurmCommandError) -> NoReturn:
     # The SSH runner's transport errors (SshHostKeyError, ...) are BackendErrors already: keep their type.
     if isinstance(exc, BackendError):
         raise exc
+    said = f"{exc.stderr}\n{exc.stdout}"
+    if any(p in said for p in _NOT_PERMITTED):
+        raise NotPermitted(
+            f"{exc} -- Slurm refused this to the user the backend runs as: draining or resuming a node "
+            "needs AdminLevel=Administrator (or root/SlurmUser), requeue/hold/release/cancel of another "
+            "user's job AdminLevel=Operator (docs/slurm.md)"
+        ) from exc
     raise BackendError(str(exc)) from exc
 
 
