@@ -45,6 +45,8 @@ _PREFIX = re.compile(
 # After a syslog or ISO stamp: "HOST kernel: " (or just "kernel: " when the host was not recorded).
 _HOST = re.compile(r"(?:(?P<host>[A-Za-z0-9._-]+)\s+)?kernel:\s?")
 _UPTIME = re.compile(r"\[\s*(?P<up>[0-9]{1,10}\.[0-9]{1,9})\]\s?")
+# "HOST ident[pid]: " after a stamp, the ident not "kernel": a user-space program's line.
+_USER_IDENT = re.compile(r"[A-Za-z0-9._-]+\s+(?P<ident>[\w./@-]+)(?:\[[0-9]+\])?:\s")
 # Numbers are ASCII [0-9]: \d (and str.isdigit) also accept digits int() refuses, like '²'.
 _XID = re.compile(
     r"NVRM: Xid \(PCI:(?P<pci>[0-9A-Fa-f:.]+)\): (?P<xid>[0-9]+),\s*(?:pid=(?P<pid>'?<?[\w]+>?'?),\s*)?"
@@ -136,6 +138,9 @@ class _Prefix:
     time: LineTime | None
     uptime_s: float | None
     message: str
+    # A syslog line written by a program, not the kernel ("gpu01 root[1234]: ..."): in
+    # /var/log/messages or syslog any local user can write one with logger(1).
+    user_space: bool = False
 
 
 def _iso_time(text: str) -> LineTime | None:
@@ -176,15 +181,18 @@ def split_prefix(line: str) -> _Prefix:
         stamp = _iso_time(m.group("iso").replace(",", "."))
     elif m and m.group("tmon"):
         stamp = _clock(m.group("tmon"), m.group("tday"), m.group("thms"), m.group("tyear"))
+    user_space = False
     if m and (m.group("smon") or m.group("iso")):
         h = _HOST.match(text, pos)
         if h:
             host, pos = h.group("host"), h.end()
+        else:
+            user_space = _USER_IDENT.match(text, pos) is not None
     up = _UPTIME.match(text, pos)
     uptime = None
     if up:
         uptime, pos = float(up.group("up")), up.end()
-    return _Prefix(host=host, time=stamp, uptime_s=uptime, message=text[pos:])
+    return _Prefix(host=host, time=stamp, uptime_s=uptime, message=text[pos:], user_space=user_space)
 
 
 def parse_kernel_line(line: str, default_node: str) -> ParsedKernelLine | None:
@@ -198,6 +206,8 @@ def parse_kernel_line(line: str, default_node: str) -> ParsedKernelLine | None:
     if not nvidia and not any(h in line for h in _KERNEL_TEXT_HINTS):
         return None
     pre = split_prefix(line)
+    if pre.user_space:
+        return None  # only the kernel's own lines are evidence about the node: a program's can be forged
     base = ParsedKernelLine(
         kind="other",
         node=pre.host or default_node,

@@ -122,3 +122,16 @@ def test_interleaved_tracebacks_are_grouped_per_rank() -> None:
     assert g.flush(now=2.5) == []
     (cut,) = g.flush(now=5.0)
     assert cut.lineno == 21 and cut.context is not None and cut.context.startswith("Traceback")
+
+
+def test_a_program_cannot_forge_a_kernel_xid_through_syslog() -> None:
+    # /var/log/messages and syslog hold every program's lines: `logger "NVRM: Xid ..."` run by any
+    # local user writes "HOST USER: NVRM: Xid ...". Only the kernel's own lines are node evidence.
+    real = "Oct 11 06:07:26 gpu01 kernel: NVRM: Xid (PCI:0000:07:00): 79, pid=1234, GPU has fallen off the bus."
+    assert parse_kernel_line(real, "x") is not None
+    for forged in (
+        real.replace(" kernel: ", " alice: "),
+        real.replace(" kernel: ", " alice[4242]: "),
+        real.replace("Oct 11 06:07:26", "2024-10-11T06:07:26.123456+00:00").replace(" kernel: ", " root[1]: "),
+    ):
+        assert parse_kernel_line(forged, "x") is None, forged
