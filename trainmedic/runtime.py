@@ -231,8 +231,14 @@ class Stack:
         self._start_thread("executor", self.executor.run)
 
     def _start_thread(self, name: str, target: Any) -> None:
+        def run() -> None:
+            try:
+                target()
+            except Exception:  # the supervisor sees the thread end; the log says why
+                log.exception("the %s thread died", name)
+
         self._threads = [t for t in self._threads if t.name != name]
-        t = threading.Thread(target=target, name=name, daemon=True)
+        t = threading.Thread(target=run, name=name, daemon=True)
         t.start()
         self._threads.append(t)
 
@@ -466,7 +472,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def _thread_ended() -> str:
-    return "its thread ended; see the log above for its last error"
+    return "its thread ended; the log says why ('the ... thread died')"
 
 
 def _pid_alive(pid: int) -> bool:

@@ -2,7 +2,8 @@
 is restarted while /api/health answers 503 naming it, and a Xid written in the gap becomes one
 incident once the worker is back; a SIGKILLed `up` takes its broker and worker with it; a
 busy port or a live `up` on the same data dir is refused before anything starts; a part that
-keeps crashing stops `up` with a non-zero exit naming it."""
+keeps crashing stops `up` with a non-zero exit naming it; a dead audit sink thread is restarted
+and the events of its gap land in the audit."""
 
 from __future__ import annotations
 
@@ -22,8 +23,14 @@ import pytest
 
 from producers.kernel import KernelLogProducer
 from producers.publisher import Publisher
+from schemas.topics import INCIDENTS
+from sinks.audit import AuditStore
+from sinks.backends.simulated import SimulatedScheduler
 from tests.conftest import wait_for
 from tests.integration.scenario import xid79_line
+from tests.reliability.harness import incident, produce
+from trainmedic.broker import EmbeddedBroker
+from trainmedic.runtime import Stack, StackConfig
 
 REPO = Path(__file__).resolve().parents[2]
 TRAINMEDIC = [sys.executable, "-m", "trainmedic.cli"]
@@ -271,3 +278,41 @@ def test_a_part_that_keeps_crashing_stops_up_non_zero_naming_it(tmp_path: Path) 
         assert kids and not any(running(p) for p in kids)
     finally:
         u.close()
+
+
+def test_dead_audit_sink_thread_is_restarted_and_nothing_is_lost(
+    broker: EmbeddedBroker, chdb_url: str, database: str, tmp_path: Path
+) -> None:
+    """In-process Stack as `up` runs it: the audit sink's loop ends under it."""
+    stack = Stack(
+        StackConfig(
+            data_dir=tmp_path / "var",
+            bootstrap=broker.bootstrap,
+            clickhouse=chdb_url,
+            database=database,
+            supervise=True,
+            restart_backoff_s=(2.0,),
+        ),
+        SimulatedScheduler([]),
+    ).start()
+    try:
+        store, sink = stack.store, stack.sink
+        assert store is not None and sink is not None
+        produce(broker.bootstrap, [(INCIDENTS.name, incident(i, prefix="sup")) for i in range(3)])
+        wait_for("the first incidents in the audit", lambda: _incidents(store, "sup") == 3)
+        # The loop ends without the stack asking (closing its consumer from here can deadlock
+        # librdkafka, so the loop is told to end): the thread is gone, whatever the cause.
+        sink.stop_event.set()
+        report = wait_for("the sink reported down", lambda: (h := stack.health())["ok"] is False and h, timeout=30)
+        assert report["components"]["audit-sink"]["state"] == "restarting"
+        produce(broker.bootstrap, [(INCIDENTS.name, incident(i, prefix="sup")) for i in range(3, 6)])
+        wait_for("the sink back", lambda: stack.health()["ok"], timeout=60)
+        assert stack.sink is not sink and stack.health()["components"]["audit-sink"]["restarts"] == 1
+        wait_for("every incident in the audit", lambda: _incidents(store, "sup") == 6, timeout=60)
+    finally:
+        stack.stop()
+
+
+def _incidents(store: AuditStore, prefix: str) -> int:
+    sql = "SELECT count() AS n FROM {db}.incidents FINAL WHERE startsWith(incident_id, {p:String})"
+    return int(store.query(sql, {"p": f"inc-{prefix}-"})[0]["n"])
