@@ -142,7 +142,13 @@ mv -f "$REST/token.tmp" "$REST/token"
 umask 022
 
 # ---------------------------------------------------------------- slurmrestd
-if ! pid_of "$PIDFILE" slurmrestd >/dev/null || ! ping_rest; then
+same_namespace() {  # the running slurmrestd lives in the current holder's mount namespace
+  local pid
+  pid="$(pid_of "$PIDFILE" slurmrestd)" || return 1
+  [ "$(readlink "/proc/$pid/ns/mnt")" = "$(readlink "/proc/$(tr -dc '0-9' <"$HOLDER_PID")/ns/mnt")" ]
+}
+# One left from a cluster that was stopped and started again lives in the old namespace: replace it.
+if ! same_namespace || ! ping_rest; then
   stop_pid "$PIDFILE" slurmrestd
   log "starting slurmrestd on 127.0.0.1:$PORT as $REST_USER"
   uid="$(awk -F: -v u="$REST_USER" '$1 == u { print $3 }' "$ROOT/etc/passwd")"
