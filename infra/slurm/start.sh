@@ -283,7 +283,7 @@ sacctmgr_add() {
   local out
   if ! out="$(timeout 30 sacctmgr -i add "$@" 2>&1)"; then
     case "$out" in
-      *"Nothing new added"*|*"already exists"*) ;;
+      *"Nothing new added"*|*"already exists"*|*"Already existing"*|*"Nothing added"*) ;;
       *) echo "$out" >&2; die "sacctmgr add $* failed" ;;
     esac
   fi
@@ -305,8 +305,9 @@ if [ ! -e "$ACCT_DONE" ]; then
 fi
 
 # A slurmctld started before accounting was configured keeps accounting_storage/none until restarted.
+# (The config is read into a string first: `grep -q` on a pipe would SIGPIPE scontrol, failing it under pipefail.)
 if pid_alive "$DIR/run/slurmctld.pid" slurmctld \
-  && ! timeout 10 scontrol show config 2>/dev/null | grep -q 'AccountingStorageType *= *accounting_storage/slurmdbd'; then
+  && ! grep -q 'AccountingStorageType *= *accounting_storage/slurmdbd' <<<"$(timeout 10 scontrol show config 2>/dev/null)"; then
   log "restarting slurmctld: it runs without accounting_storage/slurmdbd (state is kept)"
   ctld_pid="$(tr -dc '0-9' <"$DIR/run/slurmctld.pid")"
   kill -TERM "$ctld_pid" 2>/dev/null || true

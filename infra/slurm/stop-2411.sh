@@ -85,6 +85,8 @@ fi
 specs=("$RUN/sshd.pid:sshd" "$RUN/slurmctld.pid:slurmctld")
 for n in "${NODES[@]}"; do specs+=("$RUN/slurmd-$n.pid:slurmd"); done
 stop_daemons "${specs[@]}"
+stop_daemons "$RUN/slurmdbd.pid:slurmdbd"   # after slurmctld: it sends its last records there
+stop_daemons "$DATA/mysql/mysqld.pid:mariadbd"
 stop_daemons "$DATA/munge/munged.pid:munged"   # last: the others need it to shut down cleanly
 
 # The mounts live only in the holder's namespace: unmount them there, then end it.

@@ -1,9 +1,10 @@
-"""Least privilege, on the REAL Slurm 22.05 cluster with accounting (infra/slurm/start.sh:
-MariaDB + slurmdbd, Slurm users tmexec/tmop/tmuser).
+"""Least privilege, on the REAL Slurm clusters with accounting (MariaDB + slurmdbd, Slurm
+users tmexec/tmop/tmuser: infra/slurm/start.sh for 22.05, start-2411.sh for 24.11).
 
-The executor runs as a non-root Slurm user: its slurm-cli backend's commands
-run under ``runuser -u USER --`` (munge vouches for any local user). What each
-AdminLevel may do, as slurmctld 22.05 decides it:
+The executor runs as a non-root Slurm user: on 22.05 its slurm-cli backend's
+commands run here under ``runuser -u USER --`` (munge vouches for any local
+user); on 24.11 the slurm-ssh backend logs in to the login node as that user.
+What each AdminLevel may do, as slurmctld 22.05 and 24.11 decide it:
 
 - tmexec, AdminLevel=Administrator: drains (UPDATE_NODE is allowed only to
   root, SlurmUser and Administrator), requeues with exclusion and cancels a job
@@ -20,13 +21,15 @@ from __future__ import annotations
 
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import pytest
 
 from schemas.events import Action
 from sinks.backends.base import NotPermitted
 from sinks.backends.slurm_cli import SlurmCliBackend
+from sinks.backends.slurm_ssh import slurm_ssh_backend
 from sinks.executor import Executor, ExecutorSettings
 from slurmio.runners import LocalRunner
 from tests.conftest import Cluster, wait_for
@@ -47,20 +50,57 @@ class AsUser:
         return self.inner(["runuser", "-u", self.user, "--", *argv], timeout)
 
 
-def _sh(cluster: Cluster, *argv: str, user: str | None = None) -> str:
-    full = ["runuser", "-u", user, "--", *argv] if user else list(argv)
-    proc = subprocess.run(full, capture_output=True, text=True, env=cluster.env(), timeout=30, check=False, cwd="/tmp")
-    assert proc.returncode == 0, f"{full}: {proc.stderr}"
+def _sh(cluster: Cluster, *argv: str) -> str:
+    proc = subprocess.run(list(argv), capture_output=True, text=True, env=cluster.env(), timeout=30, check=False)
+    assert proc.returncode == 0, f"{argv}: {proc.stderr}"
     return proc.stdout
 
 
-@pytest.fixture
-def cluster(slurm_cluster: Cluster) -> Iterator[Cluster]:
-    root = SlurmCliBackend(slurm_cluster.runner())
+@dataclass
+class Site:
+    """One cluster and how to act on it as a given user."""
+
+    cluster: Cluster
+    as_user: Callable[[str], SlurmCliBackend]  # the executor's backend, running as that user
+    root: SlurmCliBackend
+
+    def running_job(self, owner: str = JOB_OWNER) -> tuple[str, str]:
+        """A requeueable one-node job of `owner`, RUNNING: its id and node."""
+        argv = ["sbatch", "--parsable", "--requeue", "--output=/dev/null", "--chdir=/tmp"]
+        argv += ["--job-name=tm-operator", "--wrap", "sleep 600"]
+        submitter = self.root if owner == "root" else self.as_user(owner)
+        job = submitter._raw(argv).strip().split(";")[0]
+        state = wait_for(
+            "the job RUNNING", lambda: (s := self.root.job_state(job)).state == "RUNNING" and s, timeout=30
+        )
+        return job, state.nodes[0]
+
+
+@pytest.fixture(params=("22.05", "24.11"))
+def site(request: pytest.FixtureRequest) -> Iterator[Site]:
+    opened: list[SlurmCliBackend] = []
+    if request.param == "22.05":
+        cluster: Cluster = request.getfixturevalue("slurm_cluster")
+
+        def as_user(user: str) -> SlurmCliBackend:
+            return SlurmCliBackend(AsUser(user, cluster.runner()))
+    else:
+        cluster = request.getfixturevalue("slurm2411_cluster")
+        login = cluster.login
+        assert login is not None
+
+        def as_user(user: str) -> SlurmCliBackend:
+            backend = slurm_ssh_backend(
+                login.host, login.port, user, login.key, login.known_hosts, slurm_conf=cluster.slurm_conf
+            )
+            opened.append(backend)
+            return backend
+
+    root = SlurmCliBackend(cluster.runner())
 
     def reset() -> None:
-        _sh(slurm_cluster, "scancel", "--user", JOB_OWNER)
-        _sh(slurm_cluster, "scancel", "--user", "root")
+        _sh(cluster, "scancel", "--user", JOB_OWNER)
+        _sh(cluster, "scancel", "--user", "root")
         for n in NODES:
             if root.node_state(n).drained:
                 root.resume_node(n)
@@ -70,34 +110,13 @@ def cluster(slurm_cluster: Cluster) -> Iterator[Cluster]:
             timeout=60,
         )
 
-    levels = _sh(slurm_cluster, "sacctmgr", "-n", "-P", "show", "user", "format=user,adminlevel")
+    levels = _sh(cluster, "sacctmgr", "-n", "-P", "show", "user", "format=user,adminlevel")
     assert {"tmexec|Administrator", "tmop|Operator", "tmuser|None"} <= set(levels.split()), levels
     reset()
-    yield slurm_cluster
+    yield Site(cluster, as_user, root)
     reset()
-
-
-def _backend(cluster: Cluster, user: str) -> SlurmCliBackend:
-    return SlurmCliBackend(AsUser(user, cluster.runner()))
-
-
-def _running_job(cluster: Cluster, owner: str = JOB_OWNER) -> tuple[str, str]:
-    """A requeueable one-node job of `owner`, RUNNING: its id and node."""
-    job = _sh(
-        cluster,
-        "sbatch",
-        "--parsable",
-        "--requeue",
-        "--output=/dev/null",
-        "--chdir=/tmp",
-        "--job-name=tm-operator",
-        "--wrap",
-        "sleep 600",
-        user=owner,
-    ).strip()
-    root = SlurmCliBackend(cluster.runner())
-    state = wait_for("the job RUNNING", lambda: (s := root.job_state(job)).state == "RUNNING" and s, timeout=30)
-    return job, state.nodes[0]
+    for b in opened:
+        b.close()  # type: ignore[attr-defined]
 
 
 def _action(job: str, node: str, kind: str) -> Action:
@@ -119,11 +138,9 @@ def _action(job: str, node: str, kind: str) -> Action:
     )
 
 
-def test_executor_as_administrator_drains_requeues_excluding_and_cancels_another_users_job(
-    cluster: Cluster,
-) -> None:
-    job, node = _running_job(cluster)
-    backend = _backend(cluster, "tmexec")
+def test_executor_as_administrator_drains_requeues_excluding_and_cancels_another_users_job(site: Site) -> None:
+    job, node = site.running_job()
+    backend = site.as_user("tmexec")
     executor = Executor(backend, ExecutorSettings(verify_timeout_s=60))
     calls: list[str] = []
     result = executor.execute(_action(job, node, "drain_and_requeue"), lambda a, call: calls.append(call))
@@ -142,9 +159,9 @@ def test_executor_as_administrator_drains_requeues_excluding_and_cancels_another
     assert not backend.node_state(node).drained
 
 
-def test_operator_requeues_and_cancels_another_users_job_but_may_not_drain(cluster: Cluster) -> None:
-    job, node = _running_job(cluster)
-    backend = _backend(cluster, "tmop")
+def test_operator_requeues_and_cancels_another_users_job_but_may_not_drain(site: Site) -> None:
+    job, node = site.running_job()
+    backend = site.as_user("tmop")
     with pytest.raises(NotPermitted, match=r"scontrol update NodeName=.*Invalid user id.*AdminLevel=Administrator"):
         backend.drain_node(node, "trainmedic inc-00000000000000000042: gpu_hardware")
     assert not backend.node_state(node).drained  # nothing changed
@@ -159,11 +176,11 @@ def test_operator_requeues_and_cancels_another_users_job_but_may_not_drain(clust
     wait_for("the job CANCELLED", lambda: backend.job_state(job).state == "CANCELLED", timeout=30)
 
 
-def test_plain_user_is_refused_and_nothing_changes(cluster: Cluster) -> None:
-    job, node = _running_job(cluster, owner="root")
-    root = SlurmCliBackend(cluster.runner())
+def test_plain_user_is_refused_and_nothing_changes(site: Site) -> None:
+    job, node = site.running_job(owner="root")
+    root = site.root
     before = root.job_state(job)
-    backend = _backend(cluster, "tmuser")
+    backend = site.as_user("tmuser")
     with pytest.raises(NotPermitted, match=r"Invalid user id.*AdminLevel=Administrator"):
         backend.drain_node(node, "trainmedic inc-00000000000000000042: gpu_hardware")
     with pytest.raises(NotPermitted, match=r"scontrol requeuehold"):
