@@ -313,12 +313,13 @@ class AuditStore:
         return rows[0] if rows else None
 
     def layout_matches(self, table: Table, name: str | None = None) -> bool:
-        """Whether a table has the declared columns, types, sort key and partition key."""
+        """Whether a table has the declared columns, types, sort key, partition key and granularity."""
         info = self._table_info(name or table.name)
         return (
             info is not None
             and info["sorting_key"] == ", ".join(table.order_by)
             and info["partition_key"] == f"toYYYYMM({table.time_column})"
+            and f"index_granularity = {table.granularity}" in info["engine_full"]
             and self._columns(name or table.name) == [(c.name, c.type) for c in table.columns]
         )
 

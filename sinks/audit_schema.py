@@ -160,6 +160,10 @@ class Table:
     indexes: tuple[str, ...]  # "name expr TYPE t GRANULARITY g"
     retention: Retention
     time_column: str = "event_time"
+    # Rows per granule. The record tables are read by time first and by job, node or
+    # incident through bloom filters, a few rows scattered over months: smaller
+    # granules read less around each (bench/results/audit.md, `audit node`).
+    granularity: int = 8192
     column_names: list[str] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -194,7 +198,7 @@ class Table:
         if (ttl := self.ttl(settings)) is not None:
             lines.append(f"TTL {ttl}")
         # Whole monthly parts are dropped when they expire, instead of rewritten row by row.
-        lines.append("SETTINGS ttl_only_drop_parts = 1")
+        lines.append(f"SETTINGS ttl_only_drop_parts = 1, index_granularity = {self.granularity}")
         return "\n".join(lines)
 
 
@@ -265,6 +269,7 @@ INCIDENTS_T = Table(
     ("event_time", "incident_id"),
     (_bf("job_id"), _bf("culprit_node"), _bf("incident_id")),
     "record",
+    granularity=1024,
 )
 
 DECISIONS_T = Table(
@@ -290,6 +295,7 @@ DECISIONS_T = Table(
     ("event_time", "decision_id"),
     (_bf("incident_id"), _bf("job_id"), _bf("culprit_node")),
     "record",
+    granularity=1024,
 )
 
 ACTIONS_T = Table(
@@ -312,6 +318,7 @@ ACTIONS_T = Table(
     ("event_time", "action_id"),
     (_bf("incident_id"), _bf("job_id"), _bf("node")),
     "record",
+    granularity=1024,
 )
 
 ACTION_RESULTS_T = Table(
@@ -338,6 +345,7 @@ ACTION_RESULTS_T = Table(
     ("event_time", "action_id"),
     (_bf("incident_id"), _bf("job_id"), _bf("node")),
     "record",
+    granularity=1024,
 )
 
 APPROVALS_T = Table(
@@ -361,6 +369,7 @@ APPROVALS_T = Table(
     ("event_time", "approval_id"),
     (_bf("incident_id"), _bf("job_id")),
     "record",
+    granularity=1024,
 )
 
 MODE_CHANGES_T = Table(
@@ -449,6 +458,7 @@ GUARDRAIL_TRIPS_T = Table(
     ("event_time", "event_id"),
     (_bf("incident_id"), _bf("job_id"), _bf("node")),
     "record",
+    granularity=1024,
 )
 
 DEAD_LETTERS_T = Table(

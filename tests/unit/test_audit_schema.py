@@ -45,12 +45,14 @@ def test_every_table_matches_its_one_declaration(migrated: AuditStore) -> None:
             assert col["default_expression"] == (decl.default or ""), (table.name, decl.name)
             assert col["compression_codec"] == (f"CODEC({decl.codec})" if decl.codec else ""), (table.name, decl.name)
         (info,) = migrated.query(
-            "SELECT sorting_key, partition_key, engine FROM system.tables WHERE database = {d:String} AND name = {t:String}",
+            "SELECT sorting_key, partition_key, engine, engine_full FROM system.tables "
+            "WHERE database = {d:String} AND name = {t:String}",
             {"d": migrated.database, "t": table.name},
         )
         assert info["sorting_key"] == ", ".join(table.order_by)
         assert info["partition_key"] == "toYYYYMM(event_time)"
         assert info["engine"] == "ReplacingMergeTree"
+        assert f"index_granularity = {table.granularity}" in info["engine_full"]
         indexes = migrated.query(
             "SELECT name FROM system.data_skipping_indices WHERE database = {d:String} AND table = {t:String}",
             {"d": migrated.database, "t": table.name},
