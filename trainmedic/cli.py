@@ -361,18 +361,24 @@ def executor_cmd(
     rest_url: RestUrlOpt = None,
     rest_user: RestUserOpt = None,
     rest_token_file: RestTokenFileOpt = None,
+    metrics_address: Annotated[
+        str, typer.Option(help="HOST:PORT of a Prometheus listener (unauthenticated, read-only); off: none.")
+    ] = "off",
 ) -> None:
     """Run only the executor (one replica of its consumer group), e.g. as its own Deployment."""
     from sinks.executor import Executor, ExecutorService, ExecutorSettings
     from sinks.guardrails import GuardrailConfigError, GuardrailFile, Guardrails
     from streams.policy import DEFAULT_POLICY
+    from trainmedic.metrics_server import MetricsError, MetricsServer, parse_address
     from trainmedic.runtime import StackError, check_bootstrap
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        metrics_at = parse_address(metrics_address)
         check_bootstrap(bootstrap)
         rails = GuardrailFile(policy or DEFAULT_POLICY)
-    except (StackError, GuardrailConfigError, OSError) as exc:
+        metrics = MetricsServer(*metrics_at).start() if metrics_at else None
+    except (StackError, GuardrailConfigError, OSError, MetricsError) as exc:
         _fail(str(exc))
     sched = _backend(backend, ssh, ssh_key, known_hosts, remote_slurm_conf, (rest_url, rest_user, rest_token_file))
     service = ExecutorService(
@@ -381,7 +387,7 @@ def executor_cmd(
         Guardrails(rails, sched),
     )
     signal.signal(signal.SIGTERM, lambda *_: service.stop_event.set())
-    typer.echo(f"executor up: group {group}, scheduler {sched.name}")
+    typer.echo(f"executor up: group {group}, scheduler {sched.name}, metrics {metrics.url if metrics else 'off'}")
     try:
         service.run()
     except KeyboardInterrupt:
