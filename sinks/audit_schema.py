@@ -23,6 +23,7 @@ import orjson
 
 from schemas.events import ActionResult, Incident
 from schemas.topics import (
+    ACTION_ATTEMPTS,
     ACTION_RESULTS,
     ACTIONS,
     ANOMALIES,
@@ -461,6 +462,28 @@ GUARDRAIL_TRIPS_T = Table(
     granularity=1024,
 )
 
+ACTION_ATTEMPTS_T = Table(
+    "action_attempts",
+    ACTION_ATTEMPTS,
+    "event_id",
+    (
+        Column("event_id", "String", _a("event_id")),
+        Column("event_time", T64, _t("event_time")),
+        Column("action_id", "String", _a("action_id")),
+        Column("incident_id", "String", _a("incident_id")),
+        key("job_id", low=False),
+        key("node"),
+        key("partition"),
+        Column("action", LC, _a("action")),
+        Column("call", LC, _a("call")),  # the scheduler call about to be made: drain, requeue, cancel, hold
+        Column("executor", LC, _a("executor")),
+    ),
+    ("event_time", "event_id"),
+    (_bf("action_id"), _bf("incident_id"), _bf("job_id"), _bf("node")),
+    "record",
+    granularity=1024,
+)
+
 DEAD_LETTERS_T = Table(
     "dead_letters",
     DEADLETTER,
@@ -489,6 +512,7 @@ DECLARED: dict[str, Table] = {
         DECISIONS_T,
         ACTIONS_T,
         ACTION_RESULTS_T,
+        ACTION_ATTEMPTS_T,
         APPROVALS_T,
         MODE_CHANGES_T,
         SCHED_EVENTS_T,

@@ -51,7 +51,13 @@ def _events(t0: float) -> list[Event]:
 def _contents(store: AuditStore) -> dict[str, list[tuple[Any, ...]]]:
     """Every table's rows, deduplicated, with NULL keys read as '' (what the layout stores)."""
     out = {}
+    have = {
+        r["name"]
+        for r in store.query("SELECT name FROM system.tables WHERE database = {d:String}", {"d": store.database})
+    }
     for table in BY_NAME.values():
+        if table.name not in have:
+            continue  # new with the layout (action_attempts): nothing to keep
         cols = ", ".join(
             f"ifNull(toString(`{c.name}`), '')" if c.default == "''" else f"toString(`{c.name}`)" for c in table.columns
         )
@@ -75,7 +81,7 @@ def test_migration_keeps_every_row_and_a_second_run_changes_nothing(
 
         applied = store.migrate()
         assert [m.version for m in applied] == [m.version for m in load_migrations() if m.version > 5]
-        assert _contents(store) == before
+        assert _contents(store) == before | {"action_attempts": []}
         for table in BY_NAME.values():
             assert store.layout_matches(table), table.name
         leftovers = store.query(
@@ -143,7 +149,7 @@ def test_a_failed_migration_leaves_the_old_table_serving(chdb_url: str, database
         fixed = AuditStore(chdb_url, database, LayoutSettings())
         before = _contents(fixed)
         assert [m.version for m in fixed.migrate()] == [m.version for m in load_migrations() if m.version > 5]
-        assert _contents(fixed) == before
+        assert _contents(fixed) == before | {"action_attempts": []}
     finally:
         store.close()
 

@@ -1,0 +1,5 @@
+-- trainmedic audit trail, version 8: the executor's scheduler calls, written before
+-- each is made (topic action.attempts), so the audit shows what was sent even when
+-- no result followed. The runner creates the table from its declaration in
+-- sinks/audit_schema.py (the layout of 007).
+-- rebuild: action_attempts
