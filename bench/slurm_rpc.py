@@ -17,7 +17,7 @@ shared slurmctld meanwhile do not count:
 N discoverers (threads, each starting its real `JobDiscovery.running_jobs()` once a second)
 run for T seconds. This machine has 2 cores, so 1,024 discoverers cannot run: the RPCs and
 slurmctld time per call measured at N = 8 and 32 are extrapolated LINEARLY to 1,024 nodes at
-1 Hz (slurmctld's per-call cost grows with the queue size; the queues here are nearly empty,
+1 Hz (slurmctld's per-call cost grows with the queue size; the clusters here hold few jobs,
 so the real cost per call at a site is higher and the figures are a lower bound).
 
 Run as root (sdiag --reset): .venv/bin/python -m bench.slurm_rpc [--seconds 20] [--counts 8,32] [--versions 22.05,24.11]
@@ -274,11 +274,13 @@ def write_md(results: list[dict[str, Any]], seconds: float, counts: list[int]) -
         "do not blur the figures.",
         "",
         f"**Extrapolated linearly** from the largest N to {TARGET_NODES:,} nodes (2 cores cannot run 1,024 "
-        "discoverers). slurmctld's cost per call grows with the queue; the queues here are nearly empty "
-        "(column `queue`), so the ms per call at a busy site are higher: read them as a lower bound. "
-        "ms per call = sdiag total_time of the run's RPCs / calls (all RPC types one call makes).",
+        "discoverers). slurmctld's cost per call grows with the queue; the clusters here hold few jobs "
+        "(column `jobs held`: squeue --states=all, finished ones included), so the ms per call at a busy site are higher: read them as a lower bound. "
+        "ms per call = sdiag total_time of the bench user's RPCs / calls (all RPC types one call makes). "
+        "The RPC counts are exact; the ms vary with the queue's content at the time (other tests share these "
+        "clusters), so compare them within one run, not across.",
         "",
-        f"| Slurm | queue | way | RPCs per call | slurmctld ms per call | RPC/s at {TARGET_NODES:,} nodes "
+        f"| Slurm | jobs held | way | RPCs per call | slurmctld ms per call | RPC/s at {TARGET_NODES:,} nodes "
         f"| slurmctld busy s/s at {TARGET_NODES:,} |",
         "|---|---|---|---|---|---|---|",
     ]
