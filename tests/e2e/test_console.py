@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -192,6 +193,7 @@ def console_stack(broker: EmbeddedBroker, chdb_url: str, database: str, tmp_path
             mode="monitor",
             api_port=0,
             settle_s=1.0,
+            supervise=True,
         ),
         sched,
     ).start()
@@ -334,6 +336,18 @@ def test_console_shows_a_fault_live_and_approves_it(console_stack: dict[str, Any
             page.screenshot(path=str(artifacts / "console-1280x800.png"))
             page.screenshot(path=str(artifacts / "console-full.png"), full_page=True)
             print(f"\n[console] screenshots in {artifacts}")
+
+            # A dead streams worker means no new incidents while the feed itself looks live: the
+            # console says which part of trainmedic is down until the supervisor has it back.
+            banner = page.get_by_role("alert").filter(has_text="trainmedic degraded")
+            expect(banner).to_be_hidden()
+            worker = stack._worker
+            assert worker is not None
+            os.kill(worker.pid, signal.SIGKILL)
+            expect(banner).to_contain_text("streams-worker")
+            expect(banner).to_contain_text("SIGKILL")
+            page.screenshot(path=str(artifacts / "console-degraded-1280x800.png"))
+            expect(banner).to_be_hidden()  # restarted with backoff
             assert console_errors == []
         finally:
             browser.close()

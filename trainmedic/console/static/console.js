@@ -102,6 +102,26 @@
     c.textContent = label;
   }
 
+  // The live feed can be fine while a part of trainmedic is not (a dead streams worker means no
+  // new incidents): poll the supervisor's view and say which part is down, and why.
+  let stackTimer = null;
+  async function pollStack() {
+    clearTimeout(stackTimer);
+    if (!token) return;
+    const r = await api("/api/console/status");
+    const el = $("stack");
+    const stack = r.status === 200 && r.body ? r.body.stack : null;
+    if (stack && stack.ok === false) {
+      const down = Object.entries(stack.down || {}).map(([name, why]) => `${name} (${why})`);
+      el.textContent = `trainmedic degraded: ${down.join("; ") || "a component is down"}`;
+      el.hidden = false;
+    } else {
+      el.textContent = "";
+      el.hidden = true;
+    }
+    stackTimer = setTimeout(pollStack, 3000);
+  }
+
   async function api(path, opts) {
     const init = { method: (opts && opts.method) || "GET", headers: { Authorization: `Bearer ${token}` } };
     if (opts && opts.body !== undefined) {
@@ -163,6 +183,7 @@
     $("who-name").textContent = operator;
     snapshotLoaded = false;
     connect();
+    pollStack();
   }
 
   // --- live events --------------------------------------------------------------------------
