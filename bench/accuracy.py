@@ -39,10 +39,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from bench.machine import machine
 from schemas.vocab import ACTIONS, CATEGORIES
+from schemas.yamlsafe import YamlError, load_yaml
 from trainmedic.diagnose import DiagnoseError, diagnose_paths
 
 REPO = Path(__file__).resolve().parents[1]
@@ -136,8 +135,8 @@ class Outcome:
 
 def load_label(path: Path) -> Label:
     try:
-        raw = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
+        raw = load_yaml(path.read_text(), str(path))
+    except (OSError, YamlError) as exc:
         raise CorpusError(f"{path}: cannot read: {exc}") from None
     if not isinstance(raw, dict):
         raise CorpusError(f"{path}: expected a mapping")

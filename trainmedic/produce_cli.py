@@ -80,6 +80,25 @@ def _stop_event() -> threading.Event:
     return stop
 
 
+def _run_loop(name: str, run: Callable[[threading.Event], object], stop: threading.Event | None = None) -> None:
+    """Only `up` supervises: a lone producer whose loop dies exits non-zero, so systemd or
+    Kubernetes restarts it."""
+    stop = stop or _stop_event()
+    try:
+        run(stop)
+    except Exception as exc:
+        logging.getLogger("trainmedic.produce").exception("the %s producer's loop died", name)
+        _die(f"the {name} producer's loop died: {type(exc).__name__}: {exc}")
+    if not stop.is_set():
+        _die(f"the {name} producer's loop ended without being asked to stop")
+
+
+def _die(msg: str) -> None:
+    # Exit 3, as `trainmedic executor` does when its loop dies (2 is a usage or setting error).
+    typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(3)
+
+
 def _finish(pub: Publisher, counters: dict[str, Any], checkpoint: Checkpointer | None = None) -> None:
     saved = checkpoint.save(timeout=10) if checkpoint is not None else False
     left = pub.close(10)
@@ -114,7 +133,7 @@ def gpu(
     stop = _stop_event()
     typer.echo(f"producing GPU samples every {interval:g} s")
     with producer:
-        producer.run(stop)
+        _run_loop("gpu", producer.run, stop)
     _finish(pub, {"samples": producer.samples, "errors": producer.errors})
 
 
@@ -136,7 +155,7 @@ def dcgm(
         producer = DcgmProducer(pub, url, interval_s=interval, timeout_s=timeout, node=node)
     except ValueError as exc:
         _fail(f"--url: {exc}")
-    producer.run(_stop_event())
+    _run_loop("dcgm", producer.run)
     _finish(pub, {"scrapes": producer.scrapes, "samples": producer.samples, "errors": producer.errors})
 
 
@@ -298,7 +317,7 @@ def slurm(
     producer = SlurmProducer(
         pub, slurm_conf=slurm_conf, interval_s=interval, state_path=state_file or default_state_path(data_dir)
     )
-    producer.run(_stop_event())
+    _run_loop("slurm", producer.run)
     _finish(pub, {"polls_failed": producer.failed_polls})
 
 
