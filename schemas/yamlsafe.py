@@ -127,7 +127,11 @@ def compose_yaml(text: str | bytes, origin: str = "<yaml>", limits: YamlLimits =
             text = text.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise YamlError(f"{origin}: not UTF-8 (byte {exc.start})") from None
-    loader = _BoundedLoader(text, limits, origin)
+    try:
+        # The reader checks the characters as the loader is made: a control character fails here.
+        loader = _BoundedLoader(text, limits, origin)
+    except yaml.YAMLError as exc:
+        raise YamlError(f"{origin}: not valid YAML: {_describe(exc)}") from None
     try:
         root = loader.get_single_node()
     except yaml.YAMLError as exc:
