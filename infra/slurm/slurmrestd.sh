@@ -16,7 +16,8 @@
 #   run as root or as SlurmUser (root here), so it drops to that user;
 # - starts slurmrestd (-a rest_auth/jwt) and writes a token for root made by
 #   `scontrol token` to $DIR/rest/token (mode 600): the token lives in a file,
-#   never on a command line.
+#   never on a command line; and one per non-root Slurm user of the cluster
+#   (tmexec, tmop, tmuser when start-2411.sh made them) to $DIR/rest/token-USER.
 # Needs root (the root's apt, chroot, the cluster's namespace).
 #
 # Env: TRAINMEDIC_SLURM2411_DIR       the 24.11 state folder (default /tmp/trainmedic-slurm2411)
@@ -139,6 +140,14 @@ token="${token#SLURM_JWT=}"
 umask 077
 printf '%s\n' "$token" >"$REST/token.tmp"
 mv -f "$REST/token.tmp" "$REST/token"
+# Tokens for the cluster's non-root Slurm users too (start-2411.sh's accounting users), so the
+# backend can be tested with the rights each one has: token-USER.
+for u in tmexec tmop tmuser; do
+  grep -q "^$u:" "$ROOT/etc/passwd" || continue
+  t="$(in_root scontrol token username="$u" lifespan="$LIFESPAN")" || die "scontrol token username=$u failed"
+  printf '%s\n' "${t#SLURM_JWT=}" >"$REST/token-$u.tmp"
+  mv -f "$REST/token-$u.tmp" "$REST/token-$u"
+done
 umask 022
 
 # ---------------------------------------------------------------- slurmrestd
@@ -173,6 +182,7 @@ fi
   printf 'export TRAINMEDIC_SLURMRESTD_URL=%q\n' "http://127.0.0.1:$PORT"
   printf 'export TRAINMEDIC_SLURMRESTD_USER=root\n'
   printf 'export TRAINMEDIC_SLURMRESTD_TOKEN_FILE=%q\n' "$REST/token"
+  printf 'export TRAINMEDIC_SLURMRESTD_TOKEN_DIR=%q\n' "$REST"
 } >"$REST/env.sh.tmp"
 mv -f "$REST/env.sh.tmp" "$REST/env.sh"
 echo "slurmrestd up on http://127.0.0.1:$PORT (pid $(cat "$PIDFILE")); token in $REST/token (source $REST/env.sh)"

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,14 +33,22 @@ from urllib.parse import urlsplit
 import httpx
 
 from schemas.yamlsafe import YamlError, load_yaml
-from sinks.backends.base import BackendError, JobState, NodeState
-from sinks.backends.slurm_cli import JobNotFoundError, validate_job_id, validate_node_name, validate_reason
+from sinks.backends.base import BackendError, JobState, NodeState, NotPermitted, refuse_node_action
+from sinks.backends.slurm_cli import (
+    _NOT_PERMITTED,  # what slurmctld answers a user without the rights: the CLI's list, one list
+    JobNotFoundError,
+    validate_job_id,
+    validate_node_name,
+    validate_reason,
+)
+from slurmio.fields import Fields
 from slurmio.hostlist import HostlistError, expand_hostlist
+from slurmio.nodes import in_force
 from slurmio.records import JobInfo, NodeInfo
 from slurmio.runners import SlurmCommandError
 from slurmio.sinfo import parse_nodes
 from slurmio.squeue import parse_jobs
-from slurmio.versions import known_versions
+from slurmio.versions import SlurmFormatError, detect, known_versions
 
 __all__ = ["RestApiGap", "SlurmRestBackend", "TokenSource", "load_api_catalog"]
 
@@ -168,9 +177,10 @@ class SlurmRestBackend:
             raise BackendError(
                 f"slurmrestd API {self.version} is not one this backend knows ({', '.join(self.catalog.versions)})"
             )
-        # The token is checked at start by a read slurmctld authenticates: /openapi/v3 and ping/
-        # answer 200 even with a forged token (measured on 24.11.5); partitions/ says HTTP 511.
-        self._call("GET", self._path("partitions/"))
+        # The token is checked at start by a small read slurmctld authenticates: /openapi/v3 and
+        # ping/ answer 200 even with a forged token (measured on 24.11.5); licenses/ says HTTP 511.
+        # (partitions/ would also ask slurmdbd for TRES, which fails where slurmdbd has no JWT.)
+        self._call("GET", self._path("licenses/"))
         log.info(
             "slurm-rest: %s as %s, API %s; can: %s; cannot: %s",
             self.url,
@@ -252,8 +262,10 @@ class SlurmRestBackend:
 
     # ---- nodes
     def drain_node(self, node: str, reason: str) -> None:
+        """Drain the node; ActionRefused (nothing sent) for a node in maintenance, drained or down."""
         validate_node_name(node)
         validate_reason(reason)
+        refuse_node_action("drain", self.node_state(node), self.maintenance_reservation(node))
         self._call("POST", self._path("node/{n}", n=node), {"state": ["DRAIN"], "reason": reason})
 
     def resume_node(self, node: str) -> None:
@@ -268,6 +280,33 @@ class SlurmRestBackend:
             raise BackendError(f"slurmrestd: no such node {node!r}")
         return nodes[node]
 
+    def maintenance_reservation(self, node: str) -> str | None:
+        """The active MAINT reservation holding the node, if any (BackendError when unreadable)."""
+        validate_node_name(node)
+        doc = self._call("GET", self._path("reservations/"))
+        what = "slurmrestd GET reservations"
+        try:
+            parser = detect(doc, what)
+            raw = doc.get("reservations")
+            if not isinstance(raw, list):
+                raise SlurmFormatError(f"{what} (data parser {parser.version}): no 'reservations' list")
+            now = time.time()
+            for i, entry in enumerate(
+                sorted((e for e in raw if isinstance(e, dict)), key=lambda e: str(e.get("name")))
+            ):
+                f = Fields(entry, parser, what, f"reservations[{i}]")
+                start, end = f.number("start_time", "number"), f.number("end_time", "number")
+                active = (start is None or start <= now) and (end is None or now < end)
+                try:
+                    nodes = expand_hostlist(f.text("node_list"))
+                except HostlistError as exc:
+                    raise f.fail("node_list", f"a hostlist ({exc})", entry.get("node_list")) from None
+                if active and "MAINT" in f.string_list("flags") and node in nodes:
+                    return f.text("name") or "?"
+        except SlurmCommandError as exc:  # SlurmFormatError
+            raise BackendError(str(exc)) from exc
+        return None
+
     def list_nodes(self) -> list[NodeState]:
         status, doc = self._request("GET", self._path("nodes/"))
         return list(self._nodes(doc, status, "GET nodes").values())
@@ -275,8 +314,13 @@ class SlurmRestBackend:
     def _nodes(self, doc: dict[str, Any], status: int, what: str) -> dict[str, NodeState]:
         errors = _errors(doc)
         if errors and not doc.get("nodes"):
-            # An unknown node is HTTP 200 with "Failure to query node X" and no nodes list.
-            if any(str(e.get("description", "")).startswith("Failure to query node ") for e in errors):
+            # An unknown node is HTTP 200, "Failure to query node X" with error 0 ("No error"), no
+            # nodes list; a refused token says the same description with error 1007 and HTTP 511.
+            unknown = status == 200 and all(
+                e.get("error_number") == 0 and str(e.get("description", "")).startswith("Failure to query node ")
+                for e in errors
+            )
+            if unknown:
                 return {}
             self._call_failed(what, status, errors)
         try:
@@ -286,6 +330,13 @@ class SlurmRestBackend:
         return {name: _node_state(n) for name, n in parsed.nodes.items()}
 
     def _call_failed(self, what: str, status: int, errors: list[dict[str, Any]]) -> NoReturn:
+        said = _error_text(errors)
+        if any(p in said for p in _NOT_PERMITTED):
+            raise NotPermitted(
+                f"slurmrestd: {what}: HTTP {status}: {said} -- Slurm refused this to user {self.user!r} (the "
+                "token's): draining or resuming a node needs AdminLevel=Administrator (or root/SlurmUser), "
+                "requeue/hold/release/cancel of another user's job AdminLevel=Operator (docs/slurm.md)"
+            )
         if status == 511 or any(e.get("error_number") == 1007 for e in errors):
             raise BackendError(
                 f"slurmrestd: {what}: slurmctld refused the token for user {self.user!r} "
@@ -332,11 +383,12 @@ class SlurmRestBackend:
         job_id = validate_job_id(job_id)
         self.job_state(job_id)  # exists (an unknown id would be reported only per step)
         doc = self._call("DELETE", self._path("job/{j}", j=job_id))
-        failed = [s for s in doc.get("status") or [] if isinstance(s, dict) and s.get("error")]
+        # Per-job status: an error object with a non-zero code means this job was not signalled.
+        errs = [s.get("error") for s in doc.get("status") or [] if isinstance(s, dict)]
+        failed = [e for e in errs if isinstance(e, dict) and e.get("code") not in (0, None)]
         if failed:
-            err = failed[0]["error"]
-            text = err.get("message") or err.get("string") if isinstance(err, dict) else err
-            raise BackendError(f"slurmrestd: DELETE job {job_id}: {text}")
+            text = failed[0].get("message") or failed[0].get("string")
+            self._call_failed(f"DELETE job {job_id}", 200, [{"description": "job signal", "error": str(text)}])
 
     def hold_job(self, job_id: str) -> None:
         job_id = validate_job_id(job_id)
@@ -409,4 +461,12 @@ def _job_state(job: JobInfo) -> JobState:
 
 
 def _node_state(node: NodeInfo) -> NodeState:
-    return NodeState(name=node.name, state=node.state, flags=node.flags, reason=node.reason, partitions=node.partitions)
+    node = in_force(node)  # 24.11 keeps a reason after a resume: not in force any more
+    return NodeState(
+        name=node.name,
+        state=node.state,
+        flags=node.flags,
+        reason=node.reason,
+        partitions=node.partitions,
+        reason_user=node.reason_user,
+    )

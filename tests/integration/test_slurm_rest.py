@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from schemas.events import Action
-from sinks.backends.base import BackendError, SchedulerBackend
+from sinks.backends.base import ActionRefused, BackendError, NotPermitted, SchedulerBackend
 from sinks.backends.slurm_cli import JobNotFoundError, SlurmCliBackend
 from sinks.backends.slurm_rest import RestApiGap, SlurmRestBackend, TokenSource, load_api_catalog
 from sinks.executor import Executor, ExecutorSettings
@@ -70,7 +70,7 @@ def witness(slurm2411_cluster: Cluster) -> Iterator[SlurmCliBackend]:
                 cli.resume_node(node)
         wait_for(
             "all 24.11 nodes idle",
-            lambda: all((s := cli.node_state(n)).state == "IDLE" and "DRAIN" not in s.flags for n in NODES),
+            lambda: all(_clean(cli, n) for n in NODES),
             timeout=60,
         )
 
@@ -104,6 +104,12 @@ def submit(slurm2411_cluster: Cluster, witness: SlurmCliBackend) -> Iterator[Cal
                 witness.cancel_job(job_id)
         except BackendError:
             pass
+
+
+def _clean(witness: SlurmCliBackend, node: str) -> bool:
+    # After a resume 24.11 shows the node NOT_RESPONDING until slurmd answers its next ping.
+    s = witness.node_state(node)
+    return s.state == "IDLE" and not s.flags
 
 
 def _running(witness: SlurmCliBackend, job_id: str) -> bool:
@@ -383,6 +389,7 @@ def test_older_api_versions_served_by_2411(
     assert witness.node_state("gpu02").reason == f"trainmedic inc-{version}: x"
     assert backend.node_state("gpu02").drained
     backend.resume_node("gpu02")
+    wait_for("gpu02 idle again", lambda: _clean(witness, "gpu02"), timeout=30)
     job = submit("-N1", "--hold")
     backend.requeue_job(job, ["gpu01"])
     assert witness.job_state(job).excluded_nodes == ("gpu01",)
@@ -390,3 +397,60 @@ def test_older_api_versions_served_by_2411(
     assert (mine.state, mine.held, mine.excluded_nodes) == ("PENDING", True, ("gpu01",))
     backend.cancel_job(job)
     wait_for(f"job {job} cancelled", lambda: witness.job_state(job).state == "CANCELLED", timeout=30)
+
+
+def _as_user(rest_env: dict[str, str], user: str) -> SlurmRestBackend:
+    token = Path(rest_env["TRAINMEDIC_SLURMRESTD_TOKEN_DIR"]) / f"token-{user}"
+    assert token.is_file(), f"slurmrestd.sh made no token for {user} (start-2411.sh's accounting users)"
+    return SlurmRestBackend(rest_env["TRAINMEDIC_SLURMRESTD_URL"], user, TokenSource(file=token))
+
+
+def test_non_root_users_get_exactly_their_rights(
+    rest_env: dict[str, str], witness: SlurmCliBackend, submit: Callable[..., str]
+) -> None:
+    """The JWT's user is who slurmctld checks: Administrator tmexec drains; Operator tmop and
+    plain tmuser are refused the drain (UPDATE_NODE needs a super user) and change nothing."""
+    admin = _as_user(rest_env, "tmexec")
+    admin.drain_node("gpu04", "trainmedic inc-rest-admin: x")
+    seen = witness.node_state("gpu04")
+    assert seen.drained and seen.reason == "trainmedic inc-rest-admin: x"
+    admin.resume_node("gpu04")
+    wait_for("gpu04 idle again", lambda: _clean(witness, "gpu04"), timeout=30)
+    job = submit("-N1", "--hold")  # root's job
+    for user in ("tmop", "tmuser"):
+        backend = _as_user(rest_env, user)
+        with pytest.raises(NotPermitted, match=rf"node/gpu04: HTTP 500: .*Invalid user id.*to user '{user}'"):
+            backend.drain_node("gpu04", f"trainmedic inc-rest-{user}: must not happen")
+        assert not witness.node_state("gpu04").drained
+        if user == "tmuser":  # not even Operator: another user's job is not its to cancel
+            with pytest.raises(NotPermitted):
+                backend.cancel_job(job)
+            assert witness.job_state(job).state == "PENDING"
+
+
+def test_someone_elses_drain_and_maintenance_are_left_alone(
+    slurm2411_cluster: Cluster, rest: SlurmRestBackend, witness: SlurmCliBackend
+) -> None:
+    """As the CLI backend: never overwrite another's drain, never act in a MAINT reservation."""
+    witness.drain_node("gpu03", "admin: bad fan")
+    with pytest.raises(ActionRefused, match="already drained"):
+        rest.drain_node("gpu03", "trainmedic inc-rest-4: x")
+    assert witness.node_state("gpu03").reason == "admin: bad fan"
+
+    def scontrol(*args: str) -> None:
+        proc = subprocess.run(
+            ["scontrol", *args], capture_output=True, text=True, env=slurm2411_cluster.env(), timeout=30, check=False
+        )
+        assert proc.returncode == 0, proc.stderr
+
+    name = "tm_rest_maint"
+    scontrol("create", "reservation", f"ReservationName={name}", "StartTime=now", "Duration=5", "Nodes=gpu01",
+             "Users=root", "Flags=MAINT")  # fmt: skip
+    try:
+        assert rest.maintenance_reservation("gpu01") == name
+        assert rest.maintenance_reservation("gpu02") is None
+        with pytest.raises(ActionRefused, match=f"maintenance reservation {name}"):
+            rest.drain_node("gpu01", "trainmedic inc-rest-5: x")
+        assert not witness.node_state("gpu01").drained
+    finally:
+        scontrol("delete", f"ReservationName={name}")
