@@ -105,7 +105,7 @@ all_running() {
   pid_alive "$RUN/sshd.pid" sshd || return 1
   pid_alive "$DATA/mysql/mysqld.pid" mariadbd || return 1
   pid_alive "$RUN/slurmdbd.pid" slurmdbd || return 1
-  [ -e "$ACCT_DONE" ] || return 1
+  [ "$(cat "$ACCT_DONE" 2>/dev/null)" = "${SLURM_USERS[*]}" ] || return 1
   grep -qx 'AccountingStorageType=accounting_storage/slurmdbd' "$CONF" 2>/dev/null || return 1
 }
 
@@ -354,7 +354,7 @@ if ! pid_alive "$DB/mysqld.pid" mariadbd; then
   rm -f "$DB_SOCK"
   setsid nsenter -t "$(tr -dc '0-9' <"$HOLDER_PID")" -m -- chroot "$ROOT" /usr/bin/env -i \
     PATH=/usr/sbin:/usr/bin:/sbin:/bin LC_ALL=C HOME=/root mariadbd --no-defaults --user=mysql \
-    --datadir="$DB/data" --socket="$DB_SOCK" --pid-file="$DB/mysqld.pid" --log-error="$LOGD/mariadb.log" \
+    --datadir="$DB/data" --socket="$DB_SOCK" --pid-file="$DB/mysqld.pid" --log-error="$DB/mariadb.log" \
     --skip-networking --skip-name-resolve --innodb-buffer-pool-size=128M --innodb-log-file-size=64M \
     --innodb-lock-wait-timeout=900 </dev/null >/dev/null 2>&1 &
 fi
@@ -366,7 +366,7 @@ for _ in $(seq 1 150); do
   fi
   sleep 0.2
 done
-[ "$db_ok" = 1 ] || { tail -n 20 "$LOGD/mariadb.log" >&2 || true; die "mariadbd does not answer on $DB_SOCK"; }
+[ "$db_ok" = 1 ] || { tail -n 20 "$DB/mariadb.log" >&2 || true; die "mariadbd does not answer on $DB_SOCK"; }
 if [ ! -s "$DB/slurm.pass" ]; then
   (umask 077; head -c 18 /dev/urandom | base64 | tr -dc 'A-Za-z0-9' >"$DB/slurm.pass")
 fi
@@ -405,7 +405,8 @@ sacctmgr_add() {
     esac
   fi
 }
-if [ ! -e "$ACCT_DONE" ]; then
+# The marker holds the user list it was made for: a changed list is set up again.
+if [ "$(cat "$ACCT_DONE" 2>/dev/null)" != "${SLURM_USERS[*]}" ]; then
   sacctmgr_add cluster trainmedic2411
   sacctmgr_add account trainmedic cluster=trainmedic2411 description=trainmedic-tests organization=trainmedic
   sacctmgr_add user root account=trainmedic cluster=trainmedic2411
@@ -418,7 +419,7 @@ if [ ! -e "$ACCT_DONE" ]; then
     level="$(timeout 30 "$BIN/sacctmgr" -n -P show user "$u" format=adminlevel 2>/dev/null || true)"
     [ "$level" = "$want" ] || die "Slurm user $u has AdminLevel '${level:-?}', not $want"
   done
-  : >"$ACCT_DONE"
+  printf '%s' "${SLURM_USERS[*]}" >"$ACCT_DONE"
 fi
 if pid_alive "$RUN/slurmctld.pid" slurmctld \
   && ! grep -q 'AccountingStorageType *= *accounting_storage/slurmdbd' <<<"$(timeout 10 "$BIN/scontrol" show config 2>/dev/null)"; then
@@ -430,6 +431,13 @@ if pid_alive "$RUN/slurmctld.pid" slurmctld \
   rm -f "$RUN/slurmctld.pid"
 fi
 
+# A state folder from before accounting holds a ClusterID slurmctld made up itself; slurmdbd
+# gives the cluster another, and 24.11's slurmctld then stops with "fatal: CLUSTER ID
+# MISMATCH". The first start with accounting drops that file, so the ID comes from slurmdbd.
+if [ ! -e "$DATA/state/clustername.from-dbd" ] && ! pid_alive "$RUN/slurmctld.pid" slurmctld; then
+  rm -f "$DATA/state/clustername"
+  : >"$DATA/state/clustername.from-dbd"
+fi
 if ! pid_alive "$RUN/slurmctld.pid" slurmctld; then
   log "starting slurmctld 24.11 on port $CTLD_PORT"
   in_root slurmctld -f "$CONF" || { tail -n 30 "$LOGD/slurmctld.log" >&2 || true; die "slurmctld failed to start"; }

@@ -94,7 +94,7 @@ all_running() {
   pid_alive "$MUNGE/munged.pid" munged || return 1
   pid_alive "$DB/mysqld.pid" mariadbd || return 1
   pid_alive "$DIR/run/slurmdbd.pid" slurmdbd || return 1
-  [ -e "$ACCT_DONE" ] || return 1
+  [ "$(cat "$ACCT_DONE" 2>/dev/null)" = "${SLURM_USERS[*]}" ] || return 1
   grep -qx 'AccountingStorageType=accounting_storage/slurmdbd' "$CONF" 2>/dev/null || return 1
   pid_alive "$DIR/run/slurmctld.pid" slurmctld || return 1
   local n
@@ -219,7 +219,7 @@ if ! pid_alive "$DB/mysqld.pid" mariadbd; then
   log "starting mariadbd (socket $DB_SOCK)"
   rm -f "$DB_SOCK"
   setsid mariadbd --no-defaults --user=mysql --datadir="$DB/data" --socket="$DB_SOCK" \
-    --pid-file="$DB/mysqld.pid" --log-error="$DIR/log/mariadb.log" --skip-networking --skip-name-resolve \
+    --pid-file="$DB/mysqld.pid" --log-error="$DB/mariadb.log" --skip-networking --skip-name-resolve \
     --innodb-buffer-pool-size=128M --innodb-log-file-size=64M --innodb-lock-wait-timeout=900 \
     </dev/null >/dev/null 2>&1 &
 fi
@@ -231,7 +231,7 @@ for _ in $(seq 1 150); do
   fi
   sleep 0.2
 done
-[ "$db_ok" = 1 ] || { tail -n 20 "$DIR/log/mariadb.log" >&2 || true; die "mariadbd does not answer on $DB_SOCK"; }
+[ "$db_ok" = 1 ] || { tail -n 20 "$DB/mariadb.log" >&2 || true; die "mariadbd does not answer on $DB_SOCK"; }
 
 # The slurmdbd database user; its password is made once and kept beside the data (0600).
 if [ ! -s "$DB/slurm.pass" ]; then
@@ -288,7 +288,8 @@ sacctmgr_add() {
     esac
   fi
 }
-if [ ! -e "$ACCT_DONE" ]; then
+# The marker holds the user list it was made for: a changed list is set up again.
+if [ "$(cat "$ACCT_DONE" 2>/dev/null)" != "${SLURM_USERS[*]}" ]; then
   sacctmgr_add cluster trainmedic
   sacctmgr_add account trainmedic cluster=trainmedic description=trainmedic-tests organization=trainmedic
   sacctmgr_add user root account=trainmedic cluster=trainmedic
@@ -301,7 +302,7 @@ if [ ! -e "$ACCT_DONE" ]; then
     level="$(timeout 30 sacctmgr -n -P show user "$u" format=adminlevel 2>/dev/null || true)"
     [ "$level" = "$want" ] || die "Slurm user $u has AdminLevel '${level:-?}', not $want"
   done
-  : >"$ACCT_DONE"
+  printf '%s' "${SLURM_USERS[*]}" >"$ACCT_DONE"
 fi
 
 # A slurmctld started before accounting was configured keeps accounting_storage/none until restarted.
