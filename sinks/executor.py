@@ -180,7 +180,8 @@ class Executor:
             return
         if state.drained:
             # Someone else drained it: leave their reason alone, it is out of service either way.
-            run.steps.append(f"drain {a.node}: already drained by someone else ({state.reason})")
+            by = f" by {state.reason_user}" if state.reason_user else ""
+            run.steps.append(f"drain {a.node}: already drained by someone else ({state.reason}{by})")
             return
         # Checked here, just before the call, not only when the action arrived: a redelivered
         # action is not re-checked by the guardrails, and the job may have moved since.

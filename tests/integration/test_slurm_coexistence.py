@@ -95,6 +95,26 @@ def _maint_reservation(cluster: Cluster, nodes: str) -> str:
     return name
 
 
+def _drain_action(node: str) -> Action:
+    """A drain of `node` its own kernel/GPU report asked for (no job to requeue)."""
+    now = time.time()
+    return Action(
+        event_id=f"act-coexist-{node}",
+        event_time=now,
+        action_id=f"act-coexist-{node}",
+        decision_id=f"dec-coexist-{node}",
+        incident_id="inc-0123456789abcdef0123",
+        node=node,
+        partition="gpu",
+        action="drain_and_requeue",
+        reason="trainmedic inc-0123456789abcdef0123: gpu_hardware",
+        requested_by="policy",
+        incident_time=now,
+        first_signal_time=now,
+        node_reported_fault=True,
+    )
+
+
 def test_someone_elses_drain_is_an_event_left_alone_and_a_miss_unless_maintenance(
     broker: EmbeddedBroker, cluster: Cluster, chdb_url: str, database: str, tmp_path: Path
 ) -> None:
@@ -143,6 +163,9 @@ def test_someone_elses_drain_is_an_event_left_alone_and_a_miss_unless_maintenanc
         backend.drain_node("gpu03", "trainmedic inc-0123456789abcdef0123: gpu_hardware")
     with pytest.raises(ActionRefused, match=f"maintenance reservation {resv}"):
         backend.drain_node("gpu02", "trainmedic inc-0123456789abcdef0123: gpu_hardware")
+    # The executor, given a drain of gpu03, leaves their drain alone and says whose it is.
+    result = Executor(backend).execute(_drain_action("gpu03"), lambda a, call: pytest.fail(f"{call} called"))
+    assert result.status == "done" and f"already drained by someone else ({NHC} by root)" in " ".join(result.steps)
     after = backend.node_state("gpu03")
     assert (after.reason, after.reason_user) == (NHC, "root")
     assert not backend.node_state("gpu02").drained
@@ -183,23 +206,7 @@ def test_action_on_a_node_in_maintenance_is_suppressed_with_the_reason(cluster: 
     before = backend.node_state("gpu02")
     executor = Executor(backend, ExecutorSettings(verify_timeout_s=20))
     calls: list[str] = []
-    action = Action(
-        event_id="act-coexist-1",
-        event_time=time.time(),
-        action_id="act-coexist-1",
-        decision_id="dec-coexist-1",
-        incident_id="inc-0123456789abcdef0123",
-        job_id=None,
-        node="gpu02",
-        partition="gpu",
-        action="drain_and_requeue",
-        reason="trainmedic inc-0123456789abcdef0123: gpu_hardware",
-        requested_by="policy",
-        incident_time=time.time(),
-        first_signal_time=time.time(),
-        node_reported_fault=True,
-    )
-    result = executor.execute(action, lambda a, call: calls.append(call))
+    result = executor.execute(_drain_action("gpu02"), lambda a, call: calls.append(call))
     assert result.status == "skipped" and result.verified_at is None
     assert result.error is not None and f"maintenance reservation {resv}" in result.error
     assert any(s.startswith("refused: ") and resv in s for s in result.steps)
