@@ -40,6 +40,11 @@ class ReadinessSettings(BaseModel):
     min_precision: float = Field(default=0.9, ge=0.0, le=1.0)  # (approved + confirmed) / decided
     expire_after_h: float = Field(default=24.0, gt=0)  # unanswered longer: expired
     recommend_only: list[Category] = Field(default_factory=list)  # never autonomous
+    # Drain reasons (shell globs, case-insensitive) that mean planned maintenance: such a drain
+    # by someone else is no readiness miss.
+    maintenance_reasons: list[str] = Field(
+        default_factory=lambda: ["maint*", "maintenance*", "reboot*", "upgrade*"], max_length=64
+    )
 
 
 class RuleMatch(BaseModel):

@@ -12,9 +12,8 @@ Misses are faults people found before us: nodes drained by someone else (a Slurm
 node event with DRAIN whose reason is not ours) with no incident of ours on that
 node in the hour before. Planned maintenance is no miss: a node in an active
 MAINT reservation (the Slurm producer flags it MAINTENANCE), or a drain reason
-matching the maintenance patterns (shell globs, case-insensitive; policy
-``readiness.maintenance_reasons`` where the policy has it, else
-DEFAULT_MAINTENANCE_REASONS). One drain (node, reason) counts once, however
+matching the maintenance patterns (shell globs, case-insensitive; the policy's
+``readiness.maintenance_reasons``). One drain (node, reason) counts once, however
 many node events it makes while it lasts.
 """
 
@@ -30,16 +29,15 @@ from typing import Any
 from schemas.vocab import CATEGORIES, NEVER_ACTS
 from sinks.audit import AuditStore
 from sinks.audit_queries import CHILD_SKEW_S, summary_sql
-from streams.policy import Policy
+from streams.policy import Policy, ReadinessSettings
 
 MISS_LOOKBACK_S = 3600.0
-#: Drain reasons of planned work, not faults (shell globs, case-insensitive).
-DEFAULT_MAINTENANCE_REASONS = ("maint*", "maintenance*", "reboot*", "upgrade*")
+#: Drain reasons of planned work, not faults: the policy's default.
+DEFAULT_MAINTENANCE_REASONS = tuple(ReadinessSettings().maintenance_reasons)
 
 
 def maintenance_reasons(policy: Policy) -> tuple[str, ...]:
-    # WHY getattr: ReadinessSettings (streams/policy.py) gains maintenance_reasons separately.
-    return tuple(getattr(policy.readiness, "maintenance_reasons", DEFAULT_MAINTENANCE_REASONS))
+    return tuple(policy.readiness.maintenance_reasons)
 
 
 def glob_regex(pattern: str) -> str:

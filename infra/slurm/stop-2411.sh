@@ -82,7 +82,7 @@ if pid_of "$RUN/slurmctld.pid" slurmctld >/dev/null && [ -x "$BIN/squeue" ]; the
   fi
 fi
 
-specs=("$RUN/sshd.pid:sshd" "$RUN/slurmctld.pid:slurmctld")
+specs=("$RUN/slurmrestd.pid:slurmrestd" "$RUN/sshd.pid:sshd" "$RUN/slurmctld.pid:slurmctld")
 for n in "${NODES[@]}"; do specs+=("$RUN/slurmd-$n.pid:slurmd"); done
 stop_daemons "${specs[@]}"
 stop_daemons "$RUN/slurmdbd.pid:slurmdbd"   # after slurmctld: it sends its last records there

@@ -43,7 +43,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from sinks.backends.base import BackendError, JobState, NodeState
+from sinks.backends.base import BackendError, JobState, NodeState, refuse_node_action
 
 # The private helpers are shared on purpose: the two backends must normalise
 # Slurm's placeholders, counters and hold markers identically.
@@ -177,6 +177,8 @@ class PyslurmBackend:
     def drain_node(self, node: str, reason: str) -> None:
         validate_node_name(node)
         validate_reason(reason)
+        # The same refusals as every backend; reservations are not read through pyslurm yet.
+        refuse_node_action("drain", self.node_state(node), None)
         changes = self._ps.Node(state="DRAIN", reason=reason)
         self._call(f"drain node {node} (reason {reason!r})", lambda: self._ps.Node(node).modify(changes))
 
