@@ -363,8 +363,8 @@ def _md(r: dict[str, Any]) -> str:
         f"{s['anomalies']:,} anomalies, {s['incidents']:,} incidents (each with a decision; 70 % with an action "
         f"and a result, 30 % recommendations with a verdict; 2 % guardrail trips), {s['sched_events']:,} "
         "scheduler events; 1 % of anomalies and incidents delivered twice. Before: migrations 001-005 and the "
-        f"code of commit {r['before_ref']}. After: migration 007 applied to the same rows "
-        f"({r['migration']['seconds']} s) and the current code. p50/p95 of {r['runs']} runs each "
+        f"code of commit {r['before_ref']}. After: {', '.join(r['migration']['applied'])} applied to the same "
+        f"rows ({r['migration']['seconds']} s) and the current code. p50/p95 of {r['runs']} runs each "
         "(readiness: a third as many), a different job/node per run.",
         "",
         "| query | before p50 s | before p95 s | after p50 s | after p95 s |",
@@ -408,7 +408,11 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=15)
     ap.add_argument("--dir", type=Path, default=None, help="chDB folder (default: a temporary one, removed)")
     ap.add_argument("--out", type=Path, default=RESULTS / "audit")
+    ap.add_argument("--render", action="store_true", help="only rewrite OUT.md from OUT.json")
     args = ap.parse_args()
+    if args.render:
+        args.out.with_suffix(".md").write_text(_md(json.loads(args.out.with_suffix(".json").read_text())))
+        return
     with tempfile.TemporaryDirectory(prefix="bench-audit-") as tmp:
         folder = args.dir or Path(tmp)
         result = run(args.scale, args.runs, folder)
