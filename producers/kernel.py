@@ -294,6 +294,9 @@ class KernelLogProducer:
             parsed = parse_kernel_line(line, self.node)
             if parsed is None:
                 continue
+            # The node is the one this producer runs on, never the host a line names: in a
+            # syslog-style file a local user's `logger -t kernel` line looks like the kernel's.
+            parsed = replace(parsed, node=self.node)
             gpu = self.gpu_index_of(parsed.pci_bus_id) if self.gpu_index_of and parsed.pci_bus_id else None
             self.publisher.publish(NODE_KERNEL, to_event(parsed, now, gpu))
             count += 1

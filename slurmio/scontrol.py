@@ -39,12 +39,22 @@ _NODE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 def parse_scontrol_line(line: str) -> dict[str, str]:
-    """One ``scontrol show ... -o`` line -> Key -> value; the first occurrence of a key wins."""
+    """One ``scontrol show ... -o`` line -> Key -> value.
+
+    The text form has no quoting: a value runs until the next " Key=". A job's owner writes
+    some values (JobName, Comment), so "JobName=x NodeList=gpu06" would plant a second
+    NodeList; a key seen twice is refused (SlurmFormatError), never resolved either way.
+    """
     fields: dict[str, str] = {}
     matches = list(_KEY_RE.finditer(line))
     for i, m in enumerate(matches):
         end = matches[i + 1].start() if i + 1 < len(matches) else len(line)
-        fields.setdefault(m.group(1), line[m.end() : end].strip())
+        key = m.group(1)
+        if key in fields:
+            raise SlurmFormatError(
+                f"scontrol show -o: field {key} appears twice (a value carrying ' {key}=' text?): line refused"
+            )
+        fields[key] = line[m.end() : end].strip()
     return fields
 
 

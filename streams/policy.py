@@ -272,10 +272,15 @@ def _culprit_words(incident: Incident) -> str:
 
 
 def node_reported_fault(incident: Incident) -> bool:
-    """The culprit node's own kernel/GPU/health monitor reported the fault (its producer runs there)."""
+    """The culprit node's own kernel log or GPU telemetry reported the fault (its producer runs there).
+
+    Not ingested health events: the ingest endpoint takes the node from the request body under
+    one shared token, and NVRx reports come from inside jobs - a job holding the token could
+    otherwise name any node. Those drains need the scheduler's placement like a job's output.
+    """
     node = incident.culprit_node
     return node is not None and any(
-        e.node == node and e.role == "root" and e.source in ("kernel", "gpu", "external") for e in incident.evidence
+        e.node == node and e.role == "root" and e.source in ("kernel", "gpu") for e in incident.evidence
     )
 
 
@@ -283,7 +288,7 @@ def isolation(incident: Incident) -> tuple[bool, str]:
     """Whether draining the incident's culprit node may be carried out, and why not.
 
     Only a node that is the job's own per the scheduler's placement, or the node whose own
-    kernel/GPU/health monitor reported the fault (its producer runs there), may be isolated.
+    kernel log or GPU telemetry reported the fault (its producer runs there), may be isolated.
     A job's output is the job's to write: a node it merely names is not evidence enough.
     """
     node = incident.culprit_node

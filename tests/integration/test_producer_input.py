@@ -179,3 +179,19 @@ def test_a_producer_follows_the_broker_of_a_restarted_up(tmp_path: Path) -> None
         pub.close(1)
         if second is not None:
             second.stop()
+
+
+def test_the_kernel_file_producer_names_its_own_node_never_the_lines_host(
+    broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    # `logger -t kernel` writes "HOST kernel: ..." into syslog/messages just as the kernel does:
+    # whatever host such a line names, the evidence is about the node the producer runs on.
+    from producers.kernel import KernelLogProducer
+
+    log = tmp_path / "messages"
+    log.write_text("Oct 11 06:07:26 gpu07 kernel: NVRM: Xid (PCI:0000:07:00): 79, pid=1, GPU has fallen off the bus.\n")
+    pub = Publisher(broker.bootstrap, "test-kernel")
+    assert KernelLogProducer(pub, log, node="gpu01", from_start=True).poll_once() == 1
+    assert pub.flush(10) == 0
+    events = wait_for("the kernel event", lambda: read_topic(broker.bootstrap, NODE_KERNEL.name, 2.0))
+    assert [decode(KernelEvent, e).node for e in events] == ["gpu01"]

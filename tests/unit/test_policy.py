@@ -274,3 +274,12 @@ def test_rules_match_job_name_user_and_account_globs() -> None:
     d, _ = decide(policy, incident(), 11.0)
     assert d.rule == "actions.gpu_hardware=drain_and_requeue"
     assert "name - user alice account -" in "\n".join(explain(policy, owned(user="alice")))
+
+
+def test_an_ingested_health_event_is_not_the_nodes_own_report() -> None:
+    # The ingest endpoint takes the node from the request under one shared token (NVRx runs in
+    # jobs): such evidence needs the scheduler's placement like a job's output.
+    policy = parse_policy("mode: autonomous\n" + _actions())
+    ext = [Evidence(source="external", signature="nvsentinel_fatal", node="gpu02", time=9.0, line="l", role="root")]
+    d, a = decide(policy, incident().model_copy(update={"evidence": ext}), 11.0)
+    assert a is None and "placement of the job is unknown" in d.reason

@@ -340,3 +340,15 @@ def test_local_runner_error_names_the_command_and_keeps_stderr() -> None:
     with pytest.raises(SlurmCommandError, match="could not be run"):
         runner(["/nonexistent/squeue"], 5)
     assert runner(["echo", "ok"], 5) == "ok\n"
+
+
+def test_scontrol_text_with_a_planted_key_is_refused() -> None:
+    # The text form has no quoting: a job name "x NodeList=gpu06" would plant a second NodeList
+    # (the first occurrence of a key used to win, and JobName comes before NodeList).
+    from slurmio.scontrol import parse_scontrol_line
+    from slurmio.versions import SlurmFormatError
+
+    ok = parse_scontrol_line("JobId=7 JobName=train UserId=alice(1000) NodeList=gpu[01-02] StdOut=/home/a/o")
+    assert ok["NodeList"] == "gpu[01-02]" and ok["JobName"] == "train"
+    with pytest.raises(SlurmFormatError, match="NodeList appears twice"):
+        parse_scontrol_line("JobId=7 JobName=x NodeList=gpu06 UserId=alice(1000) NodeList=gpu[01-02]")
