@@ -114,10 +114,13 @@ class Executor:
                 run.steps.append("nothing to do")
                 return self._result(run, "skipped", None, verified=False)
             if action.action == "drain_and_requeue":
-                if action.node:
-                    self._drain(run)
+                if not action.node:
+                    # An approved isolation whose culprit is only a rank or GPU: a plain requeue
+                    # could land on the same bad GPU. A person must name the node.
+                    raise BackendError("drain_and_requeue needs the culprit's node; none is known")
+                self._drain(run)
                 if action.job_id:
-                    self._requeue(run, exclude=[action.node] if action.node else [])
+                    self._requeue(run, exclude=[action.node])
             elif action.action == "requeue":
                 if not action.job_id:
                     raise BackendError("requeue needs a job id")
@@ -445,7 +448,12 @@ class ExecutorService:
     def _handle(self, action: Action) -> tuple[ActionResult, GuardrailTrip | None]:
         now = time.time()
         try:
-            trip = self.guardrails.check(action, now)
+            try:
+                trip = self.guardrails.check(action, now)
+            except BackendError as exc:
+                # The partition's state cannot be read (slurmctld away): fail closed, and keep the
+                # loop alive - a dead executor would crash-loop `up` on the same action.
+                trip = ("blast_radius", f"partition state unreadable, not acting: {exc}")
             if trip is not None:
                 raise Refused(*trip)
             log.info("executing %s %s job=%s node=%s", action.action_id, action.action, action.job_id, action.node)
@@ -481,7 +489,10 @@ class ExecutorService:
             log.error("dead letter for %s/%s not delivered; not committing", msg.partition(), msg.offset())
             self._retry_later(consumer, msg)
             return
-        consumer.commit(message=msg, asynchronous=False)
+        try:
+            consumer.commit(message=msg, asynchronous=False)
+        except KafkaException as exc:
+            raise Fenced(f"committing a dead letter in {self.executor.settings.group}: {exc}") from None
 
     @staticmethod
     def _retry_later(consumer: Consumer, msg: Message) -> None:

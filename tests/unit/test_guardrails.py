@@ -266,3 +266,13 @@ def test_drain_refused_when_the_jobs_nodes_cannot_be_read() -> None:
     with pytest.raises(Refused, match="cannot be read"):
         Executor(sched, ExecutorSettings(verify_timeout_s=5)).execute(action("gpu01", "99999"), recording([]))
     assert sched.calls == []
+
+
+def test_an_isolation_without_a_node_is_not_turned_into_a_plain_requeue() -> None:
+    # An approved drain_and_requeue whose culprit is only a rank or GPU: requeueing it anyway
+    # could land the job on the same bad GPU.
+    sched = SimulatedScheduler(NODES, requeue_delay_s=0.0)
+    job = sched.submit("t", 4)
+    result = Executor(sched, ExecutorSettings(verify_timeout_s=5)).execute(action(None, job), recording([]))
+    assert result.status == "failed" and "needs the culprit's node" in (result.error or "")
+    assert sched.calls == [] and sched.job_state(job).state == "RUNNING"
