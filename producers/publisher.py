@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import threading
@@ -39,8 +40,13 @@ def learn_message_limits(bootstrap: str, client_limit: int, timeout_s: float = 2
         resources = [ConfigResource(ResourceType.BROKER, str(b)) for b in meta.brokers]
         resources += [ConfigResource(ResourceType.TOPIC, name) for name in limits if name in meta.topics]
         broker_limit = client_limit
-        for res, fut in admin.describe_configs(resources, request_timeout=timeout_s).items():
-            entries = fut.result(timeout=timeout_s)
+        futures = admin.describe_configs(resources, request_timeout=timeout_s)
+        # One wait for all of them: a slow broker costs `timeout_s` once, not once per topic.
+        concurrent.futures.wait(list(futures.values()), timeout=timeout_s)
+        for res, fut in futures.items():
+            if not fut.done():
+                continue
+            entries = fut.result()
             key = "message.max.bytes" if res.restype == ResourceType.BROKER else "max.message.bytes"
             value = entries.get(key)
             if value is None or not str(value.value).isdigit():

@@ -120,8 +120,9 @@ def _describe(exc: yaml.YAMLError) -> str:
 
 def compose_yaml(text: str | bytes, origin: str = "<yaml>", limits: YamlLimits = FILE_LIMITS) -> yaml.Node | None:
     """The node graph of a single-document YAML text (None when empty), within `limits`."""
-    if len(text) > limits.max_bytes:
-        raise YamlError(f"{origin}: {len(text)} bytes, more than the {limits.max_bytes} accepted")
+    size = len(text) if isinstance(text, bytes) else len(text.encode("utf-8", "surrogatepass"))
+    if size > limits.max_bytes:
+        raise YamlError(f"{origin}: {size} bytes, more than the {limits.max_bytes} accepted")
     if isinstance(text, bytes):
         try:
             text = text.decode("utf-8")

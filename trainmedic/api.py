@@ -95,10 +95,10 @@ def _decision_from_row(row: dict[str, Any]) -> Decision:
         event_time=row["event_time"].timestamp(),
         decision_id=row["decision_id"],
         incident_id=row["incident_id"],
-        job_id=row["job_id"],
-        partition=row["partition"],
+        job_id=row["job_id"] or None,  # the audit stores '' for "none"
+        partition=row["partition"] or None,  # the audit stores '' for "none"
         category=row["category"],
-        culprit_node=row["culprit_node"],
+        culprit_node=row["culprit_node"] or None,  # the audit stores '' for "none"
         action=row["action"],
         mode=row["mode"],
         executed=row["kind"] == "action",
