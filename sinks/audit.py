@@ -487,6 +487,52 @@ class AuditStore:
             self.client.close()
 
 
+class RecentIds:
+    """Event ids inserted lately, per table, so an event is inserted once.
+
+    The sort keys hold time, node or job before the event id, so ReplacingMergeTree (and
+    FINAL) collapses only identical versions of an event. A re-derived one is not identical:
+    a kernel line read again after a restart is the same event id with a new arrival time,
+    and so is every anomaly derived from it. Such a version is dropped here, before insert.
+    At start the window's ids are read back from the tables, so a sink restart keeps it.
+    """
+
+    def __init__(self, store: AuditStore, window_s: float = 6 * 3600.0, max_per_table: int = 500_000) -> None:
+        self.window_s = window_s
+        self.max_per_table = max_per_table
+        self._ids: dict[str, dict[str, None]] = defaultdict(dict)  # insertion-ordered: oldest first
+        self.dropped: dict[str, int] = defaultdict(int)
+        for t in DECLARED.values():
+            try:
+                rows = store.query(
+                    f"SELECT {t.id_column} AS id FROM {{db}}.{t.name} "
+                    f"WHERE {t.time_column} >= now64(3) - toIntervalSecond({int(window_s)}) "
+                    f"ORDER BY {t.time_column} LIMIT {max_per_table}"
+                )
+            except Exception as exc:  # no table yet, or a store that cannot say: start empty
+                log.warning("audit: recent ids of %s not read back (%s): duplicates may be inserted once", t.name, exc)
+                continue
+            self.remember(t.name, [str(r["id"]) for r in rows])
+
+    def remember(self, table: str, ids: Sequence[str]) -> None:
+        seen = self._ids[table]
+        for i in ids:
+            seen[i] = None
+        while len(seen) > self.max_per_table:
+            del seen[next(iter(seen))]
+
+    def new_rows(self, table: str, rows: list[list[Any]], id_index: int) -> list[list[Any]]:
+        seen, out, batch = self._ids[table], [], set()
+        for row in rows:
+            key = str(row[id_index])
+            if key in seen or key in batch:
+                self.dropped[table] += 1
+                continue
+            batch.add(key)
+            out.append(row)
+        return out
+
+
 class AuditSink:
     """Consumer group over the decision topics, batching rows into the audit store."""
 
@@ -505,6 +551,8 @@ class AuditSink:
         self.stop_event = threading.Event()
         self.inserted: dict[str, int] = defaultdict(int)
         self.undecodable = 0
+        self.recent = RecentIds(store)
+        self._id_index = {t.name: t.column_names.index(t.id_column) for t in DECLARED.values()}
 
     def _rows(self, msgs: list[Message]) -> dict[str, list[list[Any]]]:
         rows: dict[str, list[list[Any]]] = defaultdict(list)
@@ -530,8 +578,11 @@ class AuditSink:
             try:
                 for table, table_rows in rows.items():
                     columns = next(cols for _, t, _, cols in TABLES.values() if t == table)
-                    self.store.insert(table, table_rows, columns)
-                    self.inserted[table] += len(table_rows)
+                    fresh = self.recent.new_rows(table, table_rows, self._id_index[table])
+                    if fresh:
+                        self.store.insert(table, fresh, columns)
+                        self.recent.remember(table, [str(r[self._id_index[table]]) for r in fresh])
+                    self.inserted[table] += len(fresh)
                 return
             except Exception as exc:  # any storage failure: back off and retry, offsets stay uncommitted
                 if self.stop_event.is_set():
