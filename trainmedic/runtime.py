@@ -436,7 +436,7 @@ class Stack:
             self.api.stop()
             self.api = None
         if self.publisher is not None:
-            self.publisher.flush(5)
+            self.publisher.close(5)  # flushes, and ends its delivery thread
             self.publisher = None
         for svc in (self.executor, self.sink):
             if svc is not None:
