@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from schemas.events import Anomaly, RankActivity
 from schemas.vocab import SEVERITY_RANK, Category, Severity
 from streams.detectors.activity import default_activities
+from streams.detectors.straggler import rank_ranges
 
 _SOURCE_RANK = {"kernel": 3, "scheduler": 2, "gpu": 2, "external": 1, "job_log": 0}
 # torch's default NCCL collective timeout (10 min; 30 min for other backends and older torch).
@@ -92,16 +93,7 @@ def when(t: float) -> str | None:
 
 def ranks_words(ranks: Sequence[int]) -> str:
     """[0, 1, 2, 5] -> '0-2, 5'."""
-    out: list[str] = []
-    rs = sorted(set(ranks))
-    i = 0
-    while i < len(rs):
-        j = i
-        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
-            j += 1
-        out.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
-        i = j + 1
-    return ", ".join(out)
+    return rank_ranges(ranks, sep=", ")
 
 
 def _who(a: Anomaly) -> str:

@@ -89,8 +89,8 @@ def slowdown_reason(name: str) -> str | None:
     return _SLOWDOWN_REASONS.get(key)
 
 
-def rank_ranges(ranks: Iterable[int]) -> str:
-    """[12, 13, 14, 15, 20] -> '12-15,20'."""
+def rank_ranges(ranks: Iterable[int], sep: str = ",") -> str:
+    """[12, 13, 14, 15, 20] -> '12-15,20' (sep ', ' for prose)."""
     out: list[str] = []
     rs = sorted(set(ranks))
     i = 0
@@ -100,7 +100,7 @@ def rank_ranges(ranks: Iterable[int]) -> str:
             j += 1
         out.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
         i = j + 1
-    return ",".join(out)
+    return sep.join(out)
 
 
 @dataclass(frozen=True)
