@@ -10,7 +10,6 @@ from __future__ import annotations
 import hmac
 import logging
 import os
-import re
 import secrets
 import stat
 import threading
@@ -25,7 +24,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from producers.publisher import Publisher
-from schemas.events import Approval, Decision, ModeChange, NodeReturn
+from schemas.events import Approval, Decision, ModeChange, NodeReturn, incident_in_reason
 from schemas.ids import stable_id
 from schemas.topics import ACTIONS, APPROVALS, MODE_CHANGES, NODE_RETURNS
 from schemas.vocab import Category, Mode, RejectReason
@@ -144,9 +143,6 @@ class ResumeBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     operator: str = Field(min_length=1, max_length=128)
     comment: str = Field(default="", max_length=4096)
-
-
-_INCIDENT_IN_REASON = re.compile(r"^trainmedic (inc-[0-9a-f]+)")
 
 
 def create_api(
@@ -385,7 +381,7 @@ def create_api(
     def nodes() -> list[dict[str, Any]]:
         out = []
         for n in backend.list_nodes():
-            m = _INCIDENT_IN_REASON.match(n.reason or "")
+            ours = incident_in_reason(n.reason)
             out.append(
                 {
                     "node": n.name,
@@ -393,8 +389,8 @@ def create_api(
                     "flags": list(n.flags),
                     "drained": n.drained,
                     "reason": n.reason,
-                    "incident_id": m.group(1) if m else None,
-                    "drained_by_trainmedic": bool(n.drained and m),
+                    "incident_id": ours,
+                    "drained_by_trainmedic": bool(n.drained and ours),
                     "partitions": list(n.partitions),
                 }
             )
@@ -409,15 +405,15 @@ def create_api(
                 raise HTTPException(status_code=404, detail=str(exc)) from None
             if not state.drained:
                 raise HTTPException(status_code=409, detail=f"{node} is not drained")
-            m = _INCIDENT_IN_REASON.match(state.reason or "")
-            if not m:
+            incident_id = incident_in_reason(state.reason)
+            if incident_id is None:
                 # Someone else drained it for their own reason: not ours to undo.
                 raise HTTPException(status_code=409, detail=f"{node} was drained by someone else ({state.reason!r})")
             event = NodeReturn(
                 event_id=stable_id("ret", node, state.reason, time.time()),
                 event_time=time.time(),
                 node=node,
-                incident_id=m.group(1),
+                incident_id=incident_id,
                 drain_reason=state.reason or "",
                 operator=body.operator,
                 comment=body.comment,
@@ -429,8 +425,8 @@ def create_api(
                 backend.resume_node(node)
             except BackendError as exc:
                 raise HTTPException(status_code=502, detail=f"scheduler refused: {exc}") from None
-        log.info("resumed %s (drained for %s) by %s", node, m.group(1), body.operator)
-        return {"node": node, "incident_id": m.group(1), "status": "resumed"}
+        log.info("resumed %s (drained for %s) by %s", node, incident_id, body.operator)
+        return {"node": node, "incident_id": incident_id, "status": "resumed"}
 
     # The Recovery Console: its page, its live event stream and the reads it needs.
     api.include_router(console_router(store, [token, *([viewer_token] if viewer_token else [])], feed, health))
