@@ -151,20 +151,31 @@ def all_committed(bootstrap: str, group: str, produced: Produced) -> bool:
     return all(offsets.get(k, -1) >= end for k, end in produced.end.items())
 
 
-def read_all(bootstrap: str, topic: str, want: int, timeout: float = 60.0, idle_s: float = 5.0) -> list[bytes]:
-    """Every record of a topic by partition assignment, until `want` were read or nothing came for idle_s."""
+def read_all(
+    bootstrap: str,
+    topic: str,
+    want: int,
+    timeout: float = 60.0,
+    idle_s: float = 5.0,
+    counts: Callable[[bytes], bool] | None = None,
+) -> list[bytes]:
+    """Every record of a topic by partition assignment, until `want` were read or nothing came for idle_s.
+    With `counts`, only the records it accepts count toward `want` (the others are still returned)."""
     from confluent_kafka import OFFSET_BEGINNING
 
     consumer = Consumer(consumer_config(bootstrap, "reliability-reader", "reliability-reader"))
     consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in range(DEFAULT_PARTITIONS)])
     out: list[bytes] = []
+    counted = 0
     deadline = time.monotonic() + timeout
     last = time.monotonic()
     try:
-        while time.monotonic() < deadline and len(out) < want and time.monotonic() - last < idle_s:
+        while time.monotonic() < deadline and counted < want and time.monotonic() - last < idle_s:
             for msg in consumer.consume(num_messages=10_000, timeout=0.5):
                 if msg.error() is None:
-                    out.append(msg.value() or b"")
+                    value = msg.value() or b""
+                    out.append(value)
+                    counted += counts is None or counts(value)
                     last = time.monotonic()
     finally:
         consumer.close()

@@ -113,7 +113,14 @@ def test_clickhouse_outage_retries_with_backoff_and_commits_nothing_until_it_is_
         *_sink_args(broker, folder, group, "--detach", "incidents", "--attach-when", str(back)),
     )
     sink.wait_for(r"^READY")
-    produced = produce(broker.bootstrap, _events("outage"))
+    # Incidents first, delivered before any anomaly exists: the sink's first batch then holds
+    # incidents (and perhaps anomalies), so it is the batch that fails. Were the first batch all
+    # anomalies, the sink would rightly insert and commit it before the outage bites.
+    events = _events("outage")
+    produced = produce(broker.bootstrap, [e for e in events if e[0] == INCIDENTS.name])
+    later = produce(broker.bootstrap, [e for e in events if e[0] == ANOMALIES.name])
+    produced.end.update(later.end)
+    produced.delivered += later.delivered
     delays = sink.wait_for(r"audit insert failed, retrying in ([\d.]+) s", count=3, timeout=60)
     # Backoff: each retry waits longer than the one before.
     waits = [float(d) for d in delays]

@@ -4,8 +4,11 @@ one action (stable incident ids; ReplacingMergeTree rows counted with FINAL)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import pytest
 from aiokafka.partitioner import murmur2  # type: ignore[import-untyped]
 
 from producers.joblogs import JobLayout, JobLogProducer
@@ -60,6 +63,21 @@ def _kill_and_restart_worker(stack: Stack) -> None:
     stack._wait_worker_ready()
 
 
+# A restarted worker recovers its tables from the changelogs and waits out the dead member's
+# session before it gets partitions: on a loaded 2-core CI machine that has taken over a minute.
+RESTART_WAIT_S = 240.0
+
+
+def _after_restart(stack: Stack, what: str, probe: Callable[[], Any]) -> Any:
+    """wait_for, with the restarted worker's log in the failure: why it did not get there."""
+    try:
+        return wait_for(what, probe, timeout=RESTART_WAIT_S)
+    except pytest.fail.Exception:
+        log = stack._worker_log
+        tail = log.read_text(errors="replace")[-4000:] if log is not None and log.exists() else "(no log)"
+        pytest.fail(f"timed out after {RESTART_WAIT_S:.0f} s waiting for {what}; the worker's log ends:\n{tail}")
+
+
 def _stack(broker: EmbeddedBroker, chdb_url: str, database: str, tmp_path: Path, sched: SimulatedScheduler) -> Stack:
     return Stack(
         StackConfig(
@@ -105,7 +123,7 @@ def test_worker_killed_between_halves_of_a_fault_still_yields_one_incident(
         # Second half: the Xid 79 on gpu02.
         KernelLogProducer(pub, tmp_path / "nodes" / "gpu02" / "kern.log", node="gpu02", from_start=True).poll_once()
         assert pub.flush(10) == 0
-        inc = wait_for("the incident", lambda: incidents_of(store, job))[0]
+        inc = _after_restart(stack, "the incident", lambda: incidents_of(store, job))[0]
         assert (inc["culprit_node"], inc["category"]) == ("gpu02", "gpu_hardware")
         wait_for(
             "the action result",
@@ -138,7 +156,7 @@ def _sync(broker: EmbeddedBroker, store: AuditStore, *keys: str) -> None:
         def landed(m: str = marker) -> list[dict[str, object]]:
             return store.query("SELECT 1 FROM {db}.action_results FINAL WHERE job_id = {j:String}", {"j": m})
 
-        wait_for(f"the marker fault's action result (job {marker})", landed)
+        wait_for(f"the marker fault's action result (job {marker})", landed, timeout=RESTART_WAIT_S)
 
 
 def _fault_rows(store: AuditStore, table: str) -> list[dict[str, object]]:
