@@ -20,9 +20,7 @@ many node events it makes while it lasts.
 from __future__ import annotations
 
 import re
-import statistics
 import time
-from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -80,54 +78,60 @@ class Score:
         return f"{self.verdict}{why}: {self.decided} decided, precision {p}"
 
 
-def _epoch(v: Any) -> float:
-    return float(v.timestamp()) if hasattr(v, "timestamp") else float(v)
-
-
 # Incidents whose decision was a recommendation, from the window's decisions (time sort key).
 _RECOMMENDED = (
     "incident_id IN (SELECT incident_id FROM {db}.decisions FINAL WHERE kind = 'recommendation' "
     f"AND event_time >= fromUnixTimestamp64Milli({{t:Int64}} - {CHILD_SKEW_S * 1000}))"
 )
 
+# Recommendations the facts confirmed: a later incident of the same job on the same culprit
+# within the expiry window. One join over the window's incidents.
+_CONFIRMED = (
+    "SELECT r.incident_id FROM ("
+    "SELECT incident_id, job_id, culprit_node, toUnixTimestamp64Milli(event_time) AS ms "
+    "FROM {db}.incidents FINAL WHERE event_time >= fromUnixTimestamp64Milli({t:Int64}) "
+    f"AND job_id != '' AND culprit_node != '' AND {_RECOMMENDED}) AS r "
+    "INNER JOIN (SELECT job_id, culprit_node, toUnixTimestamp64Milli(event_time) AS ms "
+    "FROM {db}.incidents FINAL WHERE event_time >= fromUnixTimestamp64Milli({t:Int64}) "
+    "AND job_id != '' AND culprit_node != '') AS l "
+    "ON l.job_id = r.job_id AND l.culprit_node = r.culprit_node "
+    "WHERE l.ms > r.ms AND l.ms <= r.ms + {expire:Int64}"
+)
 
-def _recommendations(store: AuditStore, since_s: float) -> list[dict[str, Any]]:
-    # The incident summary of the window's recommendations only, not the whole view.
+# The operator's last reason for each rejection in the window.
+_REJECT_REASONS = (
+    "SELECT incident_id, argMax(reason, event_time) AS reason FROM {db}.approvals FINAL "
+    "WHERE verdict = 'rejected' AND event_time >= fromUnixTimestamp64Milli({t:Int64}) GROUP BY incident_id"
+)
+
+
+def _tallies(store: AuditStore, since_s: float, now: float, expire_s: float) -> list[dict[str, Any]]:
+    """Each recommendation's fate, counted per (category, partition) and per category, in ClickHouse:
+    at fleet scale the window holds ~100k recommendations, too many to turn into Python rows."""
     since = f"event_time >= fromUnixTimestamp64Milli({{t:Int64}}) AND {_RECOMMENDED}"
     child = f"event_time >= fromUnixTimestamp64Milli({{t:Int64}} - {CHILD_SKEW_S * 1000})"
+    fate = (
+        "multiIf(s.verdict = 'approved', 'approved', s.verdict = 'rejected', 'rejected', "
+        f"s.verdict = 'confirmed' OR s.incident_id IN ({_CONFIRMED}), 'confirmed', "
+        "{now:Int64} - toUnixTimestamp64Milli(s.detected_at) > {expire:Int64}, 'expired', 'open')"
+    )
     return store.query(
-        "SELECT incident_id, detected_at, job_id, partition, category, culprit_node, detection_latency_s, "
-        f"action_latency_s, verdict FROM ({summary_sql(since, child)}) WHERE decision_kind = 'recommendation'",
-        {"t": int(since_s * 1000)},
+        "SELECT category, grouping(partition) AS every_partition, partition, count() AS recommendations, "
+        "countIf(fate = 'approved') AS approved, countIf(fate = 'rejected') AS rejected, "
+        "countIf(fate = 'confirmed') AS confirmed, countIf(fate = 'expired') AS expired, "
+        "countIf(fate = 'open') AS open, "
+        # The interpolating median: statistics.median's value, also for an even count.
+        "quantileExactInclusive(0.5)(detection_latency_s) AS detection_p50_s, "
+        "quantileExactInclusive(0.5)(action_latency_s) AS action_p50_s, "
+        "sumMapIf([reason], [toUInt64(1)], fate = 'rejected') AS rejected_reasons FROM ("
+        "SELECT s.category AS category, ifNull(s.partition, '') AS partition, "
+        "s.detection_latency_s AS detection_latency_s, s.action_latency_s AS action_latency_s, "
+        f"{fate} AS fate, if(rr.reason = '', 'other', rr.reason) AS reason "
+        f"FROM ({summary_sql(since, child)}) AS s LEFT JOIN ({_REJECT_REASONS}) AS rr ON rr.incident_id = s.incident_id "
+        "WHERE s.decision_kind = 'recommendation') "
+        "GROUP BY GROUPING SETS ((category, partition), (category))",
+        {"t": int(since_s * 1000), "now": int(now * 1000), "expire": int(expire_s * 1000)},
     )
-
-
-def _reject_reasons(store: AuditStore, since_s: float) -> dict[str, str]:
-    rows = store.query(
-        "SELECT incident_id, argMax(reason, event_time) AS reason FROM {db}.approvals FINAL "
-        "WHERE verdict = 'rejected' AND event_time >= fromUnixTimestamp64Milli({t:Int64}) GROUP BY incident_id",
-        {"t": int(since_s * 1000)},
-    )
-    return {r["incident_id"]: r["reason"] or "other" for r in rows}
-
-
-def _confirmations(store: AuditStore, recs: list[dict[str, Any]], window_s: float) -> set[str]:
-    """Recommendations the facts confirmed: a later incident of the same job on the same culprit."""
-    if not recs:
-        return set()
-    # One join in ClickHouse over the window's incidents, instead of every incident into Python.
-    window = "event_time >= fromUnixTimestamp64Milli({t:Int64}) AND job_id != '' AND culprit_node != ''"
-    rows = store.query(
-        "SELECT DISTINCT r.incident_id AS incident_id FROM ("
-        "SELECT incident_id, job_id, culprit_node, toUnixTimestamp64Milli(event_time) AS ms "
-        f"FROM {{db}}.incidents FINAL WHERE {window} AND {_RECOMMENDED}) AS r "
-        f"INNER JOIN (SELECT job_id, culprit_node, toUnixTimestamp64Milli(event_time) AS ms "
-        f"FROM {{db}}.incidents FINAL WHERE {window}) AS l "
-        "ON l.job_id = r.job_id AND l.culprit_node = r.culprit_node "
-        "WHERE l.ms > r.ms AND l.ms <= r.ms + {w:Int64}",
-        {"t": int(min(_epoch(r["detected_at"]) for r in recs) * 1000), "w": int(window_s * 1000)},
-    )
-    return {r["incident_id"] for r in rows} & {r["incident_id"] for r in recs}
 
 
 def _misses(
@@ -155,55 +159,44 @@ def _misses(
 def readiness(store: AuditStore, policy: Policy, since_s: float, now: float | None = None) -> list[Score]:
     """One Score per (category, None) and per (category, partition) seen, for every category."""
     now = time.time() if now is None else now
-    settings = policy.readiness
-    recs = _recommendations(store, since_s)
-    reasons = _reject_reasons(store, since_s)
-    confirmed = _confirmations(store, recs, settings.expire_after_h * 3600)
     scores: dict[tuple[str, str | None], Score] = {}
-    latencies: dict[tuple[str, str | None], tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
-
-    def score(category: str, partition: str | None) -> Score:
-        return scores.setdefault((category, partition), Score(category, partition))
-
     for c in CATEGORIES:
         if c not in NEVER_ACTS:  # healthy and unknown never act: no autonomy to earn
-            score(c, None)
-    for r in recs:
-        keys = [(r["category"], None)] + ([(r["category"], r["partition"])] if r["partition"] else [])
-        for key in keys:
-            s = score(*key)
-            s.recommendations += 1
-            verdict = r["verdict"] or None  # the view gives '' when there is none
-            if verdict == "approved":
-                s.approved += 1
-            elif verdict == "rejected":
-                s.rejected += 1
-                why = reasons.get(r["incident_id"], "other")
-                s.rejected_reasons[why] = s.rejected_reasons.get(why, 0) + 1
-            elif verdict == "confirmed" or r["incident_id"] in confirmed:
-                s.confirmed += 1
-            elif now - _epoch(r["detected_at"]) > settings.expire_after_h * 3600:
-                s.expired += 1
-            else:
-                s.open += 1
-            if r["detection_latency_s"] is not None:
-                latencies[key][0].append(float(r["detection_latency_s"]))
-            if r["action_latency_s"] is not None:
-                latencies[key][1].append(float(r["action_latency_s"]))
+            scores[(c, None)] = Score(c, None)
+    for row in _tallies(store, since_s, now, policy.readiness.expire_after_h * 3600):
+        partition = None if row["every_partition"] else row["partition"]
+        if not row["every_partition"] and not partition:
+            continue  # incidents without a partition count only in the category's whole
+        keys, counts = row["rejected_reasons"]
+        scores[(row["category"], partition)] = Score(
+            row["category"],
+            partition,
+            recommendations=int(row["recommendations"]),
+            approved=int(row["approved"]),
+            rejected=int(row["rejected"]),
+            confirmed=int(row["confirmed"]),
+            expired=int(row["expired"]),
+            open=int(row["open"]),
+            detection_p50_s=_float_or_none(row["detection_p50_s"]),
+            action_p50_s=_float_or_none(row["action_p50_s"]),
+            rejected_reasons={str(k): int(n) for k, n in zip(keys, counts, strict=True)},
+        )
     try:
         misses = _misses(store, since_s, maintenance_reasons(policy))
     except Exception:  # no scheduler events recorded (no Slurm producer running): misses unknown
         misses = {}
     for s in scores.values():
-        det, act = latencies.get((s.category, s.partition), ([], []))
-        s.detection_p50_s = statistics.median(det) if det else None
-        s.action_p50_s = statistics.median(act) if act else None
         if s.partition is not None:
             s.misses = misses.get(s.partition, 0)
         elif s.category == "node":
             s.misses = sum(misses.values())  # drains by people are node-level faults we did not report
         _judge(s, policy)
     return sorted(scores.values(), key=lambda s: (s.category, s.partition or ""))
+
+
+def _float_or_none(v: Any) -> float | None:
+    # No latency at all in the group: NULL, or NaN where ClickHouse gives one.
+    return None if v is None or v != v else float(v)
 
 
 def _judge(s: Score, policy: Policy) -> None:
