@@ -415,6 +415,11 @@ SCHED_EVENTS_T = Table(
         Column("job_name", "Nullable(String)", _a("job_name")),
         Column("user", "Nullable(String)", _a("user")),
         Column("account", "Nullable(String)", _a("account")),
+        # Who set a node's reason and when (Slurm's), and the MAINT reservation holding it:
+        # how an operator tells another remediator's drain, or planned maintenance, from ours.
+        Column("reason_user", "LowCardinality(Nullable(String))", _a("reason_user")),
+        Column("reason_time", f"Nullable({T64})", _t("reason_time")),
+        Column("reservation", "LowCardinality(Nullable(String))", _a("reservation")),
     ),
     # Readiness reads node events of a time window; a node's or job's events via the bloom filters.
     ("kind", "event_time", "event_id"),

@@ -48,6 +48,10 @@ def _events(t0: float) -> list[Event]:
     return events
 
 
+# Columns added by migrations after the layout (009): absent from the old tables, NULL after.
+ADDED_AFTER_LAYOUT = {"reason_user", "reason_time", "reservation"}
+
+
 def _contents(store: AuditStore) -> dict[str, list[tuple[Any, ...]]]:
     """Every table's rows, deduplicated, with NULL keys read as '' (what the layout stores)."""
     out = {}
@@ -58,8 +62,12 @@ def _contents(store: AuditStore) -> dict[str, list[tuple[Any, ...]]]:
     for table in BY_NAME.values():
         if table.name not in have:
             continue  # new with the layout (action_attempts): nothing to keep
+        # The columns the old layout had (later migrations add some, NULL for the old rows).
+        old = {c["name"] for c in store.query(f"DESCRIBE TABLE {{db}}.{table.name}")}
         cols = ", ".join(
-            f"ifNull(toString(`{c.name}`), '')" if c.default == "''" else f"toString(`{c.name}`)" for c in table.columns
+            f"ifNull(toString(`{c.name}`), '')" if c.default == "''" else f"toString(`{c.name}`)"
+            for c in table.columns
+            if c.name in old and c.name not in ADDED_AFTER_LAYOUT
         )
         rows = store.query(f"SELECT {cols} FROM {{db}}.{table.name} FINAL ORDER BY {table.id_column}")
         out[table.name] = [tuple(r.values()) for r in rows]

@@ -195,6 +195,16 @@ def test_someone_elses_drain_is_an_event_left_alone_and_a_miss_unless_maintenanc
         store.insert("sched_events", [SCHED_EVENTS_T.row(e) for e in events], SCHED_EVENTS_T.column_names)
         scores = {(s.category, s.partition): s for s in readiness(store, load_policy(), since)}
         assert scores[("node", None)].misses == 1
+        # The audit keeps whose reason it was, since when, and the maintenance reservation.
+        audited = {
+            r["node"]: r
+            for r in store.query(
+                "SELECT node, reason_user, reason_time, reservation FROM {db}.sched_events FINAL "
+                "WHERE kind = 'node' ORDER BY event_time"
+            )
+        }
+        assert audited["gpu03"]["reason_user"] == "root" and audited["gpu03"]["reason_time"] is not None
+        assert audited["gpu02"]["reservation"] == resv
     finally:
         store.close()
         publisher.close()
