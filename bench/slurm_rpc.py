@@ -10,9 +10,14 @@ shared slurmctld meanwhile do not count:
 - old: every node runs the discoverer's `squeue --json` (the whole queue) once per interval;
 - new: every node runs the node-local `squeue --json --nodelist NODE`
   (JobDiscovery(only_node=NODE), the argv the producer really builds);
-- bus: nodes take placements from the central Slurm producer's events on the bus: no RPC from
-  the nodes at all; the one producer polls `squeue --json --states=all` + `sinfo --json` per
-  interval, measured here as one poller.
+- bus: every node runs the real bus discoverer (JobDiscovery with producers.placements.BusPlacements
+  on the embedded broker, fed by the real Slurm producer): its first call reads the topic and
+  resyncs once with `squeue --json --nodelist NODE` (counted: RPCs per resync), then the steady
+  state is measured like the other ways (RPCs per poll: none expected). The central producer's
+  `squeue --json --states=all` + `sinfo --json` per interval is measured as one poller. At 1,024
+  nodes: the producer's RPCs per second + 1,024 x RPCs per resync / RESYNC_S + steady RPCs per
+  poll x 1,024. Not counted (site-dependent): one `scontrol show job` per node of each job that
+  starts (the discoverer describes a new job once, for its StdOut/StdErr).
 
 N discoverers (threads, each starting its real `JobDiscovery.running_jobs()` once a second)
 run for T seconds. This machine has 2 cores, so 1,024 discoverers cannot run: the RPCs and
@@ -31,6 +36,7 @@ import json
 import os
 import re
 import shlex
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -40,13 +46,18 @@ from typing import Any, cast
 
 from bench.machine import machine
 from producers.jobdiscovery import JobDiscovery
+from producers.placements import BusPlacements
 from producers.publisher import Publisher
+from producers.slurm import SlurmProducer
 from slurmio.runners import LocalRunner, SlurmCommandError
 from slurmio.squeue import SQUEUE_ALL
+from trainmedic.broker import EmbeddedBroker, ensure_topics
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 TARGET_NODES = 1024
+#: The bus discoverer's Slurm resync interval (`produce logs --placements bus --resync`, default).
+RESYNC_S = 300.0
 # The discoverers run as this uid (nobody): sdiag's per-user counters then hold their RPCs
 # only, whatever else uses the shared slurmctld meanwhile (other tests run as root).
 BENCH_UID = 65534
@@ -210,23 +221,49 @@ def bench_target(target: Target, seconds: float, counts: list[int]) -> dict[str,
     none = cast(Publisher, None)  # running_jobs() publishes nothing; only its Slurm query is measured
     out: dict[str, Any] = {"version": target.version, "queue_jobs": queue, "answers": answers, "modes": {}}
 
+    broker = EmbeddedBroker().start()
+    ensure_topics(broker.bootstrap)
+    pub = Publisher(broker.bootstrap, "bench-slurm-producer")
+    with tempfile.TemporaryDirectory() as tmp:
+        # The real producer on the bus: its cold-start marker and every change from here on.
+        SlurmProducer(pub, runner=runner, state_path=Path(tmp) / "state.json").poll_once()
+    assert pub.flush(10) == 0
+    sources: list[BusPlacements] = []
+
     def discoverers(mode: str, n: int) -> list[JobDiscovery]:
         if mode == "old":
             return [JobDiscovery(none, bench) for _ in range(n)]
-        return [JobDiscovery(none, bench, only_node=nodes[k % len(nodes)]) for k in range(n)]
+        ds = [JobDiscovery(none, bench, only_node=nodes[k % len(nodes)]) for k in range(n)]
+        if mode == "bus":
+            for d in ds:
+                assert d.only_node is not None
+                src = BusPlacements(broker.bootstrap, d.only_node, resync=d.running_jobs, resync_s=RESYNC_S)
+                d.follow_placements(src)
+                sources.append(src)
+        return ds
 
-    for mode in ("old", "new"):
-        rows = []
-        for n in counts:
-            ds = discoverers(mode, n)
+    try:
+        for mode in ("old", "new", "bus"):
+            rows = []
+            for n in counts:
+                ds = discoverers(mode, n)
+                resync: dict[str, Any] = {}
+                if mode == "bus":
+                    resync = _first_resyncs(runner, ds, sources[-n:])
+                    print(f"  {target.version} bus N={n:3}: first resyncs {resync}", flush=True)
 
-            def poll(i: int, ds: list[JobDiscovery] = ds) -> None:
-                ds[i].running_jobs()
+                def poll(i: int, ds: list[JobDiscovery] = ds) -> None:
+                    ds[i].running()
 
-            run = measure(runner, n, seconds, poll)
-            rows.append(run)
-            print(f"  {target.version} {mode:3} N={n:3}: {_summary(run)}", flush=True)
-        out["modes"][mode] = rows
+                run = measure(runner, n, seconds, poll) | resync
+                rows.append(run)
+                print(f"  {target.version} {mode:3} N={n:3}: {_summary(run)}", flush=True)
+            out["modes"][mode] = rows
+    finally:
+        for src in sources:
+            src.close()
+        pub.close()
+        broker.stop()
 
     def producer_poll(i: int) -> None:  # the central Slurm producer's two commands per interval
         bench(list(SQUEUE_ALL), 30)
@@ -236,6 +273,23 @@ def bench_target(target: Target, seconds: float, counts: list[int]) -> dict[str,
     out["producer"] = run
     print(f"  {target.version} central producer: {_summary(run)}", flush=True)
     return out
+
+
+def _first_resyncs(runner: LocalRunner, ds: list[JobDiscovery], sources: list[BusPlacements]) -> dict[str, Any]:
+    """Each bus discoverer's first calls (the topic read, then one Slurm resync); their RPCs."""
+    runner(["sdiag", "--reset"], 30)
+    deadline = time.monotonic() + 60
+    while any(src.resyncs == 0 for src in sources) and time.monotonic() < deadline:
+        for d in ds:
+            d.running()
+    if any(src.resyncs == 0 for src in sources):
+        raise SystemExit("a bus discoverer did not resync within 60 s")
+    _, (count, total_us) = sdiag_rpcs(runner)
+    return {
+        "resyncs": len(sources),
+        "rpcs_per_resync": round(count / len(sources), 3),
+        "ctld_ms_per_resync": round(total_us / len(sources) / 1000, 3),
+    }
 
 
 def extrapolate(result: dict[str, Any]) -> dict[str, Any]:
@@ -252,12 +306,18 @@ def extrapolate(result: dict[str, Any]) -> dict[str, Any]:
             "ctld_ms_per_call": row["ctld_ms_per_call"],
             "ctld_busy_s_per_s": round(row["ctld_ms_per_call"] * TARGET_NODES / 1000, 3),
         }
-    prod = result["producer"]  # one poll per second in total, whatever the node count
+    # Bus: the steady polls (measured as above), plus every node's resync once per RESYNC_S,
+    # plus the one central producer's poll per second, whatever the node count.
+    row = max(result["modes"]["bus"], key=lambda r: r["workers"])
+    prod = result["producer"]
+    resync_rps = TARGET_NODES * row["rpcs_per_resync"] / RESYNC_S
+    resync_busy = TARGET_NODES * row["ctld_ms_per_resync"] / 1000 / RESYNC_S
     out["bus"] = {
-        "rpcs_per_call": prod["rpcs_per_call"],
-        "rpcs_per_s": prod["rpcs_per_call"],
-        "ctld_ms_per_call": prod["ctld_ms_per_call"],
-        "ctld_busy_s_per_s": round(prod["ctld_ms_per_call"] / 1000, 4),
+        "rpcs_per_call": row["rpcs_per_call"],
+        "rpcs_per_resync": row["rpcs_per_resync"],
+        "rpcs_per_s": round(out["bus"]["rpcs_per_s"] + resync_rps + prod["rpcs_per_call"], 1),
+        "ctld_ms_per_call": row["ctld_ms_per_call"],
+        "ctld_busy_s_per_s": round(out["bus"]["ctld_busy_s_per_s"] + resync_busy + prod["ctld_ms_per_call"] / 1000, 4),
     }
     return out
 
@@ -289,7 +349,11 @@ def write_md(results: list[dict[str, Any]], seconds: float, counts: list[int]) -
         for mode, label in (
             ("old", "old: `squeue --json` on every node"),
             ("new", "new: `squeue --json --nodelist NODE` on every node"),
-            ("bus", "bus: placements from `sched.events` (0 per node; one producer poll/s in total)"),
+            (
+                "bus",
+                f"bus: placements from `sched.events` (RPCs per poll; + a resync per node every {RESYNC_S:g} s "
+                "+ one producer poll/s, in the rate)",
+            ),
         ):
             e = ext[mode]
             per_call = e["rpcs_per_call"]
@@ -313,6 +377,11 @@ def write_md(results: list[dict[str, Any]], seconds: float, counts: list[int]) -
                     f"{', '.join(row['rpc_types_all_users'])}"
                 )
         lines.append(f"- {r['version']} central producer (squeue --states=all + sinfo): {_summary(r['producer'])}")
+        for row in r["modes"].get("bus", []):
+            lines.append(
+                f"- {r['version']} bus N={row['workers']} first resyncs: {row['rpcs_per_resync']} RPCs and "
+                f"{row['ctld_ms_per_resync']} ms of slurmctld each"
+            )
     lines += [
         "",
         "Reading: `--nodelist` never makes the RPC smaller: squeue still sends the full REQUEST_JOB_INFO "
@@ -320,7 +389,9 @@ def write_md(results: list[dict[str, Any]], seconds: float, counts: list[int]) -
         "costs two RPCs instead of one. On 22.05 `--json` also ignores the filter (the whole queue is "
         "printed); on 24.11 the printed answer is filtered after the full RPC. Only taking placements from "
         "the bus removes the per-node load: what remains is the one central producer's poll "
-        "(squeue + sinfo), independent of the node count.",
+        "(squeue + sinfo), independent of the node count, and each node's slow resync "
+        f"(every {RESYNC_S:g} s: the jobs the bus never announced, such as those running at a cold start "
+        "of the producer).",
         "",
     ]
     return "\n".join(lines)

@@ -1,6 +1,7 @@
 """Find running jobs' output files from Slurm and follow them.
 
-One `squeue --json` per poll lists RUNNING jobs; each new job is looked up once
+One `squeue --json` per poll lists RUNNING jobs (or, node-local, the Slurm
+producer's events on the bus: producers.placements); each new job is looked up once
 with `scontrol show job` (``--json`` on 23.11+, ``-o`` text on 22.05, chosen
 from the squeue document's data parser) for its StdOut/StdErr paths (expanded
 by Slurm, unlike 22.05 squeue's patterns), node list and task count. A tailer
@@ -64,6 +65,8 @@ class JobDiscovery:
         self.positions = positions
         self._factory = tailer_factory or self._tailer
         self._parser: DataParser | None = None  # the cluster's data parser, from the last squeue
+        # Where RUNNING jobs come from: squeue each poll, or (producers.placements) the bus.
+        self._placements: Callable[[], dict[str, int]] = self.running_jobs
 
     def _tailer(self, job: JobFiles) -> JobLogProducer:
         resume: dict[Path, FilePosition] = {}
@@ -81,6 +84,15 @@ class JobDiscovery:
             from_start=True,
             resume=resume,
         )
+
+    def follow_placements(self, source: Callable[[], dict[str, int]]) -> None:
+        """Take RUNNING jobs from `source` (producers.placements.BusPlacements) instead of squeue;
+        the source may call back `running_jobs` for its resyncs."""
+        self._placements = source
+
+    def running(self) -> dict[str, int]:
+        """RUNNING job id -> restart count (or generation), from the configured source."""
+        return self._placements()
 
     def current_positions(self) -> dict[str, FilePosition]:
         out: dict[str, FilePosition] = {}
@@ -120,10 +132,10 @@ class JobDiscovery:
     def poll_once(self) -> int:
         """Discover new jobs, drop finished ones, publish new lines; returns lines published."""
         try:
-            running = self.running_jobs()
+            running = self.running()
         except (SlurmCommandError, ValueError) as exc:  # SlurmFormatError is both
             self.errors += 1
-            log.warning("job discovery: squeue failed: %s", exc)
+            log.warning("job discovery: listing running jobs failed: %s", exc)
             running = {jid: r for (jid, r) in self.tailers}  # keep following what we have
         for key in [k for k in self.tailers if running.get(k[0]) != k[1]]:
             gone = self.tailers.pop(key)

@@ -258,6 +258,14 @@ def logs(
     discover: Annotated[bool, typer.Option(help="Find running jobs' StdOut/StdErr from Slurm.")] = False,
     only_node: Annotated[Optional[str], typer.Option(help="With --discover: only jobs running on this node.")] = None,
     interval: Annotated[float, typer.Option(help="With --discover: seconds between Slurm queries.")] = 1.0,
+    placements: Annotated[
+        str,
+        typer.Option(
+            help="With --discover --only-node: where running jobs come from: 'slurm' (squeue -w NODE every "
+            "--interval) or 'bus' (the Slurm producer's sched.events; Slurm only every --resync seconds)."
+        ),
+    ] = "slurm",
+    resync: Annotated[float, typer.Option(help="With --placements bus: seconds between Slurm resyncs.")] = 300.0,
     state_dir: StateDirOpt = None,
 ) -> None:
     """Follow training logs (rotation, truncation, srun/torchrun rank prefixes) and publish them."""
@@ -269,12 +277,28 @@ def logs(
         _fail("give either --discover or --job ID --path FILE")
     if interval <= 0:
         _fail("--interval must be > 0")
+    if placements not in ("slurm", "bus"):
+        _fail(f"--placements {placements!r}: expected 'slurm' or 'bus'")
+    if placements == "bus" and not only_node:
+        _fail("--placements bus needs --only-node NODE (the node whose jobs to follow)")
+    if resync <= 0:
+        _fail("--resync must be > 0")
     _logging()
     pub = _publisher(bootstrap, data_dir, "trainmedic-logs")
     stop = _stop_event()
     if discover:
+        from producers.placements import BusPlacements
+
         store = _positions(state_dir, data_dir, f"logs-discover-{only_node or 'all'}")
         finder = JobDiscovery(pub, only_node=only_node, positions=store)
+        if placements == "bus":
+            assert only_node
+            try:
+                finder.follow_placements(
+                    BusPlacements(pub.bootstrap, only_node, resync=finder.running_jobs, resync_s=resync)
+                )
+            except ValueError as exc:
+                _fail(str(exc))
         checkpoint = Checkpointer(store, finder.current_positions, _flushed(pub))
         while not stop.is_set():
             finder.poll_once()
