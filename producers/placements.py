@@ -143,7 +143,8 @@ class BusPlacements:
         elif e.state == "RUNNING" and here:
             if prev is None:
                 self._jobs[e.job_id] = _Placement(True, 0)
-            elif not prev.running:
+            elif not prev.running or "REQUEUED" in e.flags:
+                # REQUEUED on a RUNNING event: a requeue the producer saw only as a higher restart count.
                 prev.running, prev.generation = True, prev.generation + 1
         elif prev is not None:
             prev.running = False  # ended, pending again, or running elsewhere after a requeue

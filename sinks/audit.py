@@ -336,13 +336,17 @@ class AuditStore:
         db = self.database
         return f"INSERT INTO {db}.{target} ({', '.join(cols)}) SELECT {', '.join(exprs)} FROM {db}.{source}"
 
-    def _missing(self, table: Table) -> str:
-        """WHERE clause for rows (of another table) whose id the table lacks."""
-        return f"{table.id_column} NOT IN (SELECT {table.id_column} FROM {self.database}.{table.name})"
+    def _missing(self, table: Table, layout: LayoutSettings) -> str:
+        """WHERE clause for rows (of another table) whose id the table lacks and which its TTL keeps:
+        a row the new layout's TTL has expired is dropped by the copy, as a merge would drop it."""
+        where = f"{table.id_column} NOT IN (SELECT {table.id_column} FROM {self.database}.{table.name})"
+        if (ttl := table.ttl(layout)) is not None:
+            where += f" AND {ttl} > now()"
+        return where
 
-    def _copy_missing(self, table: Table, source: str) -> int:
+    def _copy_missing(self, table: Table, source: str, layout: LayoutSettings) -> int:
         """Copy the rows of `source` whose id the table lacks; return how many there were."""
-        where = self._missing(table)
+        where = self._missing(table, layout)
         missing = int(self.query(f"SELECT count() AS n FROM {self.database}.{source} WHERE {where}")[0]["n"])
         if missing:
             self._command(f"{self._copy_select(table, source, table.name)} WHERE {where}")
@@ -367,8 +371,8 @@ class AuditStore:
         if self.layout_matches(table):
             if self._table_info(side) is not None and not self.layout_matches(table, side):
                 # A swap that was interrupted before its catch-up: finish it.
-                self._copy_missing(table, side)
-                self._finish(table, side)
+                self._copy_missing(table, side, layout)
+                self._finish(table, side, layout)
             return False
         if extra := sorted(set(dict(self._columns(name))) - set(table.column_names)):
             # Copying only the declared columns would drop these: declare them first.
@@ -388,11 +392,11 @@ class AuditStore:
             ) from exc
         self._swap(name, side)
         log.info("audit: %s.%s swapped to the declared layout; copying rows written during the copy", db, name)
-        self._copy_missing(table, side)
+        self._copy_missing(table, side, layout)
         if not self.is_chdb:
             time.sleep(1.0)  # an insert in flight at the swap lands in the old table: let it finish, copy again
-            self._copy_missing(table, side)
-        self._finish(table, side)
+            self._copy_missing(table, side, layout)
+        self._finish(table, side, layout)
         return True
 
     def _swap(self, name: str, side: str) -> None:
@@ -407,13 +411,16 @@ class AuditStore:
             self._command(f"RENAME TABLE {db}.{name} TO {db}.{name}__old, {db}.{side} TO {db}.{name}")
             self._command(f"RENAME TABLE {db}.{name}__old TO {db}.{side}")
 
-    def _finish(self, table: Table, side: str) -> None:
-        where = self._missing(table)
+    def _finish(self, table: Table, side: str, layout: LayoutSettings) -> None:
+        where = self._missing(table, layout)
         if left := int(self.query(f"SELECT count() AS n FROM {self.database}.{side} WHERE {where}")[0]["n"]):
             raise AuditStoreError(
                 f"{self.database}.{side}: {left} row(s) of the old layout are not in {table.name} after the copy; "
                 "kept there, rerun migrate"
             )
+        absent = f"{table.id_column} NOT IN (SELECT {table.id_column} FROM {self.database}.{table.name})"
+        if expired := int(self.query(f"SELECT count() AS n FROM {self.database}.{side} WHERE {absent}")[0]["n"]):
+            log.info("audit: %s.%s: %d row(s) past the TTL were not copied", self.database, table.name, expired)
         self._command(f"DROP TABLE IF EXISTS {self.database}.{side}")
 
     def apply_retention(self, layout: LayoutSettings) -> list[str]:

@@ -196,3 +196,29 @@ def test_a_column_the_declaration_lacks_stops_the_rebuild(chdb_url: str, databas
         assert store.query("SELECT count() AS n FROM {db}.incidents FINAL WHERE site = 'x'")[0]["n"] == 4
     finally:
         store.close()
+
+
+def test_rows_past_the_new_ttl_are_not_copied_and_do_not_fail_the_migration(
+    chdb_url: str, database: str, tmp_path: Path
+) -> None:
+    """An old table holds rows the new layout's TTL has already expired (raw events of 100 days
+    with a 90-day raw TTL): the copy drops them, as a merge would, and the migration completes
+    instead of reporting them missing forever."""
+    store = AuditStore(chdb_url, database, LayoutSettings(raw_ttl_days=90))
+    try:
+        _old_layout(store, tmp_path)
+        old = incident_events(0, time.time() - 100 * 86400, job="51", node="gpu09")
+        fresh = _events(time.time() - 86400)
+        _insert_old(store, old + fresh)
+        store.migrate()
+        anomalies = {r["event_id"] for r in store.query("SELECT event_id FROM {db}.anomalies FINAL")}
+        assert "anm-51-0" not in anomalies  # past the 90-day raw TTL
+        assert {"anm-41-0", "anm-41-1", "anm-41-2", "anm-42-0"} <= anomalies
+        # Records keep 730 days: the 100-day-old incident of the same fault is still there.
+        assert store.query("SELECT 1 FROM {db}.incidents FINAL WHERE incident_id = 'inc-51-0'")
+        assert store.query(
+            "SELECT count() AS n FROM system.tables WHERE database = {d:String} AND name LIKE {p:String}",
+            {"d": database, "p": f"%{REBUILD_SUFFIX}"},
+        ) == [{"n": 0}]
+    finally:
+        store.close()

@@ -82,6 +82,9 @@ def test_jobs_on_this_node_follow_the_bus_through_requeue_and_end(broker: Embedd
         # A second RUNNING event of the same run (suspend/resume) does not restart the tailer.
         _publish(broker, _job("101", "RUNNING", ["gpu01"]))
         assert _settle(p, {"101": 1}) == {"101": 1}
+        # A requeue between two polls of the producer: RUNNING again, flagged REQUEUED.
+        _publish(broker, _job("101", "RUNNING", ["gpu01"], flags=["REQUEUED"]))
+        _settle(p, {"101": 2})
         _publish(broker, _job("101", "COMPLETED", ["gpu01"]), _job("101", "GONE", ["gpu01"]))
         _settle(p, {})
         assert resync.calls == 1  # the bus said it all; Slurm was not asked again
