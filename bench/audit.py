@@ -390,7 +390,9 @@ def _md(r: dict[str, Any]) -> str:
         f"Generation in chDB (INSERT SELECT, old layout): {r['before']['generate_rows_per_s']:,} rows/s.",
         "",
         "Rows after the migration count the 1 % redelivered duplicates as the old table held them until "
-        "merges collapse them; every read deduplicates.",
+        "merges collapse them (fewer where merges already did); every read deduplicates. The copy also drops "
+        "rows the new layout's TTL has expired: the first minutes of the 90-day span are past the 90-day raw "
+        "TTL by the time the migration runs.",
         "",
         "## Deduplication: FINAL against LIMIT 1 BY id (after)",
         "",
