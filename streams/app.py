@@ -161,16 +161,18 @@ async def recover_state() -> None:
             )
             _recovered = True
             return
-        holding = attributor.restore(history.incidents, history.sched, now)
+        holding = attributor.restore(history.incidents, history.sched, now, history.anomalies)
         restarts = policies.restore(history.actions)
         _recovered = True
         log.info(
             "state recovered from the topics: %d incidents (%d still holding their job), %d restarts, "
-            "%d job states, %d undecodable",
+            "%d job states, %d anomalies (%d still pending), %d undecodable",
             len(history.incidents),
             holding,
             restarts,
             len(history.sched),
+            len(history.anomalies),
+            attributor.pending(),
             history.undecodable,
         )
 

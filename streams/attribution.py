@@ -91,11 +91,21 @@ class Attributor:
         self._attributed: dict[str, float] = {}
         self.absorbed = 0
 
-    def restore(self, incidents: Sequence[Incident], sched: Sequence[SchedEvent], now: float) -> int:
+    def restore(
+        self,
+        incidents: Sequence[Incident],
+        sched: Sequence[SchedEvent],
+        now: float,
+        anomalies: Sequence[Anomaly] = (),
+    ) -> int:
         """Take back what a previous worker published (read from the topics at start).
 
         Replayed in time order so that a job that ran again after its incident is
         open for new incidents, exactly as it would be had the worker never stopped.
+        Then the window's anomalies are added again: those an incident already holds
+        are absorbed as before, and the rest - evidence the previous worker had
+        consumed, perhaps committed, but not yet published - opens its groups anew
+        (their windows start now), instead of being lost with that worker's memory.
         Returns how many incidents still hold their job.
         """
         timeline: list[tuple[float, int, Incident | SchedEvent]] = [(i.event_time, 0, i) for i in incidents]
@@ -106,6 +116,8 @@ class Attributor:
             else:
                 self._restore_incident(item)
         self._expire(now)
+        for anomaly in sorted(anomalies, key=lambda a: a.event_time):
+            self.add(anomaly, now)
         return len(self._closed)
 
     def _restore_incident(self, inc: Incident) -> None:

@@ -20,8 +20,8 @@ from typing import TypeVar
 
 from schemas.clients import read_records
 from schemas.codec import DecodeError, decode
-from schemas.events import Action, Event, Incident, SchedEvent
-from schemas.topics import ACTIONS, INCIDENTS, SCHED_EVENTS
+from schemas.events import Action, Anomaly, Event, Incident, SchedEvent
+from schemas.topics import ACTIONS, ANOMALIES, INCIDENTS, SCHED_EVENTS
 
 log = logging.getLogger("trainmedic.streams.recovery")
 E = TypeVar("E", bound=Event)
@@ -34,6 +34,9 @@ class History:
     incidents: list[Incident] = field(default_factory=list)
     actions: list[Action] = field(default_factory=list)
     sched: list[SchedEvent] = field(default_factory=list)
+    # The evidence of the same window: what a worker that died had consumed (and perhaps
+    # committed) but not yet published in an incident lives only here.
+    anomalies: list[Anomaly] = field(default_factory=list)
     undecodable: int = 0
 
 
@@ -49,9 +52,11 @@ def _decoded(kind: type[E], records: list[tuple[float, bytes]], history: History
 
 
 def read_history(bootstrap: str, now: float, incidents_s: float, actions_s: float, sched_s: float) -> History:
-    """The recent incidents, actions and job states: each kind as far back as it still matters."""
+    """The recent incidents, anomalies, actions and job states: each kind as far back as it still
+    matters (anomalies as far back as incidents: the attribution window they can still join)."""
     history = History()
     history.incidents = _decoded(Incident, read_records(bootstrap, INCIDENTS.name, now - incidents_s), history)
+    history.anomalies = _decoded(Anomaly, read_records(bootstrap, ANOMALIES.name, now - incidents_s), history)
     history.actions = _decoded(Action, read_records(bootstrap, ACTIONS.name, now - actions_s), history)
     history.sched = _decoded(SchedEvent, read_records(bootstrap, SCHED_EVENTS.name, now - sched_s), history)
     return history

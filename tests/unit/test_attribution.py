@@ -145,6 +145,36 @@ def test_restored_incident_absorbs_redelivered_and_late_evidence_until_the_job_r
     assert second.job_id == "100" and second.culprit_node == "gpu03" and second.incident_id != inc.incident_id
 
 
+def test_restore_takes_back_pending_evidence_a_dead_worker_held_only_in_memory() -> None:
+    """The collateral of a fault was consumed (and its offsets perhaps committed) by a worker
+    that died before the root cause came: a restarted worker re-reads it from the anomalies
+    topic, so the Xid that follows joins the job's incident instead of standing alone."""
+    before = Attributor(settle_s=1.0, collateral_wait_s=60.0)
+    collateral = [nccl(n, i * 8, 10.0) for i, n in enumerate(["gpu01", "gpu03", "gpu04"])]
+    for a in collateral:
+        before.add(a, now=10.0)
+    assert before.flush(12.0) == []  # still waiting for a cause when it dies
+
+    after = Attributor(settle_s=1.0, collateral_wait_s=60.0)
+    assert after.restore([], [], now=20.0, anomalies=collateral) == 0
+    assert after.pending() == 1
+    after.add(xid("gpu02", 79, 21.0), now=21.0)  # no job on the kernel line: the job comes from the evidence
+    (inc,) = after.flush(22.5)
+    assert (inc.job_id, inc.culprit_node, inc.category) == ("100", "gpu02", "gpu_hardware")
+    assert set(inc.anomaly_ids) == {a.event_id for a in collateral} | {"x-gpu02-79"}
+
+
+def test_restored_anomalies_of_a_published_incident_are_absorbed_not_reported_again() -> None:
+    before = Attributor(settle_s=1.0)
+    evidence = [xid("gpu02", 79, 9.5), nccl("gpu01", 0, 10.0)]
+    for a in evidence:
+        before.add(a, now=10.0)
+    (inc,) = before.flush(11.5)
+    after = Attributor(settle_s=1.0)
+    after.restore([inc], [], now=20.0, anomalies=evidence)
+    assert after.pending() == 0 and after.flush(40.0) == []
+
+
 def test_restore_forgets_incidents_older_than_the_hold() -> None:
     before = Attributor(settle_s=1.0, hold_s=60.0)
     before.add(xid("gpu02", 79, 9.5), now=10.0)
