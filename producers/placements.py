@@ -148,10 +148,7 @@ class BusPlacements:
                 prev.running, prev.generation = True, prev.generation + 1
         elif prev is not None:
             prev.running = False  # ended, pending again, or running elsewhere after a requeue
-        elif e.state == "RUNNING":
-            return  # another node's job
-        else:
-            self._jobs[e.job_id] = _Placement(False, -1)  # known, not running: its next start is generation 0
+        # Otherwise another node's job, or one not started: nothing to follow, nothing kept.
 
     def _do_resync(self) -> None:
         self._next_resync = self._clock() + self.resync_s

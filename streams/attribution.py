@@ -96,28 +96,35 @@ class Attributor:
         incidents: Sequence[Incident],
         sched: Sequence[SchedEvent],
         now: float,
-        anomalies: Sequence[Anomaly] = (),
+        anomalies: Sequence[tuple[float, Anomaly]] = (),
     ) -> int:
         """Take back what a previous worker published (read from the topics at start).
 
         Replayed in time order so that a job that ran again after its incident is
         open for new incidents, exactly as it would be had the worker never stopped.
-        Then the window's anomalies are added again: those an incident already holds
-        are absorbed as before, and the rest - evidence the previous worker had
-        consumed, perhaps committed, but not yet published - opens its groups anew
-        (their windows start now), instead of being lost with that worker's memory.
-        Returns how many incidents still hold their job.
+        The window's anomalies (with the time each reached the topic) are replayed
+        in the same order, each at that time: what an incident took or absorbed is
+        absorbed again, as it was then, and what the previous worker had consumed
+        (perhaps committed) but not yet published opens its group as it was - its
+        window counted from then, not from the restart - instead of being lost with
+        that worker's memory. Returns how many incidents still hold their job.
         """
-        timeline: list[tuple[float, int, Incident | SchedEvent]] = [(i.event_time, 0, i) for i in incidents]
+        # An anomaly reaches the topic before the incident that took it: mark every taken one
+        # first, or its replay would open a group the incident already closed.
+        for inc in incidents:
+            for aid in inc.anomaly_ids:
+                self._attributed[aid] = max(self._attributed.get(aid, 0.0), inc.event_time + self.hold_s)
+        timeline: list[tuple[float, int, Incident | SchedEvent | Anomaly]] = [(i.event_time, 0, i) for i in incidents]
         timeline += [(e.event_time, 1, e) for e in sched]
-        for _, _, item in sorted(timeline, key=lambda t: (t[0], t[1])):
+        timeline += [(min(at, now), 2, a) for at, a in anomalies]
+        for at, _, item in sorted(timeline, key=lambda t: (t[0], t[1])):
             if isinstance(item, SchedEvent):
                 self.observe_sched(item, item.event_time)
-            else:
+            elif isinstance(item, Incident):
                 self._restore_incident(item)
+            else:
+                self.add(item, at)
         self._expire(now)
-        for anomaly in sorted(anomalies, key=lambda a: a.event_time):
-            self.add(anomaly, now)
         return len(self._closed)
 
     def _restore_incident(self, inc: Incident) -> None:

@@ -34,9 +34,10 @@ class History:
     incidents: list[Incident] = field(default_factory=list)
     actions: list[Action] = field(default_factory=list)
     sched: list[SchedEvent] = field(default_factory=list)
-    # The evidence of the same window: what a worker that died had consumed (and perhaps
+    # The evidence of the hold window with each record's time (when it reached the topic, i.e.
+    # about when the worker consumed it): what a worker that died had consumed (and perhaps
     # committed) but not yet published in an incident lives only here.
-    anomalies: list[Anomaly] = field(default_factory=list)
+    anomalies: list[tuple[float, Anomaly]] = field(default_factory=list)
     undecodable: int = 0
 
 
@@ -53,10 +54,15 @@ def _decoded(kind: type[E], records: list[tuple[float, bytes]], history: History
 
 def read_history(bootstrap: str, now: float, incidents_s: float, actions_s: float, sched_s: float) -> History:
     """The recent incidents, anomalies, actions and job states: each kind as far back as it still
-    matters (anomalies as far back as incidents: the attribution window they can still join)."""
+    matters. Anomalies of the hold window (`incidents_s`), and incidents of twice that: an anomaly
+    absorbed by an incident up to one hold before it must find that incident when replayed."""
     history = History()
-    history.incidents = _decoded(Incident, read_records(bootstrap, INCIDENTS.name, now - incidents_s), history)
-    history.anomalies = _decoded(Anomaly, read_records(bootstrap, ANOMALIES.name, now - incidents_s), history)
+    history.incidents = _decoded(Incident, read_records(bootstrap, INCIDENTS.name, now - 2 * incidents_s), history)
+    for at, value in sorted(read_records(bootstrap, ANOMALIES.name, now - incidents_s), key=lambda r: r[0]):
+        try:
+            history.anomalies.append((at, decode(Anomaly, value)))
+        except DecodeError:
+            history.undecodable += 1
     history.actions = _decoded(Action, read_records(bootstrap, ACTIONS.name, now - actions_s), history)
     history.sched = _decoded(SchedEvent, read_records(bootstrap, SCHED_EVENTS.name, now - sched_s), history)
     return history

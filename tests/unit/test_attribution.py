@@ -156,8 +156,9 @@ def test_restore_takes_back_pending_evidence_a_dead_worker_held_only_in_memory()
     assert before.flush(12.0) == []  # still waiting for a cause when it dies
 
     after = Attributor(settle_s=1.0, collateral_wait_s=60.0)
-    assert after.restore([], [], now=20.0, anomalies=collateral) == 0
+    assert after.restore([], [], now=20.0, anomalies=[(10.0, a) for a in collateral]) == 0
     assert after.pending() == 1
+    assert after.flush(21.0) == []  # its window counts from when the evidence came (10 s), not the restart
     after.add(xid("gpu02", 79, 21.0), now=21.0)  # no job on the kernel line: the job comes from the evidence
     (inc,) = after.flush(22.5)
     assert (inc.job_id, inc.culprit_node, inc.category) == ("100", "gpu02", "gpu_hardware")
@@ -171,8 +172,25 @@ def test_restored_anomalies_of_a_published_incident_are_absorbed_not_reported_ag
         before.add(a, now=10.0)
     (inc,) = before.flush(11.5)
     after = Attributor(settle_s=1.0)
-    after.restore([inc], [], now=20.0, anomalies=evidence)
+    after.restore([inc], [], now=20.0, anomalies=[(10.0, a) for a in evidence])
     assert after.pending() == 0 and after.flush(40.0) == []
+
+
+def test_collateral_absorbed_late_by_an_old_incident_is_not_a_new_incident_after_a_restart() -> None:
+    """An incident at 10 s holds its job for 600 s; a late NCCL timeout at 400 s was absorbed. The
+    worker restarts at 650 s, when the hold is over: replayed at 400 s, the timeout is absorbed
+    again, as it was, instead of opening a group that would become a second incident."""
+    before = Attributor(settle_s=1.0, collateral_wait_s=5.0, hold_s=600.0)
+    before.observe_sched(running("100", JOB_NODES, 1.0), now=1.0)
+    before.add(xid("gpu02", 79, 9.5), now=10.0)
+    (inc,) = before.flush(11.5)
+    assert inc.job_id == "100"
+    late = nccl("gpu01", 0, 400.0)
+    before.add(late, now=400.0)
+    assert before.absorbed == 1
+    after = Attributor(settle_s=1.0, collateral_wait_s=5.0, hold_s=600.0)
+    after.restore([inc], [running("100", JOB_NODES, 1.0)], now=650.0, anomalies=[(400.0, late)])
+    assert after.pending() == 0 and after.flush(700.0) == []
 
 
 def test_restore_forgets_incidents_older_than_the_hold() -> None:
