@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
 
@@ -23,6 +23,7 @@ from schemas.clients import consumer_config, producer_config
 from schemas.codec import encode
 from schemas.events import Anomaly, Event, Evidence, Incident
 from schemas.topics import DEFAULT_PARTITIONS, partition_key
+from trainmedic.supervisor import die_with_parent
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -188,6 +189,9 @@ def read_all(
 class SinkProcess:
     """`python -m tests.reliability.sink_runner run ...` with its output in a file."""
 
+    #: Every sink started; tests/reliability/conftest.py kills those a failed test left running.
+    started: ClassVar[list[SinkProcess]] = []
+
     def __init__(self, log: Path, *args: str) -> None:
         self.log = log
         self._fh = open(log, "ab")  # noqa: SIM115 - closed in wait()
@@ -197,7 +201,16 @@ class SinkProcess:
             stderr=subprocess.STDOUT,
             cwd=REPO,
             env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            preexec_fn=die_with_parent(),  # nor does one outlive the test session
         )
+        SinkProcess.started.append(self)
+
+    @classmethod
+    def kill_leftovers(cls) -> None:
+        for sink in cls.started:
+            if sink.proc.poll() is None:
+                sink.kill()
+        cls.started.clear()
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
