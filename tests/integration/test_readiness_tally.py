@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from schemas.events import Action, ActionResult, Approval, Decision, Event, Incident
+from schemas.events import Approval, Decision, Event, Incident
 from sinks.audit import AuditStore
 from streams.policy import load_policy
-from tests.integration.test_audit import insert_events
+from tests.integration.test_audit import incident_events, insert_events
 from trainmedic.readiness import readiness
 
 NOW = 1_800_000_000.0
@@ -85,46 +85,6 @@ def _verdict(n: int, t: float, verdict: str, reason: str | None = None, partitio
     )
 
 
-def _acted(n: int, t: float, *, job: str, node: str) -> list[Event]:
-    """An autonomous incident with a done result: not a recommendation, so never scored."""
-    iid = f"inc-{n}"
-    inc, dec = _recommendation(n, t, job=job, node=node)
-    assert isinstance(dec, Decision)
-    dec = dec.model_copy(update={"mode": "autonomous", "executed": True})
-    act = Action(
-        event_id=f"act-{n}",
-        event_time=t + 0.02,
-        action_id=f"act-{n}",
-        decision_id=f"dec-{n}",
-        incident_id=iid,
-        job_id=job,
-        node=node,
-        partition="gpu",
-        action="drain_and_requeue",
-        reason="synthetic",
-        requested_by="policy",
-        first_signal_time=t - 2.0,
-        incident_time=t,
-    )
-    res = ActionResult(
-        event_id=f"res-{n}",
-        event_time=t + 5,
-        action_id=f"act-{n}",
-        incident_id=iid,
-        job_id=job,
-        node=node,
-        action="drain_and_requeue",
-        status="done",
-        backend="simulated",
-        steps=[],
-        started_at=t + 0.02,
-        verified_at=t + 5,
-        incident_time=t,
-        first_signal_time=t - 2.0,
-    )
-    return [inc, dec, act, res]
-
-
 @pytest.fixture
 def store(chdb_url: str, database: str) -> AuditStore:
     s = AuditStore(chdb_url, database)
@@ -145,7 +105,8 @@ def test_every_fate_is_counted_per_partition_and_per_category(store: AuditStore)
     events += [_verdict(4, t + 100, "rejected", "not_a_fault"), _verdict(5, t + 100, "confirmed")]
     # 6: confirmed by the facts, a later incident of the same job on the same node within the expiry.
     events += _recommendation(6, t + 6, job="j6", node="gpu06", detect_s=6.0)
-    events += _acted(60, t + 6 + HOUR, job="j6", node="gpu06")
+    # (an autonomous incident with a done result: not a recommendation, so never scored itself)
+    events += incident_events(0, t + 6 + HOUR, job="j6", node="gpu06")
     # 7: unanswered, older than expire_after_h: expired. 8: unanswered, recent: open.
     events += _recommendation(7, t + 7, job="j7", node="gpu07", detect_s=7.0)
     events += _recommendation(8, NOW - HOUR, job="j8", node="gpu08", detect_s=8.0)
