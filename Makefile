@@ -38,7 +38,7 @@ system-deps:
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy schemas producers streams sinks slurmio trainmedic sim tests bench
+	$(VENV)/bin/mypy schemas bus producers streams sinks slurmio trainmedic sim tests bench
 
 ## The end-to-end benchmark (minutes): latency, accuracy, status quo, scale; reports in bench/results/.
 bench: $(STAMP)

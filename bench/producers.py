@@ -44,7 +44,7 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def child(args: argparse.Namespace) -> None:
-    from producers.publisher import Publisher
+    from bus.publish import Publisher
 
     publisher = Publisher(args.bootstrap, f"bench-{args.child}")
     stop = threading.Event()
@@ -175,8 +175,8 @@ def write_log(path: Path, lines: int, ranks: int = 32) -> int:
 
 
 def measure_tailer(bootstrap: str, lines: int) -> dict[str, Any]:
+    from bus.publish import Publisher
     from producers.joblogs import JobLayout, JobLogProducer
-    from producers.publisher import Publisher
 
     with tempfile.TemporaryDirectory(prefix="trainmedic-bench-") as tmp:
         path = Path(tmp) / "slurm-4242.out"

@@ -45,9 +45,9 @@ from pathlib import Path
 from typing import Any, cast
 
 from bench.machine import machine
+from bus.publish import Publisher
 from producers.jobdiscovery import JobDiscovery
 from producers.placements import BusPlacements
-from producers.publisher import Publisher
 from producers.slurm import SlurmProducer
 from slurmio.runners import LocalRunner, SlurmCommandError
 from slurmio.squeue import SQUEUE_ALL

@@ -27,8 +27,9 @@ from urllib.parse import urlparse
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from bus.publish import Publisher
 from producers.gpu_nvml import decode_throttle_reasons
-from producers.publisher import Publisher
+from schemas.errors import Unavailable
 from schemas.events import GpuMetrics, GpuSample
 from schemas.ids import stable_id
 from schemas.topics import GPU_SAMPLES
@@ -95,7 +96,7 @@ DCGM_FIELDS: dict[str, DcgmField] = {
 UNMAPPED_FIELDS = ("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS")
 
 
-class ScrapeError(RuntimeError):
+class ScrapeError(Unavailable, RuntimeError):
     pass
 
 

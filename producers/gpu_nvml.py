@@ -21,7 +21,8 @@ from typing import Any
 
 import pynvml
 
-from producers.publisher import Publisher
+from bus.publish import Publisher
+from schemas.errors import Unavailable
 from schemas.events import GpuMetrics, GpuSample
 from schemas.ids import stable_id
 from schemas.topics import GPU_SAMPLES
@@ -57,7 +58,7 @@ def decode_throttle_reasons(mask: int) -> list[str]:
     return names
 
 
-class NvmlUnavailable(RuntimeError):
+class NvmlUnavailable(Unavailable, RuntimeError):
     """NVML cannot be used on this machine (no driver, no library, no permission...)."""
 
 
@@ -115,7 +116,7 @@ _FIELD_VALUE_ATTR = {
 MAX_XIDS_PER_SAMPLE = 1000
 
 
-class _GpuLost(Exception):
+class _GpuLost(Unavailable):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason

@@ -61,7 +61,8 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic.alias_generators import to_camel
 
-from producers.publisher import Publisher
+from bus.publish import Publisher
+from schemas.errors import ConfigError, UsageError
 from schemas.events import MAX_EVENT_TIME, HealthEvent
 from schemas.ids import stable_id
 from schemas.topics import HEALTH_EXTERNAL
@@ -109,7 +110,7 @@ RECOMMENDED_ACTIONS = {
 PROCESSING_STRATEGIES = {0: "UNSPECIFIED", 1: "EXECUTE_REMEDIATION", 2: "STORE_ONLY"}
 
 
-class IngestConfigError(ValueError):
+class IngestConfigError(ConfigError, ValueError):
     """A setting that makes the ingest server unsafe or unusable; the message names it."""
 
 
@@ -398,7 +399,7 @@ class NVRxBatch(BaseModel):
 
 
 # --------------------------------------------------------------------- parsing bodies
-class _BadRequest(Exception):
+class _BadRequest(UsageError):
     def __init__(self, reason: str, field: str, problem: str) -> None:
         super().__init__(f"{field}: {problem}")
         self.reason = reason

@@ -18,9 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from bus.publish import Publisher
 from producers.joblogs import JobLayout, JobLogProducer
 from producers.position import FilePosition, PositionStore
-from producers.publisher import Publisher
 from slurmio.hostlist import expand_hostlist
 from slurmio.runners import LocalRunner, Runner, SlurmCommandError
 from slurmio.scontrol import parse_scontrol_line, show_job

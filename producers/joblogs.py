@@ -13,10 +13,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from bus.publish import Publisher
 from producers.follow import FileFollower
 from producers.position import FilePosition
 from producers.progress import ProgressParser
-from producers.publisher import Publisher
 from producers.tracebacks import TracebackGrouper
 from schemas.events import LogBatch, LogLine, ProgressBatch
 from schemas.ids import stable_id

@@ -15,9 +15,9 @@ from typing import Any
 
 import orjson
 
+from bus.publish import Publisher
 from producers.follow import FileFollower
 from producers.position import FilePosition
-from producers.publisher import Publisher
 from schemas.events import KernelEvent
 from schemas.ids import stable_id
 from schemas.topics import NODE_KERNEL

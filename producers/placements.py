@@ -25,9 +25,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException, TopicPartition
 
-from schemas.clients import consumer_config
+from bus.consume import group_consumer
 from schemas.codec import decode
 from schemas.events import SchedEvent
 from schemas.topics import SCHED_EVENTS
@@ -71,13 +71,12 @@ class BusPlacements:
         self.resync_errors = 0
         # No consumer group offsets: each discoverer reads the whole topic itself (it needs
         # every node's events to find its own), and a restart reads it again.
-        self._consumer = Consumer(
-            {
-                **consumer_config(bootstrap, f"trainmedic-placements-{node}", f"trainmedic-placements-{node}"),
-                "enable.auto.commit": False,
-                # Each partition says when its backlog is read: the first resync waits for all.
-                "enable.partition.eof": True,
-            }
+        self._consumer = group_consumer(
+            bootstrap,
+            f"trainmedic-placements-{node}",
+            f"trainmedic-placements-{node}",
+            # Each partition says when its backlog is read: the first resync waits for all.
+            **{"enable.auto.commit": False, "enable.partition.eof": True},
         )
         try:
             meta = self._consumer.list_topics(SCHED_EVENTS.name, timeout=timeout_s).topics[SCHED_EVENTS.name]

@@ -96,7 +96,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from producers.publisher import Publisher
+from bus.publish import Publisher
 from schemas.events import SchedEvent
 from schemas.ids import stable_id
 from schemas.topics import SCHED_EVENTS

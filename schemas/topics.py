@@ -79,6 +79,11 @@ INPUT_TOPICS = (GPU_SAMPLES, NODE_KERNEL, JOB_LOGS, JOB_PROGRESS, SCHED_EVENTS, 
 DEFAULT_PARTITIONS = 4
 
 
+def fixed_partition(topic: Topic) -> int | None:
+    """The partition every record of `topic` goes to, for the topics that have one; else None (by key)."""
+    return ATTEMPTS_PARTITION if topic is ACTION_ATTEMPTS else None
+
+
 def partition_key(event: Event) -> bytes:
     """The partition key of an event: job id when one is known, else node.
 

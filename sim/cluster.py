@@ -15,7 +15,7 @@ What it produces, as the real producers would:
 Two transports. ``direct`` builds the events a tailer would publish (LogBatch and
 ProgressBatch per job output file per tick, with the real rank-prefix splitting and progress
 parser; KernelEvent with the real kernel-line parser) and publishes them with
-producers.publisher.Publisher: cheap enough for 1,024 nodes on two cores. ``files`` writes real
+bus.publish.Publisher: cheap enough for 1,024 nodes on two cores. ``files`` writes real
 files and runs the real JobLogProducer / KernelLogProducer over them (small clusters).
 GPU samples and scheduler events are published directly in both.
 
@@ -41,12 +41,12 @@ from typing import Any, Literal, Protocol
 
 import orjson
 
+from bus.publish import Publisher
 from producers.joblogs import JobLayout, JobLogProducer, split_rank_prefix
 from producers.kernel import KernelLogProducer, parse_kernel_line, to_event
 from producers.progress import ProgressParser
-from producers.publisher import Publisher
 from schemas.codec import encode
-from schemas.events import Event, LogBatch, LogLine, ProgressBatch, SchedEvent
+from schemas.events import SCHEMA_VERSION, Event, LogBatch, LogLine, ProgressBatch, SchedEvent
 from schemas.ids import stable_id
 from schemas.topics import GPU_SAMPLES, JOB_LOGS, JOB_PROGRESS, NODE_KERNEL, SCHED_EVENTS, Topic, partition_key
 from sim import faults as F
@@ -62,7 +62,7 @@ JobStatus = Literal["running", "blocked", "hung", "pending", "ended"]
 
 
 class RawPublisher(Protocol):
-    """What the simulator needs of producers.publisher.Publisher."""
+    """What the simulator needs of bus.publish.Publisher."""
 
     def publish_raw(self, topic_name: str, payload: bytes, key: bytes | None = None) -> None: ...
 
@@ -257,7 +257,7 @@ class SimCluster:
         if self.publisher is None:
             raise ValueError("SimCluster needs a publisher")
         if self.cfg.transport == "files" and not isinstance(self.publisher, Publisher):
-            raise ValueError("the files transport runs the real tailers: it needs a producers.publisher.Publisher")
+            raise ValueError("the files transport runs the real tailers: it needs a bus.publish.Publisher")
         self.t0 = time.time() if now is None else now
         self.sched.subscribe(self._on_sched)
         for i, size in enumerate(self._job_plan()):
@@ -564,7 +564,7 @@ class SimCluster:
         self._publish(
             JOB_LOGS,
             {
-                "schema_version": 1,
+                "schema_version": SCHEMA_VERSION,
                 "event_id": stable_id("log", job.job_id, source, first),
                 "event_time": now,
                 "produced_at": time.time(),
@@ -582,7 +582,7 @@ class SimCluster:
             self._publish(
                 JOB_PROGRESS,
                 {
-                    "schema_version": 1,
+                    "schema_version": SCHEMA_VERSION,
                     "event_id": stable_id("prg", job.job_id, source, first),
                     "event_time": now,
                     "produced_at": time.time(),

@@ -27,11 +27,12 @@ from typing import Any, BinaryIO
 
 import clickhouse_connect
 from clickhouse_connect.driver.client import Client
-from confluent_kafka import Consumer, KafkaError, Message
+from confluent_kafka import KafkaError, Message
 
-from schemas.clients import consumer_config
+from bus.consume import group_consumer
+from bus.deadletter import make_dead_letter
 from schemas.codec import DecodeError, decode
-from schemas.deadletter import make_dead_letter
+from schemas.errors import Unavailable
 from schemas.events import Event
 from schemas.topics import Topic
 from sinks.audit_schema import (
@@ -66,7 +67,7 @@ TABLES: dict[str, tuple[Topic, str, _Row, list[str]]] = {
 READ_SETTINGS: dict[str, Any] = {"use_skip_indexes_if_final": 1, "use_skip_indexes_if_final_exact_mode": 0}
 
 
-class AuditStoreError(RuntimeError):
+class AuditStoreError(Unavailable, RuntimeError):
     pass
 
 
@@ -554,7 +555,7 @@ class AuditSink:
         self.store = store
         self.batch_max = batch_max
         self.batch_wait_s = batch_wait_s
-        self._consumer = Consumer(consumer_config(bootstrap, group, "trainmedic-audit"))
+        self._consumer = group_consumer(bootstrap, group, "trainmedic-audit")
         self.stop_event = threading.Event()
         self.inserted: dict[str, int] = defaultdict(int)
         self.undecodable = 0

@@ -24,20 +24,21 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
-from schemas.clients import consumer_config, producer_config, read_records
-from schemas.codec import DecodeError, decode, encode
-from schemas.deadletter import make_dead_letter
+from bus.consume import group_consumer, read_records
+from bus.deadletter import make_dead_letter
+from bus.publish import NotDelivered, Publisher
+from schemas import errors
+from schemas.codec import DecodeError, decode
+from schemas.errors import Unavailable
 from schemas.events import Action, ActionAttempt, ActionResult, AttemptCall, GuardrailTrip
 from schemas.topics import (
     ACTION_ATTEMPTS,
     ACTION_RESULTS,
     ACTIONS,
-    ATTEMPTS_PARTITION,
     DEADLETTER,
     GUARDRAIL_TRIPS,
-    partition_key,
 )
 from schemas.vocab import Guardrail
 from sinks import metrics
@@ -53,11 +54,11 @@ _GONE = ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEM
 BeforeCall = Callable[[Action, AttemptCall], None]
 
 
-class VerifyTimeout(RuntimeError):
+class VerifyTimeout(Unavailable, RuntimeError):
     pass
 
 
-class Refused(Exception):
+class Refused(errors.Refused):
     """A guardrail stopped the action: nothing (more) is done, the refusal is audited."""
 
     def __init__(self, guardrail: Guardrail, detail: str) -> None:
@@ -66,7 +67,7 @@ class Refused(Exception):
         self.detail = detail
 
 
-class AttemptNotRecorded(RuntimeError):
+class AttemptNotRecorded(Unavailable, RuntimeError):
     """The attempt record was not acknowledged: the call is not made, the action is retried."""
 
 
@@ -328,7 +329,7 @@ class ExecutorService:
         settings = executor.settings
         self._lease = ActingLease(bootstrap, f"{settings.group}.lease", client_id, settings.max_poll_interval_s)
         self._consumer: Consumer | None = None  # the actions consumer, only while holding the lease
-        self._producer = Producer(producer_config(bootstrap, client_id))
+        self._publisher = Publisher(bootstrap, client_id)
         self._restored_epoch = 0  # the lease epoch whose attempts have been read back
         self.stop_event = threading.Event()
         self.results: list[ActionResult] = []
@@ -370,25 +371,11 @@ class ExecutorService:
 
     def _record(self, attempt: ActionAttempt) -> int:
         """Write the attempt to its partition, acks=all, and wait for it; the end offset after it."""
-        delivered: list[tuple[KafkaError | None, int | None]] = []
-
-        def on_delivery(err: KafkaError | None, msg: Message) -> None:
-            delivered.append((err, msg.offset()))
-
-        self._producer.produce(
-            ACTION_ATTEMPTS.name,
-            key=partition_key(attempt),
-            value=encode(attempt),
-            partition=ATTEMPTS_PARTITION,
-            on_delivery=on_delivery,
-        )
-        # One record per flush: the broker's end offset is exact for single-record batches.
-        self._producer.flush(30)
-        err, offset = delivered[0] if delivered else (None, None)
-        if err is not None or offset is None:
-            why = err or "not acknowledged within 30 s"
-            raise AttemptNotRecorded(f"attempt {attempt.call} for {attempt.action_id} not recorded: {why}")
-        return offset + 1
+        try:
+            # One record per flush: the broker's end offset is exact for single-record batches.
+            return self._publisher.publish_sync(ACTION_ATTEMPTS, attempt, timeout_s=30) + 1
+        except NotDelivered as exc:
+            raise AttemptNotRecorded(f"attempt {attempt.call} for {attempt.action_id} not recorded: {exc}") from None
 
     # -- taking over ----------------------------------------------------------------------
 
@@ -420,11 +407,11 @@ class ExecutorService:
 
     def _subscribe_actions(self) -> Consumer:
         settings = self.executor.settings
-        consumer = Consumer(
-            {
-                **consumer_config(self._bootstrap, settings.group, self._client_id),
-                "max.poll.interval.ms": int(settings.max_poll_interval_s * 1000),
-            }
+        consumer = group_consumer(
+            self._bootstrap,
+            settings.group,
+            self._client_id,
+            **{"max.poll.interval.ms": int(settings.max_poll_interval_s * 1000)},
         )
         consumer.subscribe(
             [ACTIONS.name],
@@ -484,8 +471,8 @@ class ExecutorService:
         letter = make_dead_letter(
             "sinks.executor", msg.topic() or ACTIONS.name, msg.partition(), msg.offset(), str(exc), msg.value()
         )
-        self._producer.produce(DEADLETTER.name, key=partition_key(letter), value=encode(letter))
-        if self._producer.flush(30) != 0:
+        self._publisher.publish(DEADLETTER, letter)
+        if self._publisher.flush(30) != 0:
             log.error("dead letter for %s/%s not delivered; not committing", msg.partition(), msg.offset())
             self._retry_later(consumer, msg)
             return
@@ -520,10 +507,10 @@ class ExecutorService:
         self._lease.confirm()
         metrics.ACTIONS.labels(action.action, result.status).inc()
         if trip is not None:
-            self._producer.produce(GUARDRAIL_TRIPS.name, key=partition_key(trip), value=encode(trip))
+            self._publisher.publish(GUARDRAIL_TRIPS, trip)
             metrics.GUARDRAIL_TRIPS.labels(trip.guardrail).inc()
-        self._producer.produce(ACTION_RESULTS.name, key=partition_key(result), value=encode(result))
-        if self._producer.flush(30) != 0:
+        self._publisher.publish(ACTION_RESULTS, result)
+        if self._publisher.flush(30) != 0:
             log.error("result of %s not delivered; not committing, it is retried", action.action_id)
             self._retry_later(consumer, msg)
             return
@@ -585,4 +572,4 @@ class ExecutorService:
         finally:
             self._stand_by()
             self._lease.close()
-            self._producer.flush(5)
+            self._publisher.close(5)

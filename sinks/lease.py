@@ -39,23 +39,22 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
-from schemas.clients import consumer_config
+from bus.consume import group_consumer
+from schemas.errors import Refused
 from schemas.topics import ACTION_ATTEMPTS, ATTEMPTS_PARTITION
 
 log = logging.getLogger("trainmedic.executor.lease")
 
 
-class Fenced(RuntimeError):
+class Fenced(Refused, RuntimeError):
     """This replica does not (or no longer) hold the acting lease: it must not act."""
 
 
 class ActingLease:
     def __init__(self, bootstrap: str, group: str, client_id: str, max_poll_interval_s: float) -> None:
-        self._config: dict[str, Any] = {
-            **consumer_config(bootstrap, group, client_id),
-            # A holder that stops polling this long leaves the group: its successor takes over.
-            "max.poll.interval.ms": int(max_poll_interval_s * 1000),
-        }
+        self._bootstrap, self._client_id = bootstrap, client_id
+        # A holder that stops polling this long leaves the group: its successor takes over.
+        self._overrides: dict[str, Any] = {"max.poll.interval.ms": int(max_poll_interval_s * 1000)}
         self.group = group
         self._lock = threading.Lock()
         self._owned = False
@@ -82,7 +81,7 @@ class ActingLease:
         return list(self._partitions)
 
     def join(self) -> None:
-        self._consumer = Consumer(self._config)
+        self._consumer = group_consumer(self._bootstrap, self.group, self._client_id, **self._overrides)
         self._consumer.subscribe(
             [ACTION_ATTEMPTS.name], on_assign=self._assigned, on_revoke=self._revoked, on_lost=self._lost
         )

@@ -28,8 +28,9 @@ import faust
 from confluent_kafka import KafkaException
 from prometheus_client import start_http_server
 
+from bus.deadletter import make_dead_letter
+from bus.publish import CLIENT_DEFAULT_MAX_BYTES, prepare
 from schemas.codec import DecodeError, decode, encode
-from schemas.deadletter import make_dead_letter
 from schemas.events import (
     Anomaly,
     Event,
@@ -52,7 +53,7 @@ from schemas.topics import (
     JOB_PROGRESS,
     NODE_KERNEL,
     SCHED_EVENTS,
-    partition_key,
+    Topic,
 )
 from streams import metrics
 from streams.attribution import ALLOCATION_TTL_S, Attributor
@@ -109,11 +110,11 @@ logs_topic = _topic(JOB_LOGS.name)
 signals_topic = _topic(JOB_PROGRESS.name, GPU_SAMPLES.name, SCHED_EVENTS.name)
 kernel_topic = _topic(NODE_KERNEL.name)
 attribution_topic = _topic(ANOMALIES.name, SCHED_EVENTS.name)
-anomalies_out = _topic(ANOMALIES.name)
 incidents_topic = _topic(INCIDENTS.name)
-decisions_out = _topic(DECISIONS.name)
-actions_out = _topic(ACTIONS.name)
-deadletter_out = _topic(DEADLETTER.name)
+# What the agents publish to, by topic name (bus.publish.prepare checks each event against its topic).
+_outputs = {INCIDENTS.name: incidents_topic} | {
+    t.name: _topic(t.name) for t in (ANOMALIES, DECISIONS, ACTIONS, DEADLETTER)
+}
 
 signature_detector = SignatureDetector()
 hang_detector = HangDetector()
@@ -177,9 +178,20 @@ async def recover_state() -> None:
         )
 
 
-async def publish(topic: Any, event: Event) -> None:
-    await topic.send(key=partition_key(event), value=encode(event))
-    metrics.PUBLISHED.labels(topic.get_topic_name()).inc()
+async def publish(topic: Topic, event: Event) -> None:
+    """The streams' side of the one publish path (bus.publish): checked, keyed, fitted, counted."""
+    records, unfit = prepare(topic, event, CLIENT_DEFAULT_MAX_BYTES)
+    out = _outputs[topic.name]
+    for key, payload, _ in records:
+        await out.send(key=key, value=payload)
+        metrics.PUBLISHED.labels(topic.name).inc()
+    for part in unfit:
+        reason = f"event over the {CLIENT_DEFAULT_MAX_BYTES}-byte message size limit (event {part.event_id})"
+        log.error("dead-lettered %s: %s", topic.name, reason)
+        letter = make_dead_letter("streams", topic.name, None, None, reason, encode(part))
+        # A letter is cut to fit (bus.deadletter): it always has one record.
+        for key, payload, _ in prepare(DEADLETTER, letter, CLIENT_DEFAULT_MAX_BYTES)[0]:
+            await _outputs[DEADLETTER.name].send(key=key, value=payload)
 
 
 def consumed(agent: str, event: Any) -> None:
@@ -194,7 +206,7 @@ async def dead_letter(component: str, event: Any, reason: str) -> None:
     payload = event.value if isinstance(event.value, bytes) else bytes(str(event.value), "utf-8")
     log.warning("dead letter from %s@%s/%s: %s", msg.topic, msg.partition, msg.offset, reason)
     metrics.DEAD_LETTERS.labels(component).inc()
-    await publish(deadletter_out, make_dead_letter(component, msg.topic, msg.partition, msg.offset, reason, payload))
+    await publish(DEADLETTER, make_dead_letter(component, msg.topic, msg.partition, msg.offset, reason, payload))
 
 
 @app.agent(logs_topic)
@@ -207,7 +219,7 @@ async def detect_logs(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
             await dead_letter("streams.detect_logs", event, str(exc))
             continue
         for anomaly in signature_detector.detect(batch):
-            await publish(anomalies_out, anomaly)
+            await publish(ANOMALIES, anomaly)
         yield None
 
 
@@ -221,7 +233,7 @@ async def detect_kernel(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
             await dead_letter("streams.detect_kernel", event, str(exc))
             continue
         for anomaly in [*xid_detector.detect(kev), *kernel_text_detector.detect(kev)]:
-            await publish(anomalies_out, anomaly)
+            await publish(ANOMALIES, anomaly)
         yield None
 
 
@@ -254,7 +266,7 @@ async def detect_signals(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
         except DecodeError as exc:
             await dead_letter("streams.detect_signals", event, str(exc))
         for anomaly in found:
-            await publish(anomalies_out, anomaly)
+            await publish(ANOMALIES, anomaly)
         yield None
 
 
@@ -262,7 +274,7 @@ async def detect_signals(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
 async def check_signals() -> None:
     now = time.time()
     for anomaly in hang_detector.check(now) + straggler_detector.check(now):
-        await publish(anomalies_out, anomaly)
+        await publish(ANOMALIES, anomaly)
 
 
 @app.agent(attribution_topic)
@@ -294,7 +306,7 @@ async def publish_incidents() -> None:
             incident.category,
             incident.culprit_node,
         )
-        await publish(incidents_topic, incident)
+        await publish(INCIDENTS, incident)
     metrics.PENDING_GROUPS.set(attributor.pending())
 
 
@@ -315,9 +327,9 @@ async def apply_policy(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
             log.info(
                 "decision %s job=%s: %s (%s)", decision.decision_id, decision.job_id, decision.rule, decision.reason
             )
-        await publish(decisions_out, decision)
+        await publish(DECISIONS, decision)
         if action is not None:
-            await publish(actions_out, action)
+            await publish(ACTIONS, action)
         yield None
 
 

@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from schemas.clients import read_records
+from bus.consume import read_records
 from schemas.codec import DecodeError, decode
 from schemas.events import Action, Anomaly, Event, Incident, SchedEvent
 from schemas.topics import ACTIONS, ANOMALIES, INCIDENTS, SCHED_EVENTS

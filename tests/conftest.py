@@ -174,7 +174,7 @@ def read_topic(bootstrap: str, topic: str, seconds: float = 3.0) -> list[bytes]:
     """Every record of a topic, read by partition assignment (no group join to wait for)."""
     from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
-    from schemas.clients import consumer_config
+    from bus.config import consumer_config
     from schemas.topics import DEFAULT_PARTITIONS
 
     consumer = Consumer(consumer_config(bootstrap, "reader", "reader"))

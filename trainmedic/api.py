@@ -23,7 +23,8 @@ from fastapi import Depends, FastAPI, Header, HTTPException, Query
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from producers.publisher import Publisher
+from bus.publish import Publisher
+from schemas.errors import TrainmedicError
 from schemas.events import Approval, Decision, ModeChange, NodeReturn, incident_in_reason
 from schemas.ids import stable_id
 from schemas.topics import ACTIONS, APPROVALS, MODE_CHANGES, NODE_RETURNS
@@ -49,7 +50,7 @@ log = logging.getLogger("trainmedic.api")
 READINESS_WINDOW_S = 30 * 86400.0
 
 
-class ApiError(RuntimeError):
+class ApiError(TrainmedicError, RuntimeError):
     pass
 
 

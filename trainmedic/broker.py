@@ -14,12 +14,13 @@ from pathlib import Path
 
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from schemas.clients import admin_config
+from bus.config import admin_config
+from schemas.errors import Unavailable
 from schemas.topics import ALL_TOPICS, DEFAULT_PARTITIONS
 from trainmedic.supervisor import describe_returncode, die_with_parent
 
 
-class BrokerError(RuntimeError):
+class BrokerError(Unavailable, RuntimeError):
     pass
 
 

@@ -21,9 +21,10 @@ from typing import Any
 
 import orjson
 
+from bus.publish import Publisher
 from producers.joblogs import JobLayout, JobLogProducer
 from producers.kernel import KernelLogProducer
-from producers.publisher import Publisher
+from schemas.errors import TrainmedicError
 from schemas.events import SchedEvent
 from schemas.ids import stable_id
 from schemas.topics import SCHED_EVENTS
@@ -38,7 +39,7 @@ PARTITION = "gpu"
 LOCAL_SLURM_CONF = Path("/tmp/trainmedic-slurm/etc/slurm.conf")
 
 
-class DemoError(RuntimeError):
+class DemoError(TrainmedicError, RuntimeError):
     pass
 
 

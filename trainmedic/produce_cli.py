@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
-from producers.publisher import Publisher
+from bus.publish import Publisher
 
 if TYPE_CHECKING:
     from producers.position import Checkpointer, PositionStore

@@ -18,8 +18,9 @@ from typing import Any
 
 from confluent_kafka.admin import AdminClient
 
-from producers.publisher import Publisher
-from schemas.clients import admin_config
+from bus.config import admin_config
+from bus.publish import Publisher
+from schemas.errors import TrainmedicError
 from sinks.audit import AuditSink, AuditStore
 from sinks.backends.base import SchedulerBackend
 from sinks.executor import Executor, ExecutorService, ExecutorSettings
@@ -34,7 +35,7 @@ from trainmedic.supervisor import Component, Supervisor, describe_returncode, di
 log = logging.getLogger("trainmedic.runtime")
 
 
-class StackError(RuntimeError):
+class StackError(TrainmedicError, RuntimeError):
     pass
 
 

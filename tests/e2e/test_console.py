@@ -27,7 +27,7 @@ import orjson
 import pytest
 from fastapi import FastAPI
 
-from producers.publisher import Publisher
+from bus.publish import Publisher
 from schemas.events import Incident
 from schemas.topics import INCIDENTS
 from sinks.backends.simulated import SimulatedScheduler

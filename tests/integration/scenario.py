@@ -8,9 +8,9 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
+from bus.publish import Publisher
 from producers.joblogs import JobLayout, JobLogProducer
 from producers.kernel import KernelLogProducer
-from producers.publisher import Publisher
 from sinks.audit import AuditStore
 from sinks.backends.base import SchedulerBackend
 from tests.conftest import FIXTURES, wait_for

@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bus.publish import Publisher
 from producers.ingest import STATS_KEY, IngestServer, create_app
-from producers.publisher import Publisher
 from sinks.backends.simulated import SimulatedScheduler
 from streams.policy import DEFAULT_POLICY
 from tests.unit.test_safeyaml import alias_bomb

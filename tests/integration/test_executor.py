@@ -11,9 +11,9 @@ from pathlib import Path
 
 from confluent_kafka import Consumer
 
+from bus.config import consumer_config
+from bus.publish import Publisher
 from producers.kernel import KernelLogProducer
-from producers.publisher import Publisher
-from schemas.clients import consumer_config
 from schemas.codec import decode
 from schemas.events import Action, ActionResult, GuardrailTrip
 from schemas.topics import ACTION_RESULTS, ACTIONS, GUARDRAIL_TRIPS

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from producers.publisher import Publisher
+from bus.publish import Publisher
 from schemas.codec import decode
 from schemas.events import Action, ActionResult
 from schemas.topics import ACTION_RESULTS, ACTIONS

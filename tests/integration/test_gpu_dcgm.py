@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from confluent_kafka import Consumer
 
+from bus.config import consumer_config
+from bus.publish import Publisher
 from producers.gpu_dcgm import DcgmProducer, DcgmScraper, parse_exposition
-from producers.publisher import Publisher
-from schemas.clients import consumer_config
 from schemas.codec import decode
 from schemas.events import GpuMetrics, GpuSample
 from schemas.topics import GPU_SAMPLES

@@ -7,9 +7,9 @@ import uuid
 
 from confluent_kafka import Consumer
 
+from bus.config import consumer_config
+from bus.publish import Publisher
 from producers.gpu_nvml import NvmlCollector, NvmlProducer
-from producers.publisher import Publisher
-from schemas.clients import consumer_config
 from schemas.codec import decode
 from schemas.events import GpuSample
 from schemas.topics import GPU_SAMPLES

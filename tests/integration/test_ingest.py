@@ -33,6 +33,8 @@ from typing import Any
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 
+from bus.config import consumer_config
+from bus.publish import Publisher
 from producers.ingest import (
     STATS_KEY,
     IngestConfigError,
@@ -43,8 +45,6 @@ from producers.ingest import (
     load_token,
     run_ingest,
 )
-from producers.publisher import Publisher
-from schemas.clients import consumer_config
 from schemas.codec import decode
 from schemas.events import HealthEvent
 from schemas.topics import HEALTH_EXTERNAL

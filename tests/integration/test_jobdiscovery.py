@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from confluent_kafka import Consumer
 
+from bus.config import consumer_config
+from bus.publish import Publisher
 from producers.jobdiscovery import JobDiscovery
 from producers.joblogs import JobLogProducer
-from producers.publisher import Publisher
-from schemas.clients import consumer_config
 from schemas.codec import decode
 from schemas.events import LogBatch
 from schemas.topics import JOB_LOGS

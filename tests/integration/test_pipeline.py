@@ -9,8 +9,8 @@ from pathlib import Path
 from aiokafka.partitioner import murmur2  # type: ignore[import-untyped]
 from confluent_kafka import Consumer
 
-from producers.publisher import Publisher
-from schemas.clients import consumer_config
+from bus.config import consumer_config
+from bus.publish import Publisher
 from schemas.codec import decode
 from schemas.events import DeadLetter
 from schemas.topics import DEADLETTER, DEFAULT_PARTITIONS, JOB_LOGS

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
+from bus.publish import Publisher
 from producers.jobdiscovery import JobDiscovery
 from producers.placements import BusPlacements
-from producers.publisher import Publisher
 from producers.slurm import SlurmProducer
 from schemas.codec import decode
 from schemas.events import LogBatch, SchedEvent

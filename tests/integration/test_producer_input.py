@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from bus.publish import Publisher
 from producers.joblogs import JobLogProducer
-from producers.publisher import Publisher
 from schemas.codec import decode
 from schemas.events import DeadLetter, KernelEvent, LogBatch
 from schemas.topics import DEADLETTER, JOB_LOGS, NODE_KERNEL

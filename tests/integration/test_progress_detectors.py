@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bus.publish import Publisher
 from producers.joblogs import JobLayout, JobLogProducer
 from producers.progress import ProgressParser
-from producers.publisher import Publisher
 from sinks.backends.simulated import SimulatedScheduler
 from tests.conftest import FIXTURES, wait_for
 from tests.integration.scenario import NODES, running_stack, wait_incident

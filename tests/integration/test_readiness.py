@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from bus.publish import Publisher
 from producers.kernel import KernelLogProducer
-from producers.publisher import Publisher
 from sinks.backends.simulated import SimulatedScheduler
 from sinks.backends.slurm_cli import SlurmCliBackend
 from streams.policy import parse_policy

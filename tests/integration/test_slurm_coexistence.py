@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from producers.publisher import Publisher
+from bus.publish import Publisher
 from producers.slurm import SlurmProducer, parse_sinfo
 from schemas.events import Action, SchedEvent, incident_in_reason
 from schemas.topics import SCHED_EVENTS

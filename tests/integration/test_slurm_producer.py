@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 from confluent_kafka import Consumer
 
-from producers.publisher import Publisher
+from bus.config import consumer_config
+from bus.publish import Publisher
 from producers.slurm import LocalRunner, NodeView, SlurmProducer, expand_hostlist, parse_sinfo
-from schemas.clients import consumer_config
 from schemas.codec import decode
 from schemas.events import SchedEvent
 from schemas.topics import SCHED_EVENTS

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
 
-from schemas.clients import consumer_config, producer_config
+from bus.config import consumer_config, producer_config
 from schemas.codec import encode
 from schemas.events import Anomaly, Event, Evidence, Incident
 from schemas.topics import DEFAULT_PARTITIONS, partition_key

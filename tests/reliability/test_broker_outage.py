@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 import pytest
 
-from producers.publisher import Publisher
+from bus.publish import Publisher
 from schemas.events import GpuMetrics, GpuSample
 from schemas.topics import GPU_SAMPLES
 from tests.reliability.harness import read_all, report_row, wait_until

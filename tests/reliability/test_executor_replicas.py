@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from producers.publisher import Publisher
+from bus.publish import Publisher
 from schemas.codec import decode
 from schemas.events import Action, ActionAttempt, ActionResult, GuardrailTrip
 from schemas.topics import ACTION_ATTEMPTS, ACTION_RESULTS, ACTIONS, GUARDRAIL_TRIPS

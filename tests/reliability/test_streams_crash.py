@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from aiokafka.partitioner import murmur2  # type: ignore[import-untyped]
 
+from bus.publish import Publisher
 from producers.joblogs import JobLayout, JobLogProducer
 from producers.kernel import KernelLogProducer
-from producers.publisher import Publisher
 from schemas.topics import ANOMALIES, DEFAULT_PARTITIONS
 from sinks.audit import AuditStore
 from sinks.backends.simulated import SimulatedScheduler

@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
+from bus.publish import Publisher
 from producers.kernel import KernelLogProducer
-from producers.publisher import Publisher
 from schemas.topics import INCIDENTS
 from sinks.audit import AuditStore
 from sinks.backends.simulated import SimulatedScheduler
@@ -170,7 +170,7 @@ def test_killed_worker_is_restarted_unhealthy_in_between_and_the_gap_is_not_lost
 def test_killed_broker_comes_back_on_its_port_with_its_topics_and_the_loop_works(up: Up, tmp_path: Path) -> None:
     from confluent_kafka.admin import AdminClient
 
-    from schemas.clients import admin_config
+    from bus.config import admin_config
     from schemas.topics import ALL_TOPICS, DEFAULT_PARTITIONS
 
     info = up.wait_up()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from producers.fit import CUT_MARKER, fit_event, fits
+from bus.fit import CUT_MARKER, fit_event, fits
 from schemas.codec import decode, encode
 from schemas.events import KernelEvent, LogBatch, LogLine, ProgressBatch, ProgressSample
 

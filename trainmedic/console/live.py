@@ -45,7 +45,7 @@ from typing import Any
 import orjson
 from confluent_kafka import OFFSET_BEGINNING, TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError, Message, TopicPartition
 
-from schemas.clients import consumer_config
+from bus.consume import group_consumer
 from schemas.codec import DecodeError, decode
 from schemas.topics import (
     ACTION_RESULTS,
@@ -184,9 +184,7 @@ class LiveFeed:
         return self._thread is not None and self._thread.is_alive()
 
     def _run(self) -> None:
-        cfg = consumer_config(self.bootstrap, self.group, "trainmedic-console")
-        cfg["enable.partition.eof"] = False
-        consumer = Consumer(cfg)
+        consumer = group_consumer(self.bootstrap, self.group, "trainmedic-console", **{"enable.partition.eof": False})
         assigned: set[tuple[str, int]] = set()
         next_refresh = 0.0
         try:

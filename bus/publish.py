@@ -1,4 +1,4 @@
-"""Publishing events to Kafka with confluent-kafka (acks=all, batching)."""
+"""Publishing events to Kafka: the one publish path (see bus/__init__.py)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,12 @@ from pathlib import Path
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
 
-from producers.fit import fit_event
-from schemas.clients import admin_config, producer_config
-from schemas.deadletter import make_dead_letter
+from bus.config import admin_config, producer_config
+from bus.deadletter import make_dead_letter
+from bus.fit import fit_event
+from schemas.errors import Unavailable
 from schemas.events import Event
-from schemas.topics import ALL_TOPICS, DEADLETTER, Topic, partition_key
+from schemas.topics import ALL_TOPICS, DEADLETTER, TOPIC_BY_NAME, Topic, fixed_partition, partition_key
 
 log = logging.getLogger("trainmedic.publisher")
 
@@ -61,6 +62,19 @@ def learn_message_limits(bootstrap: str, client_limit: int, timeout_s: float = 2
     return limits
 
 
+class NotDelivered(Unavailable, RuntimeError):
+    """A synchronous publish the broker did not acknowledge in time."""
+
+
+def prepare(topic: Topic, event: Event, limit: int) -> tuple[list[tuple[bytes | None, bytes, str]], list[Event]]:
+    """What publishing `event` on `topic` sends: (key, payload, event id) per record, and the
+    parts that cannot fit `limit` bytes (to be dead-lettered). Refuses an event of the wrong type."""
+    if not isinstance(event, topic.event_type):
+        raise TypeError(f"topic {topic.name} carries {topic.event_type.__name__}, not {type(event).__name__}")
+    parts, unfit = fit_event(event, limit)
+    return [(partition_key(part), payload, part.event_id) for part, payload in parts], unfit
+
+
 class Publisher:
     """Thread-safe event publisher with delivery counters.
 
@@ -70,7 +84,7 @@ class Publisher:
     A background thread serves delivery reports, so a drop is logged when it
     happens, not when the next event is published.
 
-    Every event is made to fit the message size limit (`producers.fit`): an
+    Every event is made to fit the message size limit (`bus.fit`): an
     oversized batch goes out in parts; what cannot be made to fit becomes a
     dead letter. Publishing never raises on the size of its input, so a
     producer cannot crash-loop re-reading the same oversized lines.
@@ -137,23 +151,61 @@ class Publisher:
         return on_delivery
 
     def publish(self, topic: Topic, event: Event) -> None:
-        if not isinstance(event, topic.event_type):
-            raise TypeError(f"topic {topic.name} carries {topic.event_type.__name__}, not {type(event).__name__}")
-        parts, unfit = fit_event(event, self.limit(topic.name))
-        if len(parts) > 1:
+        records, unfit = prepare(topic, event, self.limit(topic.name))
+        if len(records) > 1:
             with self._lock:
                 self.split[topic.name] += 1
-            log.warning("%s event %s over the size limit: sent in %d parts", topic.name, event.event_id, len(parts))
-        for part, payload in parts:
-            self._produce(topic.name, payload, partition_key(part), part.event_id)
+            log.warning("%s event %s over the size limit: sent in %d parts", topic.name, event.event_id, len(records))
+        for key, payload, event_id in records:
+            self._produce(topic.name, payload, key, event_id, fixed_partition(topic))
         for bad in unfit:
             self._dead_letter(topic.name, bad, f"event over the {self.limit(topic.name)}-byte message size limit")
 
-    def _produce(self, topic: str, payload: bytes, key: bytes | None, event_id: str) -> None:
+    def publish_sync(self, topic: Topic, event: Event, timeout_s: float = 30.0) -> int:
+        """Publish one record and wait for the broker's acknowledgement; its offset.
+
+        For records an action must wait for (the executor's attempt log): raises
+        NotDelivered when it was not acknowledged, so the caller does not act."""
+        records, unfit = prepare(topic, event, self.limit(topic.name))
+        if unfit or len(records) != 1:
+            raise NotDelivered(f"{topic.name} event {event.event_id} does not fit one record")
+        key, payload, event_id = records[0]
+        acked: list[tuple[KafkaError | None, int | None]] = []
+
+        def on_delivery(err: KafkaError | None, msg: Message) -> None:
+            acked.append((err, msg.offset()))
+            self._delivery(event_id)(err, msg)
+
+        with self._lock:
+            self._producer.produce(
+                topic.name,
+                value=payload,
+                key=key,
+                on_delivery=on_delivery,
+                partition=_partition(fixed_partition(topic)),
+            )
+            self.sent[topic.name] += 1
+        self._producer.flush(timeout_s)
+        err, offset = acked[0] if acked else (None, None)
+        if err is not None or offset is None:
+            raise NotDelivered(
+                f"{topic.name} event {event_id} not acknowledged: {err or f'no answer in {timeout_s:g} s'}"
+            )
+        return offset
+
+    def _produce(
+        self, topic: str, payload: bytes, key: bytes | None, event_id: str, partition: int | None = None
+    ) -> None:
         for attempt in range(2):
             try:
                 with self._lock:
-                    self._producer.produce(topic, value=payload, key=key, on_delivery=self._delivery(event_id))
+                    self._producer.produce(
+                        topic,
+                        value=payload,
+                        key=key,
+                        on_delivery=self._delivery(event_id),
+                        partition=_partition(partition),
+                    )
                 break
             except BufferError:
                 if attempt == 0:
@@ -194,9 +246,9 @@ class Publisher:
         letter = make_dead_letter(
             self._client_id, topic, None, None, f"{reason} (event {event_id})", payload[:keep]
         ).model_copy(update={"event_id": f"dlq-{event_id}"[:200]})
-        parts, unfit = fit_event(letter, limit)
-        for part, data in parts:
-            self._produce(DEADLETTER.name, data, partition_key(part), part.event_id)
+        records, unfit = prepare(DEADLETTER, letter, limit)
+        for key, data, letter_id in records:
+            self._produce(DEADLETTER.name, data, key, letter_id)
         if unfit:
             with self._lock:
                 self.dropped[topic] += 1
@@ -227,7 +279,8 @@ class Publisher:
         log.warning("broker moved to %s: re-sending %d undelivered events there", bootstrap, len(resend))
         for topic, key, value, event_id in resend:
             if value is not None:
-                self._produce(topic, value, key, event_id)
+                spec = TOPIC_BY_NAME.get(topic)
+                self._produce(topic, value, key, event_id, fixed_partition(spec) if spec else None)
 
     def _check_bootstrap_file(self) -> None:
         mtime = _mtime(self._bootstrap_file)
@@ -260,6 +313,11 @@ def _serve(ref: weakref.ref[Publisher], stop: threading.Event) -> None:
             return
         pub._serve_once()
         del pub
+
+
+def _partition(partition: int | None) -> int:
+    # librdkafka's "unassigned" partition (RD_KAFKA_PARTITION_UA): the partitioner decides by key.
+    return -1 if partition is None else partition
 
 
 def _mtime(path: Path | None) -> float | None:
