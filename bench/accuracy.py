@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.machine import machine
+from schemas.errors import UsageError
 from schemas.vocab import ACTIONS, CATEGORIES
 from schemas.yamlsafe import YamlError, load_yaml
 from trainmedic.diagnose import DiagnoseError, diagnose_paths
@@ -75,7 +76,7 @@ RULE_ACTIONS: dict[str, frozenset[str]] = {
 LABEL_KEYS = {"category", "culprit", "culprit_rank", "action", "source", "notes", "diagnose_args"}
 
 
-class CorpusError(ValueError):
+class CorpusError(UsageError, ValueError):
     pass
 
 

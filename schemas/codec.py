@@ -7,12 +7,13 @@ from typing import TypeVar
 import orjson
 from pydantic import ValidationError
 
+from schemas.errors import UsageError
 from schemas.events import SCHEMA_VERSION, Event
 
 E = TypeVar("E", bound=Event)
 
 
-class DecodeError(ValueError):
+class DecodeError(UsageError, ValueError):
     """A payload that is not a valid event; `field` names where, `problem` what."""
 
     def __init__(self, event_type: str, field: str, problem: str) -> None:

@@ -16,6 +16,8 @@ from typing import Any
 
 import yaml
 
+from schemas.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class YamlLimits:
@@ -31,7 +33,7 @@ FILE_LIMITS = YamlLimits()
 API_LIMITS = YamlLimits(max_aliases=0)
 
 
-class YamlError(ValueError):
+class YamlError(ConfigError, ValueError):
     """Invalid or over-limit YAML; the message names the origin and line, not the content."""
 
 

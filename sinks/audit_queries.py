@@ -20,6 +20,7 @@ from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import Any, Literal
 
+from schemas.errors import ConfigError
 from schemas.vocab import CATEGORIES
 from sinks.audit import TABLES, AuditStore
 
@@ -54,7 +55,7 @@ _DURATION = re.compile(r"(\d+)([smhdw])")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
-class AuditQueryError(RuntimeError):
+class AuditQueryError(ConfigError, RuntimeError):
     pass
 
 

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import orjson
 
+from schemas.errors import ConfigError
 from schemas.events import ActionResult, Incident
 from schemas.topics import (
     ACTION_ATTEMPTS,
@@ -56,7 +57,7 @@ RECORD_TTL_ENV = "TRAINMEDIC_AUDIT_RECORD_TTL_DAYS"
 CLUSTER_ENV = "TRAINMEDIC_AUDIT_CLUSTER"
 
 
-class AuditSchemaError(ValueError):
+class AuditSchemaError(ConfigError, ValueError):
     pass
 
 

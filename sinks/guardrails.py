@@ -28,6 +28,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from schemas.errors import ConfigError
 from schemas.events import Action, ActionAttempt, AttemptCall
 from schemas.vocab import Guardrail
 from schemas.yamlsafe import YamlError, load_yaml
@@ -36,7 +37,7 @@ from sinks.backends.base import SchedulerBackend
 log = logging.getLogger("trainmedic.guardrails")
 
 
-class GuardrailConfigError(ValueError):
+class GuardrailConfigError(ConfigError, ValueError):
     pass
 
 

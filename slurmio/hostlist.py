@@ -18,6 +18,8 @@ import re
 
 import hostlist as _pyhostlist
 
+from schemas.errors import UsageError
+
 __all__ = ["HostlistError", "MAX_HOSTS", "expand_hostlist"]
 
 _EMPTY = ("", "(null)", "None", "N/A", "none")
@@ -27,7 +29,7 @@ MAX_HOSTS = int(getattr(_pyhostlist, "MAX_SIZE", 100_000))
 _LONG_NUMBER = re.compile(r"[0-9]{19,}")
 
 
-class HostlistError(ValueError):
+class HostlistError(UsageError, ValueError):
     """A Slurm hostlist expression that cannot be expanded."""
 
 

@@ -19,12 +19,14 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
+from schemas.errors import Unavailable
+
 __all__ = ["LocalRunner", "Runner", "SlurmCommandError"]
 
 _DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
-class SlurmCommandError(RuntimeError):
+class SlurmCommandError(Unavailable, RuntimeError):
     """A Slurm command could not be run, timed out or exited non-zero; the message names it."""
 
     def __init__(

@@ -13,6 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from schemas.errors import ConfigError
 from schemas.events import Action, Decision, Incident
 from schemas.ids import stable_id
 from schemas.vocab import CATEGORIES, NEVER_ACTS, SEVERITY_RANK, ActionKind, Category, Mode, Severity
@@ -21,7 +22,7 @@ from schemas.yamlsafe import FILE_LIMITS, YamlError, YamlLimits, compose_yaml, c
 DEFAULT_POLICY = Path(__file__).resolve().parent.parent / "infra" / "policies" / "default.yaml"
 
 
-class PolicyError(ValueError):
+class PolicyError(ConfigError, ValueError):
     pass
 
 

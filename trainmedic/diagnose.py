@@ -46,6 +46,7 @@ from typing import Any, TextIO
 from producers.joblogs import RankedText, split_rank_prefix
 from producers.kernel import parse_kernel_line, to_event
 from producers.progress import ProgressParser
+from schemas.errors import UsageError
 from schemas.events import Anomaly, LogBatch, LogLine, ProgressBatch, ProgressSample
 from schemas.ids import stable_id
 from schemas.vocab import NEVER_ACTS
@@ -101,7 +102,7 @@ class OfflineSettings:
     )
 
 
-class DiagnoseError(ValueError):
+class DiagnoseError(UsageError, ValueError):
     pass
 
 

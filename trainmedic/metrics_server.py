@@ -13,8 +13,10 @@ from typing import Any
 
 from prometheus_client import start_http_server
 
+from schemas.errors import ConfigError
 
-class MetricsError(ValueError):
+
+class MetricsError(ConfigError, ValueError):
     pass
 
 

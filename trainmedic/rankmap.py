@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, cast, get_args
 
+from schemas.errors import UsageError
 from slurmio.hostlist import HostlistError, expand_hostlist
 
 Distribution = Literal["block", "cyclic"]
@@ -38,7 +39,7 @@ _LOCAL_WORLD = re.compile(
 _LOCAL_RANKS = re.compile(r"\blocal_ranks=\[(\d+(?:,\s*\d+)*)\]")
 
 
-class RankMapError(ValueError):
+class RankMapError(UsageError, ValueError):
     """A node list, distribution or rank map that cannot be used; the message names it."""
 
 

@@ -11,12 +11,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from schemas.errors import Refused, Unavailable
 
-class BackendError(RuntimeError):
+
+class BackendError(Unavailable, RuntimeError):
     """A scheduler call failed; the message names the command and its error."""
 
 
-class ActionRefused(BackendError):
+class ActionRefused(Refused, BackendError):
     """The backend refused before calling the scheduler: nothing was changed; the message says why.
 
     The executor reports such an action ``skipped`` with this reason, so the
@@ -24,7 +26,7 @@ class ActionRefused(BackendError):
     """
 
 
-class NotPermitted(BackendError):
+class NotPermitted(Refused, BackendError):
     """Slurm refused the call to the user the backend runs as (its AdminLevel is too low): nothing changed."""
 
 

@@ -19,6 +19,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import NoReturn
 
+from schemas.errors import NotFound
 from sinks.backends.base import BackendError, JobState, NodeState, NotPermitted, refuse_node_action
 from slurmio.hostlist import HostlistError
 from slurmio.hostlist import expand_hostlist as _expand_hostlist
@@ -52,7 +53,7 @@ _EMPTY = ("", "(null)", "None", "N/A")
 _TEXT_FORM = known_versions()["v0.0.38"]
 
 
-class JobNotFoundError(BackendError):
+class JobNotFoundError(NotFound, BackendError):
     """The scheduler does not know the job (never existed or already purged)."""
 
 

@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from schemas.errors import Refused
 from schemas.yamlsafe import YamlError, load_yaml
 from sinks.backends.base import BackendError, JobState, NodeState, NotPermitted, refuse_node_action
 from sinks.backends.slurm_cli import (
@@ -75,7 +76,7 @@ _NO_SUCH_JOB = 2017  # slurm_errno ESLURM_INVALID_JOB_ID
 _RUNNING = ("RUNNING", "CONFIGURING", "SUSPENDED", "COMPLETING")
 
 
-class RestApiGap(BackendError):
+class RestApiGap(Refused, BackendError):
     """The REST API has no way to do this operation; the message names the gap."""
 
 

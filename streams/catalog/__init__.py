@@ -10,13 +10,14 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from schemas.errors import ConfigError
 from schemas.vocab import ActionKind, Category, Role, Severity
 from schemas.yamlsafe import YamlError, load_yaml
 
 CATALOG_DIR = Path(__file__).parent
 
 
-class CatalogError(ValueError):
+class CatalogError(ConfigError, ValueError):
     pass
 
 

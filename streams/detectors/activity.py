@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from schemas.errors import ConfigError
 from schemas.events import LogLine, RankActivity
 from schemas.vocab import Category
 
@@ -25,7 +26,7 @@ MAX_PEERS_IN_ANOMALY = 16
 MAX_LINE = 300
 
 
-class ActivityError(ValueError):
+class ActivityError(ConfigError, ValueError):
     pass
 
 
