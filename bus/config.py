@@ -1,16 +1,66 @@
 """Kafka client settings every component shares (the one place librdkafka is configured).
 
 Short session/heartbeat timeouts matter: a consumer group join takes about
-half of `session.timeout.ms` on the embedded broker (see ENVIRONMENT-NOTES).
+half of `session.timeout.ms` on the embedded broker (docs/environment.md).
+
+TLS and SASL are process-wide (`configure_security`, called once at start from the
+settings model): every producer, consumer and admin client of the process gets them.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 # librdkafka's own log lines go through Python logging instead of raw stderr.
 _KAFKA_LOG = logging.getLogger("trainmedic.kafka")
+
+
+@dataclass(frozen=True)
+class KafkaSecurity:
+    protocol: str = "plaintext"  # plaintext | ssl | sasl_plaintext | sasl_ssl
+    sasl_mechanism: str | None = None
+    sasl_username: str | None = None
+    sasl_password: str | None = None
+    ssl_ca: str | None = None
+    ssl_certificate: str | None = None
+    ssl_key: str | None = None
+
+    def librdkafka(self) -> dict[str, Any]:
+        """The librdkafka keys for this security setting (empty for plaintext)."""
+        out: dict[str, Any] = {}
+        if self.protocol != "plaintext":
+            out["security.protocol"] = self.protocol
+        if self.protocol.startswith("sasl"):
+            if not (self.sasl_mechanism and self.sasl_username and self.sasl_password):
+                raise ValueError(f"Kafka {self.protocol} needs a SASL mechanism, username and password")
+            out |= {
+                "sasl.mechanism": self.sasl_mechanism,
+                "sasl.username": self.sasl_username,
+                "sasl.password": self.sasl_password,
+            }
+        for key, value in (
+            ("ssl.ca.location", self.ssl_ca),
+            ("ssl.certificate.location", self.ssl_certificate),
+            ("ssl.key.location", self.ssl_key),
+        ):
+            if value:
+                out[key] = value
+        return out
+
+
+_security = KafkaSecurity()
+
+
+def configure_security(security: KafkaSecurity) -> None:
+    global _security
+    security.librdkafka()  # refuse an incomplete setting now, not at the first connection
+    _security = security
+
+
+def security() -> KafkaSecurity:
+    return _security
 
 
 def producer_config(bootstrap: str, client_id: str) -> dict[str, Any]:
@@ -18,6 +68,7 @@ def producer_config(bootstrap: str, client_id: str) -> dict[str, Any]:
         "bootstrap.servers": bootstrap,
         "client.id": client_id,
         "logger": _KAFKA_LOG,
+        **_security.librdkafka(),
         "acks": "all",
         "linger.ms": 5,
         # No compression: Faust's aiokafka reads lz4/zstd only with extra codec
@@ -37,6 +88,7 @@ def consumer_config(bootstrap: str, group: str, client_id: str) -> dict[str, Any
         "group.id": group,
         "client.id": client_id,
         "logger": _KAFKA_LOG,
+        **_security.librdkafka(),
         # The embedded broker answers "latest" wrongly; committed offsets plus
         # earliest are exact.
         "auto.offset.reset": "earliest",
@@ -51,4 +103,4 @@ def consumer_config(bootstrap: str, group: str, client_id: str) -> dict[str, Any
 
 
 def admin_config(bootstrap: str) -> dict[str, Any]:
-    return {"bootstrap.servers": bootstrap, "logger": _KAFKA_LOG}
+    return {"bootstrap.servers": bootstrap, "logger": _KAFKA_LOG, **_security.librdkafka()}

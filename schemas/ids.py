@@ -51,3 +51,9 @@ def stable_id(prefix: str, *parts: object) -> str:
         "\x1f".join(str(p) for p in parts).encode("utf-8", "surrogatepass"), digest_size=10
     ).hexdigest()
     return f"{prefix}-{digest}"
+
+
+def cluster_scoped(name: str) -> str:
+    """A consumer group or app id of this process's cluster: the clusters sharing one Kafka must
+    not share a group (its members would split each other's partitions)."""
+    return name if _cluster == DEFAULT_CLUSTER else f"{name}.{_cluster}"

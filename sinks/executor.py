@@ -33,6 +33,7 @@ from schemas import errors
 from schemas.codec import DecodeError, decode
 from schemas.errors import Unavailable
 from schemas.events import Action, ActionAttempt, ActionResult, AttemptCall, GuardrailTrip
+from schemas.ids import cluster_scoped, current_cluster
 from schemas.topics import (
     ACTION_ATTEMPTS,
     ACTION_RESULTS,
@@ -327,7 +328,9 @@ class ExecutorService:
         # Names the replica in its attempt records: client ids are often the same on every host.
         self.replica = f"{client_id}@{socket.gethostname()}:{os.getpid()}:{id(self):x}"
         settings = executor.settings
-        self._lease = ActingLease(bootstrap, f"{settings.group}.lease", client_id, settings.max_poll_interval_s)
+        self._lease = ActingLease(
+            bootstrap, f"{cluster_scoped(settings.group)}.lease", client_id, settings.max_poll_interval_s
+        )
         self._consumer: Consumer | None = None  # the actions consumer, only while holding the lease
         self._publisher = Publisher(bootstrap, client_id)
         self._restored_epoch = 0  # the lease epoch whose attempts have been read back
@@ -409,7 +412,7 @@ class ExecutorService:
         settings = self.executor.settings
         consumer = group_consumer(
             self._bootstrap,
-            settings.group,
+            cluster_scoped(settings.group),
             self._client_id,
             **{"max.poll.interval.ms": int(settings.max_poll_interval_s * 1000)},
         )
@@ -491,6 +494,18 @@ class ExecutorService:
             action = decode(Action, msg.value() or b"")
         except DecodeError as exc:
             self._dead_letter(consumer, msg, exc)
+            return
+        if action.cluster != current_cluster():
+            # Fail closed: this replica's scheduler is not that cluster's. Its own executors (their
+            # own consumer group) carry it out; here it is only passed over.
+            log.warning(
+                "action %s is for cluster %s, not %s: not acted on", action.action_id, action.cluster, current_cluster()
+            )
+            metrics.FOREIGN_ACTIONS.labels(action.cluster).inc()
+            try:
+                consumer.commit(message=msg, asynchronous=False)
+            except KafkaException as exc:
+                raise Fenced(f"committing past {action.action_id} in {self.executor.settings.group}: {exc}") from None
             return
         _, ts_ms = msg.timestamp()
         if ts_ms > 0:

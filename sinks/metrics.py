@@ -25,3 +25,8 @@ RECORD_AGE = Gauge(
     "Age of the last record consumed (now - its Kafka timestamp): consumer lag in time",
     ["component", "topic"],
 )
+FOREIGN_ACTIONS = Counter(
+    "trainmedic_executor_foreign_actions_total",
+    "Actions for another cluster the executor passed over without acting",
+    ["cluster"],
+)

@@ -1,17 +1,11 @@
 """The Faust app: detection, attribution and policy agents.
 
 Records travel as raw bytes and are decoded with schemas.codec, so schemas/
-stays the one source of truth for event types. Settings come from the
-environment (trainmedic's runtime sets them):
-  TRAINMEDIC_BOOTSTRAP      Kafka bootstrap servers (host:port[,host:port])
-  TRAINMEDIC_POLICY         policy YAML (default infra/policies/default.yaml)
-  TRAINMEDIC_MODE           overrides the policy's mode for every partition
-  TRAINMEDIC_MODES_FILE     operator mode changes (trainmedic mode set), over the policy
-  TRAINMEDIC_SETTLE_S       attribution window once a root cause is seen (1)
-  TRAINMEDIC_COLLATERAL_S   how long collateral-only symptoms wait (5)
-  TRAINMEDIC_STREAMS_ID     Faust app id / consumer group (trainmedic-streams)
-  TRAINMEDIC_METRICS_PORT   serve Prometheus metrics on 127.0.0.1:PORT/metrics
-Run: python -m streams.app worker --without-web -l info
+stays the one source of truth for event types; they are published through
+bus.publish.prepare. Settings come from the one settings model
+(trainmedic.settings: TRAINMEDIC_* environment, then the config file), which
+`trainmedic config show` prints.
+Run: python -m trainmedic.streams_worker worker --without-web -l info
 """
 
 from __future__ import annotations
@@ -28,6 +22,7 @@ import faust
 from confluent_kafka import KafkaException
 from prometheus_client import start_http_server
 
+from bus.config import security
 from bus.deadletter import make_dead_letter
 from bus.publish import CLIENT_DEFAULT_MAX_BYTES, prepare
 from schemas.codec import DecodeError, decode, encode
@@ -41,6 +36,7 @@ from schemas.events import (
     ProgressBatch,
     SchedEvent,
 )
+from schemas.ids import cluster_scoped, current_cluster
 from schemas.topics import (
     ACTIONS,
     ANOMALIES,
@@ -57,6 +53,7 @@ from schemas.topics import (
 )
 from streams import metrics
 from streams.attribution import ALLOCATION_TTL_S, Attributor
+from streams.credentials import faust_credentials
 from streams.detectors.divergence import DivergenceDetector
 from streams.detectors.hang import HangDetector, job_state_kind
 from streams.detectors.kernel_text import KernelTextDetector
@@ -66,11 +63,17 @@ from streams.detectors.throughput import ThroughputDetector
 from streams.detectors.xid import XidDetector
 from streams.policy_store import PolicyStore
 from streams.recovery import read_history
+from trainmedic.settings import Settings
+from trainmedic.settings import apply as apply_settings
 
 log = logging.getLogger("trainmedic.streams")
 
-BOOTSTRAP = os.environ.get("TRAINMEDIC_BOOTSTRAP", "127.0.0.1:9092")
-FETCH_MAX_WAIT_MS = int(os.environ.get("TRAINMEDIC_FETCH_MAX_WAIT_MS", "100"))
+# The one settings model (trainmedic.settings): environment, then the config file. The worker
+# runs as `python -m trainmedic.streams_worker worker`, which has no flags of ours.
+SETTINGS = Settings.load()
+apply_settings(SETTINGS)
+BOOTSTRAP = SETTINGS.bootstrap or "127.0.0.1:9092"
+FETCH_MAX_WAIT_MS = SETTINGS.fetch_max_wait_ms
 
 
 def _short_fetch_wait() -> None:
@@ -89,8 +92,9 @@ def _short_fetch_wait() -> None:
 _short_fetch_wait()
 
 app = faust.App(
-    os.environ.get("TRAINMEDIC_STREAMS_ID", "trainmedic-streams"),
+    cluster_scoped(SETTINGS.streams_id),
     broker=",".join(f"kafka://{h}" for h in BOOTSTRAP.split(",")),
+    broker_credentials=faust_credentials(security()),
     store="memory://",
     topic_partitions=DEFAULT_PARTITIONS,
     consumer_auto_offset_reset="earliest",
@@ -108,6 +112,11 @@ def _topic(*names: str) -> Any:
 
 logs_topic = _topic(JOB_LOGS.name)
 signals_topic = _topic(JOB_PROGRESS.name, GPU_SAMPLES.name, SCHED_EVENTS.name)
+_SIGNAL_TYPES: dict[str, type[Event]] = {
+    JOB_PROGRESS.name: ProgressBatch,
+    GPU_SAMPLES.name: GpuSample,
+    SCHED_EVENTS.name: SchedEvent,
+}
 kernel_topic = _topic(NODE_KERNEL.name)
 attribution_topic = _topic(ANOMALIES.name, SCHED_EVENTS.name)
 incidents_topic = _topic(INCIDENTS.name)
@@ -124,13 +133,10 @@ straggler_detector = StragglerDetector()
 xid_detector = XidDetector()
 # SXids and hung-task / D-state reports; keeps one open report per node (bounded, see kernel_signatures.yaml).
 kernel_text_detector = KernelTextDetector()
-attributor = Attributor(
-    settle_s=float(os.environ.get("TRAINMEDIC_SETTLE_S", "1")),
-    collateral_wait_s=float(os.environ.get("TRAINMEDIC_COLLATERAL_S", "5")),
-)
+attributor = Attributor(settle_s=SETTINGS.settle_s, collateral_wait_s=SETTINGS.collateral_s)
 policies = PolicyStore(
-    os.environ.get("TRAINMEDIC_POLICY") or None,
-    os.environ.get("TRAINMEDIC_MODE") or None,
+    str(SETTINGS.policy) if SETTINGS.policy else None,
+    SETTINGS.mode,
     os.environ.get("TRAINMEDIC_MODES_FILE") or None,
 )
 
@@ -194,6 +200,15 @@ async def publish(topic: Topic, event: Event) -> None:
             await _outputs[DEADLETTER.name].send(key=key, value=payload)
 
 
+def ours(event: Event, agent: str) -> bool:
+    """Whether the event is this worker's cluster's. Several clusters may share the topics; each
+    cluster's workers (their own consumer group) judge only its events, so job ids never mix."""
+    if event.cluster == current_cluster():
+        return True
+    metrics.FOREIGN.labels(agent, event.cluster).inc()
+    return False
+
+
 def consumed(agent: str, event: Any) -> None:
     msg = event.message
     metrics.EVENTS_IN.labels(agent, msg.topic).inc()
@@ -218,6 +233,8 @@ async def detect_logs(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
         except DecodeError as exc:
             await dead_letter("streams.detect_logs", event, str(exc))
             continue
+        if not ours(batch, "detect_logs"):
+            continue
         for anomaly in signature_detector.detect(batch):
             await publish(ANOMALIES, anomaly)
         yield None
@@ -231,6 +248,8 @@ async def detect_kernel(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
             kev = decode(KernelEvent, event.value)
         except DecodeError as exc:
             await dead_letter("streams.detect_kernel", event, str(exc))
+            continue
+        if not ours(kev, "detect_kernel"):
             continue
         for anomaly in [*xid_detector.detect(kev), *kernel_text_detector.detect(kev)]:
             await publish(ANOMALIES, anomaly)
@@ -246,25 +265,26 @@ async def detect_signals(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
         now, topic = time.time(), event.message.topic
         found: list[Anomaly] = []
         try:
-            if topic == JOB_PROGRESS.name:
-                progress = decode(ProgressBatch, event.value)
-                hang_detector.observe_progress(progress, now)
-                straggler_detector.observe_progress(progress, now)
-                found = divergence_detector.observe(progress) + throughput_detector.observe(progress)
-            elif topic == GPU_SAMPLES.name:
-                sample = decode(GpuSample, event.value)
-                hang_detector.observe_gpu(sample, now)
-                straggler_detector.observe_gpu(sample, now)
-            else:
-                sched = decode(SchedEvent, event.value)
-                hang_detector.observe_sched(sched, now)
-                straggler_detector.observe_sched(sched, now)
-                if sched.kind == "job" and sched.job_id and job_state_kind(sched.state) == "ended":
-                    # A requeued or finished run starts a new loss and speed history.
-                    divergence_detector.forget(sched.job_id)
-                    throughput_detector.forget(sched.job_id)
+            signal = decode(_SIGNAL_TYPES[topic], event.value)
         except DecodeError as exc:
             await dead_letter("streams.detect_signals", event, str(exc))
+            continue
+        if not ours(signal, "detect_signals"):
+            continue
+        if isinstance(signal, ProgressBatch):
+            hang_detector.observe_progress(signal, now)
+            straggler_detector.observe_progress(signal, now)
+            found = divergence_detector.observe(signal) + throughput_detector.observe(signal)
+        elif isinstance(signal, GpuSample):
+            hang_detector.observe_gpu(signal, now)
+            straggler_detector.observe_gpu(signal, now)
+        elif isinstance(signal, SchedEvent):
+            hang_detector.observe_sched(signal, now)
+            straggler_detector.observe_sched(signal, now)
+            if signal.kind == "job" and signal.job_id and job_state_kind(signal.state) == "ended":
+                # A requeued or finished run starts a new loss and speed history.
+                divergence_detector.forget(signal.job_id)
+                throughput_detector.forget(signal.job_id)
         for anomaly in found:
             await publish(ANOMALIES, anomaly)
         yield None
@@ -284,12 +304,16 @@ async def attribute(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
         consumed("attribute", event)
         topic = event.message.topic
         try:
-            if topic == SCHED_EVENTS.name:
-                attributor.observe_sched(decode(SchedEvent, event.value), time.time())
-            else:
-                attributor.add(decode(Anomaly, event.value), time.time())
+            evidence = decode(SchedEvent if topic == SCHED_EVENTS.name else Anomaly, event.value)
         except DecodeError as exc:
             await dead_letter("streams.attribute", event, str(exc))
+            continue
+        if not ours(evidence, "attribute"):
+            continue
+        if isinstance(evidence, SchedEvent):
+            attributor.observe_sched(evidence, time.time())
+        elif isinstance(evidence, Anomaly):
+            attributor.add(evidence, time.time())
         yield None
 
 
@@ -320,6 +344,8 @@ async def apply_policy(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
         except DecodeError as exc:
             await dead_letter("streams.policy", event, str(exc))
             continue
+        if not ours(incident, "apply_policy"):
+            continue
         decision, action = policies.decide(incident, time.time())
         metrics.DECISIONS.labels(decision.action, "action" if decision.executed else "recommendation").inc()
         if incident.recommended_action == "drain_and_requeue" and action is None:
@@ -335,10 +361,9 @@ async def apply_policy(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
 
 @app.task
 async def serve_metrics() -> None:
-    port = os.environ.get("TRAINMEDIC_METRICS_PORT")
-    if port:
-        start_http_server(int(port), addr=os.environ.get("TRAINMEDIC_METRICS_HOST", "127.0.0.1"))
-        log.info("metrics on %s:%s/metrics", os.environ.get("TRAINMEDIC_METRICS_HOST", "127.0.0.1"), port)
+    if SETTINGS.metrics_port is not None:
+        start_http_server(SETTINGS.metrics_port, addr=SETTINGS.metrics_host)
+        log.info("metrics on %s:%s/metrics", SETTINGS.metrics_host, SETTINGS.metrics_port)
 
 
 def main() -> None:

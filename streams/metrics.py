@@ -20,3 +20,8 @@ DETECTION_LATENCY = Histogram(
     "trainmedic_detection_latency_seconds", "First fault signal -> incident published", buckets=LATENCY_BUCKETS
 )
 PENDING_GROUPS = Gauge("trainmedic_attribution_pending_groups", "Anomaly groups waiting for their window to close")
+FOREIGN = Counter(
+    "trainmedic_stream_foreign_events_total",
+    "Records of another cluster a streams agent skipped (each cluster's workers judge only its own)",
+    ["agent", "cluster"],
+)

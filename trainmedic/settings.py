@@ -1,0 +1,348 @@
+"""The one settings model of every trainmedic process (pydantic-settings).
+
+Where a setting comes from, highest first:
+  1. a command-line flag (only where a command offers one),
+  2. the environment: ``TRAINMEDIC_<NAME>`` (``TRAINMEDIC_BOOTSTRAP``, ``TRAINMEDIC_CLUSTER``...),
+  3. the config file: ``--config PATH``, else ``TRAINMEDIC_CONFIG``, else
+     ``/etc/trainmedic/config.yaml`` when it exists (keys are the field names below),
+  4. the default.
+Secrets (fields of type SecretStr) are never needed on a command line: each can also be
+read from a file, ``TRAINMEDIC_<NAME>_FILE`` (or ``<name>_file:`` in the config file) -
+the form Kubernetes Secrets and systemd credentials take. ``trainmedic config show``
+prints the effective settings, secrets masked, with where each came from.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from bus.config import KafkaSecurity, configure_security
+from schemas.errors import ConfigError
+from schemas.ids import CLUSTER_RE, DEFAULT_CLUSTER, set_cluster
+from schemas.vocab import Mode
+from schemas.yamlsafe import load_yaml
+
+ENV_PREFIX = "TRAINMEDIC_"
+CONFIG_ENV = "TRAINMEDIC_CONFIG"
+SYSTEM_CONFIG = Path("/etc/trainmedic/config.yaml")
+
+# The config file the sources read while one Settings is being built (see Settings.load).
+_config_file: ContextVar[Path | None] = ContextVar("trainmedic_config_file", default=None)
+
+
+class SettingsError(ConfigError, ValueError):
+    """A setting that is missing, malformed or unknown; the message names it and its origin."""
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True, case_sensitive=False)
+
+    # -- identity ---------------------------------------------------------------------
+    cluster: str = Field(
+        default=DEFAULT_CLUSTER,
+        description="name of the Slurm cluster this process serves; in every event, id and audit row",
+    )
+    node: str | None = Field(default=None, description="this host's Slurm node name (node producers)")
+    data_dir: Path = Field(default=Path("var"), description="local state: runtime.json, tokens, positions")
+
+    # -- Kafka --------------------------------------------------------------------------
+    bootstrap: str | None = Field(
+        default=None, description="Kafka bootstrap servers host:port[,...]; unset: the local `trainmedic up`"
+    )
+    kafka_security_protocol: Literal["plaintext", "ssl", "sasl_plaintext", "sasl_ssl"] = "plaintext"
+    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    kafka_sasl_username: str | None = None
+    kafka_sasl_password: SecretStr | None = None
+    kafka_ssl_ca: Path | None = Field(default=None, description="CA bundle (PEM) that signed the brokers' certificates")
+    kafka_ssl_certificate: Path | None = Field(default=None, description="client certificate (PEM), mutual TLS")
+    kafka_ssl_key: Path | None = Field(default=None, description="client key (PEM), mutual TLS")
+
+    # -- ClickHouse (audit) ---------------------------------------------------------------
+    clickhouse_url: SecretStr | None = Field(
+        default=None, description="http(s)://user:password@host:8123/db or chdb:///path; unset: DATA_DIR/audit"
+    )
+    clickhouse_user: str | None = None
+    clickhouse_password: SecretStr | None = None
+
+    # -- streams worker -------------------------------------------------------------------
+    streams_id: str = Field(default="trainmedic-streams", description="Faust app id = its consumer group")
+    policy: Path | None = Field(default=None, description="policy YAML; unset: the packaged default policy")
+    mode: Mode | None = Field(default=None, description="overrides the policy's mode for every partition")
+    settle_s: float = Field(default=1.0, gt=0, description="attribution window once a root cause is seen")
+    collateral_s: float = Field(default=5.0, gt=0, description="how long collateral-only symptoms wait")
+    fetch_max_wait_ms: int = Field(default=100, ge=1, le=1500, description="cap on the Faust consumer's fetch wait")
+
+    # -- metrics --------------------------------------------------------------------------
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = Field(default=None, ge=0, le=65535, description="serve /metrics; unset: off")
+
+    # -- operator API (the CLI's side) ------------------------------------------------------
+    api: str | None = Field(default=None, description="operator API URL; unset: the local `trainmedic up`")
+    token: SecretStr | None = Field(default=None, description="operator API token; unset: DATA_DIR/api-token")
+    ingest_token: SecretStr | None = Field(default=None, description="bearer token the ingest endpoint requires")
+
+    # -- Slurm (the executor) ----------------------------------------------------------------
+    slurm_access: Literal["local", "ssh", "rest"] = "local"
+    slurm_ssh_host: str | None = None
+    slurm_ssh_port: int = Field(default=22, ge=1, le=65535)
+    slurm_ssh_user: str | None = None
+    slurm_ssh_key: Path | None = None
+    slurm_ssh_known_hosts: Path | None = None
+    slurm_ssh_passphrase: SecretStr | None = None
+    slurm_ssh_slurm_conf: str | None = None
+    slurmrestd_url: str | None = None
+    slurmrestd_user: str | None = None
+    slurmrestd_token: SecretStr | None = None
+
+    # -- audit retention -------------------------------------------------------------------
+    audit_raw_ttl_days: int = Field(default=90, ge=0)
+    audit_record_ttl_days: int = Field(default=730, ge=0)
+    audit_cluster: str | None = Field(default=None, description="ClickHouse cluster for ON CLUSTER / Replicated*")
+
+    @field_validator("cluster")
+    @classmethod
+    def _dns_label(cls, value: str) -> str:
+        if not CLUSTER_RE.match(value):
+            raise ValueError("not a DNS label (lower-case letters, digits and '-', at most 63 characters)")
+        return value
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (
+            init_settings,
+            _SecretFiles(settings_cls, env_settings, origin="env"),
+            env_settings,
+            _SecretFiles(settings_cls, _ConfigFile(settings_cls), origin="file"),
+            _ConfigFile(settings_cls),
+        )
+
+    # -- loading ------------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, config: Path | None = None, **flags: Any) -> Settings:
+        """The effective settings: `flags` (None values: not given) over env over file over defaults."""
+        given = {k: v for k, v in flags.items() if v is not None}
+        token = _config_file.set(config_path(config))
+        try:
+            return cls(**given)
+        except ValidationError as exc:
+            raise SettingsError(_describe(exc)) from None
+        finally:
+            _config_file.reset(token)
+
+    def secret(self, name: str) -> str | None:
+        value = getattr(self, name)
+        return value.get_secret_value() if isinstance(value, SecretStr) else value
+
+
+def config_path(explicit: Path | None) -> Path | None:
+    if explicit is not None:
+        return explicit
+    env = os.environ.get(CONFIG_ENV, "").strip()
+    if env:
+        return Path(env)
+    return SYSTEM_CONFIG if SYSTEM_CONFIG.exists() else None
+
+
+def secret_fields() -> list[str]:
+    return [name for name, f in Settings.model_fields.items() if _is_secret(f)]
+
+
+def _is_secret(field: FieldInfo) -> bool:
+    return "SecretStr" in str(field.annotation)
+
+
+class _ConfigFile(PydanticBaseSettingsSource):
+    """The YAML config file, read with the project's bounded loader; unknown keys are refused."""
+
+    def __init__(self, settings_cls: type[BaseSettings]) -> None:
+        super().__init__(settings_cls)
+        self.path = _config_file.get()
+        self._values = self._read()
+
+    def _read(self) -> dict[str, Any]:
+        if self.path is None:
+            return {}
+        try:
+            text = self.path.read_bytes()
+        except OSError as exc:
+            raise SettingsError(f"config file {self.path}: {exc.strerror or exc}") from None
+        data = load_yaml(text, origin=str(self.path))
+        if data is None:
+            return {}
+        if not isinstance(data, dict):
+            raise SettingsError(f"config file {self.path}: expected a mapping of setting: value")
+        known = set(Settings.model_fields) | {f"{name}_file" for name in secret_fields()}
+        unknown = sorted(str(k) for k in data if str(k) not in known)
+        if unknown:
+            raise SettingsError(f"config file {self.path}: unknown setting(s) {', '.join(unknown)}")
+        return {str(k): v for k, v in data.items()}
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return self._values.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return {k: v for k, v in self._values.items() if k in Settings.model_fields}
+
+    def file_refs(self) -> dict[str, str]:
+        return {k: str(v) for k, v in self._values.items() if k.endswith("_file")}
+
+
+class _SecretFiles(PydanticBaseSettingsSource):
+    """Secrets read from files named by ``TRAINMEDIC_<NAME>_FILE`` (env) or ``<name>_file`` (config)."""
+
+    def __init__(self, settings_cls: type[BaseSettings], beside: PydanticBaseSettingsSource, origin: str) -> None:
+        super().__init__(settings_cls)
+        self.origin = origin
+        self._beside = beside
+        self.paths = self._paths()
+
+    def _paths(self) -> dict[str, Path]:
+        out: dict[str, Path] = {}
+        for name in secret_fields():
+            if self.origin == "env":
+                ref = os.environ.get(f"{ENV_PREFIX}{name.upper()}_FILE", "").strip()
+            else:
+                assert isinstance(self._beside, _ConfigFile)
+                ref = self._beside.file_refs().get(f"{name}_file", "")
+            if ref:
+                out[name] = Path(ref)
+        return out
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        values: dict[str, Any] = {}
+        for name, path in self.paths.items():
+            try:
+                values[name] = path.read_text().strip()
+            except OSError as exc:
+                label = f"{ENV_PREFIX}{name.upper()}_FILE" if self.origin == "env" else f"{name}_file"
+                raise SettingsError(f"{label}={path}: cannot read the secret: {exc.strerror or exc}") from None
+        return values
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        name = ".".join(str(p) for p in err["loc"]) or "?"
+        parts.append(f"setting {name} ({ENV_PREFIX}{name.upper()}): {err['msg']}")
+    return "; ".join(parts)
+
+
+# -- provenance: what `trainmedic config show` prints -------------------------------------------
+
+
+def provenance(config: Path | None = None, **flags: Any) -> list[tuple[str, str, str]]:
+    """(name, value as shown, origin) of every setting; secrets masked."""
+    settings = Settings.load(config, **flags)
+    given = {k for k, v in flags.items() if v is not None}
+    path = config_path(config)
+    token = _config_file.set(path)
+    try:
+        file_source = _ConfigFile(Settings)
+        file_values = file_source()
+        file_secrets = _SecretFiles(Settings, file_source, origin="file").paths
+    finally:
+        _config_file.reset(token)
+    env_secrets = {
+        name: os.environ[f"{ENV_PREFIX}{name.upper()}_FILE"]
+        for name in secret_fields()
+        if os.environ.get(f"{ENV_PREFIX}{name.upper()}_FILE", "").strip()
+    }
+    env = {k.upper() for k in os.environ}
+    rows = []
+    for name, field in Settings.model_fields.items():
+        env_name = f"{ENV_PREFIX}{name.upper()}"
+        if name in given:
+            origin = "flag"
+        elif name in env_secrets:
+            origin = f"file named by {env_name}_FILE ({env_secrets[name]})"
+        elif env_name in env:
+            origin = f"env {env_name}"
+        elif name in file_secrets:
+            origin = f"file named by {name}_file in {path} ({file_secrets[name]})"
+        elif name in file_values:
+            origin = f"config file {path}"
+        else:
+            origin = "default"
+        rows.append((name, _shown(getattr(settings, name), _is_secret(field)), origin))
+    return rows
+
+
+def unknown_env(environ: Mapping[str, str] | None = None) -> list[str]:
+    """TRAINMEDIC_* variables that name no setting (a typo, or a setting that was removed)."""
+    env = os.environ if environ is None else environ
+    known = {f"{ENV_PREFIX}{n.upper()}" for n in Settings.model_fields} | {CONFIG_ENV}
+    known |= {f"{ENV_PREFIX}{n.upper()}_FILE" for n in secret_fields()}
+    known |= _SCRIPT_ENV
+    return sorted(k for k in env if k.upper().startswith(ENV_PREFIX) and k.upper() not in known)
+
+
+# Variables of the local Slurm scripts (infra/slurm) and the test harness, not of trainmedic's processes.
+_SCRIPT_ENV = {
+    f"{ENV_PREFIX}{name}"
+    for name in (
+        "SLURM_DIR",
+        "SLURM_WAIT",
+        "SLURMCTLD_PORT",
+        "SLURMD_BASE_PORT",
+        "SLURMDBD_PORT",
+        "SLURMRESTD_PORT",
+        "SLURMRESTD_LIFESPAN",
+        "SLURMRESTD_TOKEN_DIR",
+        "DEBIAN_MIRROR",
+        "CH_HOST",
+        "CH_USER",
+        "CH_PASSWORD",
+        "CH_DATABASE",
+    )
+}
+
+
+def _shown(value: Any, secret: bool) -> str:
+    if value is None:
+        return "-"
+    if secret:
+        return "********"
+    return str(value)
+
+
+def apply(settings: Settings) -> None:
+    """Make `settings` the process's: its cluster name (ids, events) and Kafka security (bus)."""
+    set_cluster(settings.cluster)
+    try:
+        configure_security(kafka_security(settings))
+    except ValueError as exc:
+        raise SettingsError(f"kafka_security_protocol {settings.kafka_security_protocol}: {exc}") from None
+
+
+def kafka_security(settings: Settings) -> KafkaSecurity:
+    def path(p: Path | None) -> str | None:
+        return str(p) if p is not None else None
+
+    return KafkaSecurity(
+        protocol=settings.kafka_security_protocol,
+        sasl_mechanism=settings.kafka_sasl_mechanism,
+        sasl_username=settings.kafka_sasl_username,
+        sasl_password=settings.secret("kafka_sasl_password"),
+        ssl_ca=path(settings.kafka_ssl_ca),
+        ssl_certificate=path(settings.kafka_ssl_certificate),
+        ssl_key=path(settings.kafka_ssl_key),
+    )
