@@ -4,7 +4,7 @@
 #
 # Idempotent: daemons that are already running (live pid file) are left alone;
 # only missing ones are started. State lives in ${TRAINMEDIC_SLURM_DIR}.
-# See /work/shared/SLURM-NOTES.md for why each setting is what it is.
+# See docs/environment.md ("Slurm on one host") for why each setting is what it is.
 #
 # Usage: infra/slurm/start.sh        then: . "${TRAINMEDIC_SLURM_DIR:-/tmp/trainmedic-slurm}/env.sh"
 # Env:   TRAINMEDIC_SLURM_DIR (default /tmp/trainmedic-slurm)

@@ -1,7 +1,7 @@
 """SSH mode against a REAL sshd on 127.0.0.1 and the REAL local Slurm cluster.
 
 The sshd is started by this module with test-made host and user keys (see
-/work/shared/SLURM-NOTES.md, "SSH mode"); the login user is root, as on the
+docs/environment.md, "Slurm on one host"); the login user is root, as on the
 test machines. Every check that something did or did not happen reads the
 cluster through the LOCAL Slurm CLI, independently of the SSH path under test,
 and counts logins in the sshd log.

@@ -6,7 +6,7 @@ Nothing here reads the audit database: live updates come from Kafka only.
 
 Where it starts reading. The console should show what happens from now on (the
 page loads the past from the audit). `auto.offset.reset=latest` would say that,
-but the embedded broker answers "latest" wrongly (ENVIRONMENT-NOTES: the first
+but the embedded broker answers "latest" wrongly (docs/environment.md: the first
 offset of the last batch + 1, so a few old records would replay or new ones be
 skipped). Committed offsets do not help either: a group of its own per process
 has none at start, and a shared group would split the partitions between
