@@ -11,9 +11,10 @@ import time
 import uuid
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
 from bus.config import consumer_config
+from schemas.errors import Unavailable
 
 
 def group_consumer(bootstrap: str, group: str, client_id: str, **overrides: Any) -> Consumer:
@@ -70,3 +71,61 @@ def read_records(bootstrap: str, topic: str, since: float, timeout_s: float = 30
         return out
     finally:
         consumer.close()
+
+
+class Follower:
+    """Every record of a topic, from its beginning, then as they come - in every process that
+    needs the whole topic (each placement discoverer, each streams worker's mode changes).
+
+    Assigned, not subscribed: no group shares the partitions out and nothing is committed,
+    so every follower reads everything, and a restarted one reads it again.
+    """
+
+    def __init__(self, bootstrap: str, topic: str, client_id: str, timeout_s: float = 10.0) -> None:
+        self.topic = topic
+        self._consumer = group_consumer(
+            bootstrap,
+            f"{client_id}-{uuid.uuid4().hex[:8]}",
+            client_id,
+            # Each partition says when its backlog is read.
+            **{"enable.partition.eof": True},
+        )
+        try:
+            meta = self._consumer.list_topics(topic, timeout=timeout_s).topics[topic]
+        except KafkaException as exc:
+            self._consumer.close()
+            raise MissingTopic(f"cannot read topic {topic}: {exc}") from exc
+        if meta.error is not None or not meta.partitions:
+            self._consumer.close()
+            raise MissingTopic(f"topic {topic} is missing ({meta.error})")
+        self._partitions = set(meta.partitions)
+        self._at_end: set[int] = set()
+        self._consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in meta.partitions])
+
+    @property
+    def caught_up(self) -> bool:
+        """Every partition was read to the end it had when first reached."""
+        return self._at_end >= self._partitions
+
+    def poll(self, max_records: int = 50_000, timeout_s: float = 0.05) -> list[bytes]:
+        """The records that arrived since the last poll (values only, in partition order)."""
+        out: list[bytes] = []
+        while len(out) < max_records:
+            msgs = self._consumer.consume(num_messages=min(5000, max_records - len(out)), timeout=timeout_s)
+            if not msgs:
+                break
+            for msg in msgs:
+                if (err := msg.error()) is not None:
+                    if err.code() == KafkaError._PARTITION_EOF:
+                        self._at_end.add(msg.partition() or 0)
+                    continue  # transport errors are librdkafka's to retry
+                if (value := msg.value()) is not None:
+                    out.append(value)
+        return out
+
+    def close(self) -> None:
+        self._consumer.close()
+
+
+class MissingTopic(Unavailable, ValueError):
+    """The topic cannot be read: absent, or the broker does not answer."""

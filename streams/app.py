@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -61,6 +60,7 @@ from streams.detectors.signatures import SignatureDetector
 from streams.detectors.straggler import StragglerDetector
 from streams.detectors.throughput import ThroughputDetector
 from streams.detectors.xid import XidDetector
+from streams.modes import ModeState
 from streams.policy_store import PolicyStore
 from streams.recovery import read_history
 from trainmedic.settings import Settings
@@ -134,11 +134,9 @@ xid_detector = XidDetector()
 # SXids and hung-task / D-state reports; keeps one open report per node (bounded, see kernel_signatures.yaml).
 kernel_text_detector = KernelTextDetector()
 attributor = Attributor(settle_s=SETTINGS.settle_s, collateral_wait_s=SETTINGS.collateral_s)
-policies = PolicyStore(
-    str(SETTINGS.policy) if SETTINGS.policy else None,
-    SETTINGS.mode,
-    os.environ.get("TRAINMEDIC_MODES_FILE") or None,
-)
+# Operator mode changes: the API's state file when this host sees it, then mode.changes.
+modes = ModeState(BOOTSTRAP, SETTINGS.modes_file)
+policies = PolicyStore(str(SETTINGS.policy) if SETTINGS.policy else None, SETTINGS.mode, modes)
 
 
 _recovery_lock = asyncio.Lock()
@@ -290,6 +288,13 @@ async def detect_signals(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
         yield None
 
 
+@app.timer(interval=1.0)
+async def follow_mode_changes() -> None:
+    # In a thread: the follower's read blocks up to its poll timeout.
+    await asyncio.get_running_loop().run_in_executor(None, modes.poll)
+    metrics.MODES_IN_DOUBT.set(1 if modes.in_doubt else 0)
+
+
 @app.timer(interval=2.0)
 async def check_signals() -> None:
     now = time.time()
@@ -348,7 +353,7 @@ async def apply_policy(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
             continue
         decision, action = policies.decide(incident, time.time())
         metrics.DECISIONS.labels(decision.action, "action" if decision.executed else "recommendation").inc()
-        if incident.recommended_action == "drain_and_requeue" and action is None:
+        if incident.isolate and action is None:
             # An isolation that is not carried out says why (culprit unresolved or outside the job).
             log.info(
                 "decision %s job=%s: %s (%s)", decision.decision_id, decision.job_id, decision.rule, decision.reason

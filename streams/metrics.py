@@ -25,3 +25,7 @@ FOREIGN = Counter(
     "Records of another cluster a streams agent skipped (each cluster's workers judge only its own)",
     ["agent", "cluster"],
 )
+MODES_IN_DOUBT = Gauge(
+    "trainmedic_modes_in_doubt",
+    "1 while this worker has neither the mode state file nor the whole of mode.changes: all in monitor mode",
+)

@@ -32,8 +32,8 @@ from schemas.vocab import Category, Mode, RejectReason
 from schemas.yamlsafe import API_LIMITS
 from sinks.audit import AuditStore
 from sinks.backends.base import BackendError, SchedulerBackend
+from streams.modes import apply_change
 from streams.policy import (
-    PartitionPolicy,
     PolicyError,
     load_overlay,
     load_policy,
@@ -297,17 +297,7 @@ def create_api(
                     raise HTTPException(
                         status_code=409, detail=f"not ready for autonomy: {verdict_text} (use --force to override)"
                     )
-            if body.partition is None and body.category is None:
-                overlay.mode = body.mode
-            elif body.partition is None:
-                assert body.category is not None
-                overlay.categories[body.category] = body.mode
-            else:
-                part = overlay.partitions.setdefault(body.partition, PartitionPolicy())
-                if body.category is None:
-                    part.mode = body.mode
-                else:
-                    part.categories[body.category] = body.mode
+            apply_change(overlay, body.partition, body.category, body.mode)
             # Audit first: a change that cannot be recorded is not made.
             change = ModeChange(
                 event_id=stable_id("mode", body.partition, body.category, body.mode, time.time()),

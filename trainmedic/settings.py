@@ -76,6 +76,10 @@ class Settings(BaseSettings):
     streams_id: str = Field(default="trainmedic-streams", description="Faust app id = its consumer group")
     policy: Path | None = Field(default=None, description="policy YAML; unset: the packaged default policy")
     mode: Mode | None = Field(default=None, description="overrides the policy's mode for every partition")
+    modes_file: Path | None = Field(
+        default=None,
+        description="the API's state file of operator mode changes (DATA_DIR/modes.yaml), when this host sees it",
+    )
     settle_s: float = Field(default=1.0, gt=0, description="attribution window once a root cause is seen")
     collateral_s: float = Field(default=5.0, gt=0, description="how long collateral-only symptoms wait")
     fetch_max_wait_ms: int = Field(default=100, ge=1, le=1500, description="cap on the Faust consumer's fetch wait")
