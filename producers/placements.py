@@ -25,9 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException, TopicPartition
-
-from bus.consume import group_consumer
+from bus.consume import Follower, MissingTopic
 from schemas.codec import decode
 from schemas.events import SchedEvent
 from schemas.topics import SCHED_EVENTS
@@ -69,29 +67,15 @@ class BusPlacements:
         self.events_read = 0
         self.resyncs = 0
         self.resync_errors = 0
-        # No consumer group offsets: each discoverer reads the whole topic itself (it needs
-        # every node's events to find its own), and a restart reads it again.
-        self._consumer = group_consumer(
-            bootstrap,
-            f"trainmedic-placements-{node}",
-            f"trainmedic-placements-{node}",
-            # Each partition says when its backlog is read: the first resync waits for all.
-            **{"enable.auto.commit": False, "enable.partition.eof": True},
-        )
+        # Each discoverer reads the whole topic itself (it needs every node's events to find
+        # its own), and a restart reads it again.
         try:
-            meta = self._consumer.list_topics(SCHED_EVENTS.name, timeout=timeout_s).topics[SCHED_EVENTS.name]
-        except KafkaException as exc:
-            self._consumer.close()
-            raise ValueError(f"placements from the bus: cannot read topic {SCHED_EVENTS.name}: {exc}") from exc
-        if meta.error is not None or not meta.partitions:
-            self._consumer.close()
+            self._follower = Follower(bootstrap, SCHED_EVENTS.name, f"trainmedic-placements-{node}", timeout_s)
+        except MissingTopic as exc:
             raise ValueError(
-                f"placements from the bus: topic {SCHED_EVENTS.name} is missing ({meta.error}); "
+                f"placements from the bus: {exc}; "
                 "is the Slurm producer (trainmedic produce slurm) running against this broker?"
-            )
-        self._partitions = set(meta.partitions)
-        self._at_end: set[int] = set()
-        self._consumer.assign([TopicPartition(SCHED_EVENTS.name, p, OFFSET_BEGINNING) for p in meta.partitions])
+            ) from exc
 
     def __call__(self) -> dict[str, int]:
         caught_up = self._read()
@@ -101,29 +85,19 @@ class BusPlacements:
         return {job: p.generation for job, p in self._jobs.items() if p.running}
 
     def close(self) -> None:
-        self._consumer.close()
+        self._follower.close()
 
     def _read(self) -> bool:
         """Apply what the topic has; True once every partition was read to its end."""
-        taken = 0
-        while taken < MAX_PER_POLL:
-            msgs = self._consumer.consume(num_messages=5000, timeout=0.05)
-            if not msgs:
-                return self._at_end >= self._partitions
-            for msg in msgs:
-                if (err := msg.error()) is not None:
-                    if err.code() == KafkaError._PARTITION_EOF:
-                        self._at_end.add(msg.partition() or 0)
-                    continue  # transport errors are librdkafka's to retry
-                taken += 1
-                try:
-                    event = decode(SchedEvent, msg.value() or b"")
-                except ValueError as exc:
-                    log.warning("placements: skipping an unreadable sched.events record: %s", exc)
-                    continue
-                self.events_read += 1
-                self._apply(event)
-        return False
+        for value in self._follower.poll(MAX_PER_POLL):
+            try:
+                event = decode(SchedEvent, value)
+            except ValueError as exc:
+                log.warning("placements: skipping an unreadable sched.events record: %s", exc)
+                continue
+            self.events_read += 1
+            self._apply(event)
+        return self._follower.caught_up
 
     def _apply(self, e: SchedEvent) -> None:
         if e.kind != "job":
