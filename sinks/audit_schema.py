@@ -147,6 +147,10 @@ class Column:
         return out
 
 
+# The last column of every table (added by migration 010; rows from before it are the default cluster's).
+CLUSTER_COLUMN = Column("cluster", LC, _a("cluster"), default="'default'")
+
+
 def key(name: str, value: Callable[[Any], Any] | None = None, low: bool = True) -> Column:
     """A non-null filter/sort column with '' for none (job ids are too many for LowCardinality)."""
     return Column(name, LC if low else "String", value or _s(name), default="''")
@@ -169,6 +173,8 @@ class Table:
     column_names: list[str] = field(init=False)
 
     def __post_init__(self) -> None:
+        # Every row says which cluster it is about (schemas.ids): clusters may share one store.
+        object.__setattr__(self, "columns", (*self.columns, CLUSTER_COLUMN))
         object.__setattr__(self, "column_names", [c.name for c in self.columns])
         if self.order_by[-1] != self.id_column:
             raise AuditSchemaError(f"{self.name}: the sort key must end with the event id {self.id_column}")
@@ -259,7 +265,9 @@ INCIDENTS_T = Table(
         key("culprit_node"),
         Column("culprit_rank", "Nullable(Int32)", _a("culprit_rank")),
         Column("confidence", "Float32", _a("confidence")),
-        Column("recommended_action", LC, _a("recommended_action")),
+        # Kept for the rows written when attribution chose an action; the incident no longer
+        # carries one (policy chooses it: the decisions table), so new rows hold ''.
+        Column("recommended_action", LC, lambda e: ""),
         Column("explanation", "String", _a("explanation"), codec=ZSTD),
         Column("evidence", "String", _evidence, codec=ZSTD),  # JSON list of {source, signature, node, ...}
         Column("anomaly_ids", "Array(String)", _a("anomaly_ids")),

@@ -32,11 +32,9 @@ def _insert_old(store: AuditStore, events: list[Event]) -> None:
     keys = {"job_id", "node", "partition", "culprit_node", "category"}
     for event in events:
         table, to_row, cols = by_type[type(event)]
-        row = [
-            None if (c in keys and v == "" and table != "mode_changes") else v
-            for c, v in zip(cols, to_row(event), strict=True)
-        ]
-        store.insert(table, [row], cols)
+        old = [(c, v) for c, v in zip(cols, to_row(event), strict=True) if c not in ADDED_AFTER_LAYOUT]
+        row = [None if (c in keys and v == "" and table != "mode_changes") else v for c, v in old]
+        store.insert(table, [row], [c for c, _ in old])
 
 
 def _events(t0: float) -> list[Event]:
@@ -48,8 +46,9 @@ def _events(t0: float) -> list[Event]:
     return events
 
 
-# Columns added by migrations after the layout (009): absent from the old tables, NULL after.
-ADDED_AFTER_LAYOUT = {"reason_user", "reason_time", "reservation"}
+# Columns added by migrations after the layout (009, 010): absent from the old tables, NULL or
+# their default after.
+ADDED_AFTER_LAYOUT = {"reason_user", "reason_time", "reservation", "cluster"}
 
 
 def _contents(store: AuditStore) -> dict[str, list[tuple[Any, ...]]]:
@@ -90,6 +89,8 @@ def test_migration_keeps_every_row_and_a_second_run_changes_nothing(
         applied = store.migrate()
         assert [m.version for m in applied] == [m.version for m in load_migrations() if m.version > 5]
         assert _contents(store) == before | {"action_attempts": []}
+        # Rows from before the cluster name are the default cluster's (migration 010).
+        assert store.query("SELECT DISTINCT cluster FROM {db}.incidents") == [{"cluster": "default"}]
         for table in BY_NAME.values():
             assert store.layout_matches(table), table.name
         leftovers = store.query(
