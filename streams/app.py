@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TypeVar
 
 import aiokafka  # type: ignore[import-untyped]
 import faust
@@ -67,6 +67,7 @@ from trainmedic.settings import Settings
 from trainmedic.settings import apply as apply_settings
 
 log = logging.getLogger("trainmedic.streams")
+E = TypeVar("E", bound=Event)
 
 # The one settings model (trainmedic.settings): environment, then the config file. The worker
 # runs as `python -m trainmedic.streams_worker worker`, which has no flags of ours.
@@ -222,16 +223,22 @@ async def dead_letter(component: str, event: Any, reason: str) -> None:
     await publish(DEADLETTER, make_dead_letter(component, msg.topic, msg.partition, msg.offset, reason, payload))
 
 
+async def accept(event: Any, event_type: type[E], agent: str, component: str) -> E | None:
+    """The record as its event type when this worker is to judge it; None when it was
+    dead-lettered (undecodable) or is another cluster's."""
+    consumed(agent, event)
+    try:
+        decoded = decode(event_type, event.value)
+    except DecodeError as exc:
+        await dead_letter(component, event, str(exc))
+        return None
+    return decoded if ours(decoded, agent) else None
+
+
 @app.agent(logs_topic)
 async def detect_logs(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
     async for event in stream.events():
-        consumed("detect_logs", event)
-        try:
-            batch = decode(LogBatch, event.value)
-        except DecodeError as exc:
-            await dead_letter("streams.detect_logs", event, str(exc))
-            continue
-        if not ours(batch, "detect_logs"):
+        if (batch := await accept(event, LogBatch, "detect_logs", "streams.detect_logs")) is None:
             continue
         for anomaly in signature_detector.detect(batch):
             await publish(ANOMALIES, anomaly)
@@ -241,13 +248,7 @@ async def detect_logs(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
 @app.agent(kernel_topic)
 async def detect_kernel(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
     async for event in stream.events():
-        consumed("detect_kernel", event)
-        try:
-            kev = decode(KernelEvent, event.value)
-        except DecodeError as exc:
-            await dead_letter("streams.detect_kernel", event, str(exc))
-            continue
-        if not ours(kev, "detect_kernel"):
+        if (kev := await accept(event, KernelEvent, "detect_kernel", "streams.detect_kernel")) is None:
             continue
         for anomaly in [*xid_detector.detect(kev), *kernel_text_detector.detect(kev)]:
             await publish(ANOMALIES, anomaly)
@@ -259,16 +260,11 @@ async def detect_signals(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
     """Progress, GPU samples and job states feed the hang and straggler detectors; progress also
     the loss and throughput detectors, which answer at once (they judge the series, not a clock)."""
     async for event in stream.events():
-        consumed("detect_signals", event)
-        now, topic = time.time(), event.message.topic
+        signal_type = _SIGNAL_TYPES[event.message.topic]
+        if (signal := await accept(event, signal_type, "detect_signals", "streams.detect_signals")) is None:
+            continue
+        now = time.time()
         found: list[Anomaly] = []
-        try:
-            signal = decode(_SIGNAL_TYPES[topic], event.value)
-        except DecodeError as exc:
-            await dead_letter("streams.detect_signals", event, str(exc))
-            continue
-        if not ours(signal, "detect_signals"):
-            continue
         if isinstance(signal, ProgressBatch):
             hang_detector.observe_progress(signal, now)
             straggler_detector.observe_progress(signal, now)
@@ -306,14 +302,8 @@ async def check_signals() -> None:
 async def attribute(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
     await recover_state()
     async for event in stream.events():
-        consumed("attribute", event)
-        topic = event.message.topic
-        try:
-            evidence = decode(SchedEvent if topic == SCHED_EVENTS.name else Anomaly, event.value)
-        except DecodeError as exc:
-            await dead_letter("streams.attribute", event, str(exc))
-            continue
-        if not ours(evidence, "attribute"):
+        evidence_type: type[Event] = SchedEvent if event.message.topic == SCHED_EVENTS.name else Anomaly
+        if (evidence := await accept(event, evidence_type, "attribute", "streams.attribute")) is None:
             continue
         if isinstance(evidence, SchedEvent):
             attributor.observe_sched(evidence, time.time())
@@ -343,13 +333,7 @@ async def publish_incidents() -> None:
 async def apply_policy(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
     await recover_state()
     async for event in stream.events():
-        consumed("apply_policy", event)
-        try:
-            incident = decode(Incident, event.value)
-        except DecodeError as exc:
-            await dead_letter("streams.policy", event, str(exc))
-            continue
-        if not ours(incident, "apply_policy"):
+        if (incident := await accept(event, Incident, "apply_policy", "streams.policy")) is None:
             continue
         decision, action = policies.decide(incident, time.time())
         metrics.DECISIONS.labels(decision.action, "action" if decision.executed else "recommendation").inc()
