@@ -1,4 +1,4 @@
-"""`trainmedic audit ...` and `trainmedic db ...`: read the audit trail, manage its schema.
+"""`trainmedic audit ...` and `trainmedic audit db ...`: read the audit trail, manage its schema.
 
 The queries live in sinks/audit_queries.py (plain dicts, shared with the
 console); this module only opens the store and formats. Runs standalone too:
@@ -12,24 +12,23 @@ import json
 from collections.abc import Iterator, Sequence
 from datetime import date, datetime, timedelta
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, Optional, cast
+from typing import Annotated, Any, Optional, cast
 
 import typer
 from clickhouse_connect.driver.exceptions import ClickHouseError
 from rich.console import Console
 from rich.table import Table
 
+from schemas.errors import ConfigError, NotFound, Unavailable
 from schemas.vocab import CATEGORIES
 from sinks import audit_queries as q
-from sinks.audit import AuditStore, AuditStoreError, ChdbFolderLocked, chdb_folder
+from sinks.audit import AuditStore, ChdbFolderLocked, chdb_folder
+from trainmedic.cli_base import new_app
 from trainmedic.limits import bounded_since
 
-audit_app = typer.Typer(
-    add_completion=False,
-    no_args_is_help=True,
-    help="Query the audit trail: incidents, a job's timeline, a node's history, latency, exports.",
-)
-db_app = typer.Typer(add_completion=False, no_args_is_help=True, help="The audit database schema (migrations).")
+audit_app = new_app(help="Query the audit trail: incidents, a job's timeline, a node's history, latency, exports.")
+db_app = new_app(help="The audit database schema (migrations).")
+audit_app.add_typer(db_app, name="db")
 
 
 def _parse_since(value: str | timedelta) -> timedelta:
@@ -60,19 +59,14 @@ Since = Annotated[
 ]
 
 
-def _fail(msg: str, code: int = 1) -> NoReturn:
-    typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(code)
-
-
 def open_store(data_dir: Path, clickhouse: str | None, database: str) -> AuditStore:
-    """The audit store the options name; exits with a message saying what is wrong."""
+    """The audit store the options name; raises, saying what is wrong."""
     if clickhouse:
         url = clickhouse
     else:
         folder = (data_dir / "chdb").resolve()
         if not folder.is_dir():
-            _fail(
+            raise ConfigError(
                 f"no audit at {folder}: nothing ran with --data-dir {data_dir} "
                 "(`trainmedic up` writes var, `trainmedic demo` var/demo), or pass --clickhouse URL"
             )
@@ -80,12 +74,10 @@ def open_store(data_dir: Path, clickhouse: str | None, database: str) -> AuditSt
     try:
         return AuditStore(url, database)
     except ChdbFolderLocked as exc:
-        _fail(
+        raise Unavailable(
             f"{exc}. Stop it first, or query a ClickHouse server with --clickhouse URL; "
             "queries through the running process are not available yet"
-        )
-    except AuditStoreError as exc:
-        _fail(str(exc))
+        ) from None
 
 
 @contextlib.contextmanager
@@ -95,10 +87,8 @@ def _store(data_dir: Path, clickhouse: str | None, database: str, check: bool = 
         if check:
             q.check_schema(store)
         yield store
-    except q.AuditQueryError as exc:
-        _fail(str(exc))
     except ClickHouseError as exc:
-        _fail(f"{store.url}, database {database}: {exc}")
+        raise Unavailable(f"{store.url}, database {database}: {exc}") from None
     finally:
         store.close()
 
@@ -194,7 +184,7 @@ def job(
     with _store(data_dir, clickhouse, database) as store:
         data = q.job_timeline(store, job_id)
     if not data["timeline"]:
-        _fail(f"job {job_id}: nothing in the audit database {database!r}")
+        raise NotFound(f"job {job_id}: nothing in the audit database {database!r}")
     if as_json:
         _print_json(data)
         return
@@ -227,7 +217,7 @@ def node(
     with _store(data_dir, clickhouse, database) as store:
         data = q.node_history(store, name)
     if not (data["incidents"] or data["events"] or data["anomalies"]):
-        _fail(f"node {name}: nothing in the audit database {database!r}")
+        raise NotFound(f"node {name}: nothing in the audit database {database!r}")
     if as_json:
         _print_json(data)
         return
@@ -309,10 +299,7 @@ def migrate(
     if not clickhouse:
         (data_dir / "chdb").mkdir(parents=True, exist_ok=True)
     with _store(data_dir, clickhouse, database, check=False) as store:
-        try:
-            applied = store.migrate()
-        except AuditStoreError as exc:
-            _fail(str(exc))
+        applied = store.migrate()
         where = chdb_folder(store.url) or store.url
     if applied:
         typer.echo(f"{database} in {where}: applied " + ", ".join(m.path.name for m in applied))
@@ -329,10 +316,7 @@ def status(
 ) -> None:
     """Which migrations are applied and which are pending."""
     with _store(data_dir, clickhouse, database, check=False) as store:
-        try:
-            rows = store.migration_status()
-        except AuditStoreError as exc:
-            _fail(str(exc))
+        rows = store.migration_status()
     if as_json:
         _print_json(rows)
         return

@@ -8,9 +8,12 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-bench_app = typer.Typer(
-    add_completion=False,
+from schemas.errors import UsageError
+from trainmedic.cli_base import new_app
+
+bench_app = new_app(
     invoke_without_command=True,
+    no_args_is_help=False,
     help=(
         "Benchmark the whole pipeline against a simulated N-node x 8-GPU cluster with injected faults: "
         "detection and action latency, accuracy, consumer lag, CPU/RSS, the status quo beside each figure, "
@@ -27,8 +30,7 @@ def _pipeline() -> Any:
     except ImportError:
         # bench/ ships with the source tree, not the wheel: use the checkout this trainmedic runs from.
         if not (_REPO / "bench" / "pipeline.py").exists():
-            typer.secho("error: trainmedic bench needs a source checkout (bench/pipeline.py)", fg="red", err=True)
-            raise typer.Exit(2) from None
+            raise UsageError("trainmedic bench needs a source checkout (bench/pipeline.py)") from None
         sys.path.insert(0, str(_REPO))
         import bench.pipeline as pipeline
     return pipeline
@@ -85,7 +87,6 @@ def bench(
     try:
         options = pipeline.options_from_args(pipeline.parse_args(argv))
     except SystemExit as exc:
-        typer.secho(f"error: {exc}", fg="red", err=True)
-        raise typer.Exit(2) from None
+        raise UsageError(str(exc)) from None
     options.say = typer.echo
     pipeline.run_bench(options)

@@ -1,11 +1,14 @@
-"""The `trainmedic` command."""
+"""The `trainmedic` command: the app, its top-level verbs (up, demo, diagnose, executor) and the wiring.
+
+Each noun has its module: recommendations_cli, policy_cli, nodes_cli, mode_cli, audit_cli,
+produce_cli, readiness_cli, bench_cli. Exit statuses: schemas/errors.py, docs/cli.md.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import logging
-import os
 import signal
 import threading
 from pathlib import Path
@@ -13,23 +16,20 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from schemas.vocab import CATEGORIES, MODES, REJECT_REASONS
-from trainmedic.audit_cli import audit_app, db_app
+from schemas.errors import ConfigError, ExitCode, Unavailable, UsageError
+from trainmedic.audit_cli import audit_app
 from trainmedic.bench_cli import bench_app
+from trainmedic.cli_base import new_app
+from trainmedic.mode_cli import mode_app
+from trainmedic.nodes_cli import nodes_app
 from trainmedic.policy_cli import policy_app
 from trainmedic.produce_cli import produce_app
-from trainmedic.readiness_cli import label_cmd, readiness_cmd, replay_cmd
+from trainmedic.readiness_cli import readiness_cmd
+from trainmedic.recommendations_cli import recommendations_app
 
-app = typer.Typer(
-    add_completion=False, no_args_is_help=True, help="Workload-level recovery for distributed AI training on Slurm."
-)
+app = new_app(help="Workload-level recovery for distributed AI training on Slurm.")
 
 DataDir = Annotated[Path, typer.Option("--data-dir", help="Where the embedded chDB audit and logs live.")]
-
-
-def _fail(msg: str, code: int = 2) -> None:
-    typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(code)
 
 
 SshOpt = Annotated[Optional[str], typer.Option("--ssh", help="slurm-ssh: USER@HOST[:PORT] of a login node.")]
@@ -93,49 +93,39 @@ def up(
     rest_token_file: RestTokenFileOpt = None,
 ) -> None:
     """Start the broker (or use --bootstrap), streams worker, executor and audit sink, supervised; Ctrl-C stops all."""
-    from streams.policy import PolicyError, load_policy
-    from trainmedic.broker import BrokerError
-    from trainmedic.metrics_server import MetricsError, parse_address
-    from trainmedic.runtime import LOOPBACK, Stack, StackConfig, StackError
+    from streams.policy import load_policy
+    from trainmedic.metrics_server import parse_address
+    from trainmedic.runtime import LOOPBACK, Stack, StackConfig
 
     # Refusals that need no start-up work come first.
     if api_host not in LOOPBACK and not insecure:
-        _fail(
+        raise UsageError(
             f"--api-host {api_host}: the operator API binds loopback only unless --insecure is given "
             "(TLS termination belongs in front of it)"
         )
-    try:
-        metrics_at = parse_address(metrics_address)
-    except MetricsError as exc:
-        _fail(str(exc))
+    metrics_at = parse_address(metrics_address)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if mode not in (None, "monitor", "autonomous"):
-        _fail(f"--mode {mode!r}: expected monitor or autonomous")
-    try:
-        load_policy(policy)
-    except PolicyError as exc:
-        _fail(str(exc))
+        raise UsageError(f"--mode {mode!r}: expected monitor or autonomous")
+    load_policy(policy)
     sched = _backend(backend, ssh, ssh_key, known_hosts, remote_slurm_conf, (rest_url, rest_user, rest_token_file))
-    try:
-        config = StackConfig(
-            data_dir=data_dir,
-            bootstrap=bootstrap,
-            clickhouse=clickhouse,
-            policy=policy,
-            mode=mode,
-            api_port=api_port,
-            api_host=api_host,
-            api_insecure=insecure,
-            worker_metrics_port=metrics_port or None,
-            metrics_host=metrics_at[0] if metrics_at else "127.0.0.1",
-            metrics_port=metrics_at[1] if metrics_at else None,
-            broker_port=broker_port or None,
-            supervise=True,
-            max_crashes=max_crashes,
-        )
-        stack = Stack(config, sched).start()
-    except (StackError, BrokerError, MetricsError) as exc:
-        _fail(str(exc))
+    config = StackConfig(
+        data_dir=data_dir,
+        bootstrap=bootstrap,
+        clickhouse=clickhouse,
+        policy=policy,
+        mode=mode,
+        api_port=api_port,
+        api_host=api_host,
+        api_insecure=insecure,
+        worker_metrics_port=metrics_port or None,
+        metrics_host=metrics_at[0] if metrics_at else "127.0.0.1",
+        metrics_port=metrics_at[1] if metrics_at else None,
+        broker_port=broker_port or None,
+        supervise=True,
+        max_crashes=max_crashes,
+    )
+    stack = Stack(config, sched).start()
     durability = (
         f"The embedded broker on {stack.bootstrap} keeps events in memory only: stopping or restarting `up` "
         "loses events not yet processed; the audit is the durable record."
@@ -159,7 +149,7 @@ def up(
     if supervisor.gave_up.is_set():
         typer.echo("stopping after repeated crashes: executor, audit sink, streams worker, broker ...")
         stack.stop()
-        _fail(f"trainmedic stopped: {supervisor.failure}", code=3)
+        raise Unavailable(f"trainmedic stopped: {supervisor.failure}")
     typer.echo("stopping: executor, audit sink, streams worker, broker ...")
     stack.stop()
     typer.echo("trainmedic stopped cleanly.")
@@ -175,11 +165,10 @@ def demo(
     ] = False,
 ) -> None:
     """Run the whole loop: a simulated training job, a Xid 79, and trainmedic finding and fixing it."""
-    from trainmedic.demo import DemoError, run_demo
-    from trainmedic.runtime import StackError
+    from trainmedic.demo import run_demo
 
     if mode not in ("monitor", "autonomous"):
-        _fail(f"--mode {mode!r}: expected monitor or autonomous")
+        raise UsageError(f"--mode {mode!r}: expected monitor or autonomous")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     say = (lambda _m: None) if as_json else typer.echo
     if not as_json:
@@ -191,16 +180,13 @@ def demo(
                 else ""
             )
         )
-    try:
-        report = run_demo(data_dir, mode=mode, slurm=slurm, say=say)
-    except (DemoError, StackError) as exc:
-        _fail(str(exc))
+    report = run_demo(data_dir, mode=mode, slurm=slurm, say=say)
     if as_json:
         typer.echo(json.dumps(report, indent=2, default=str))
     else:
         _print_report(report)
     if not report["correct"]:
-        raise typer.Exit(1)
+        raise typer.Exit(ExitCode.NO)
 
 
 @app.command()
@@ -243,27 +229,24 @@ def diagnose(
     Exit status: 0 healthy, 1 a fault was found (or a crash of unknown cause), 2 bad input."""
     from trainmedic.diagnose import DiagnoseError, diagnose_paths
 
-    try:
-        if job is not None:
-            from trainmedic.diagnose_job import diagnose_job
+    if job is not None:
+        from trainmedic.diagnose_job import diagnose_job
 
-            if nodelist is not None or rank_map is not None:
-                raise DiagnoseError("--job takes the node list from Slurm: give no --nodelist or --rank-map with it")
-            report = diagnose_job(
-                job,
-                extra_paths=paths or [],
-                slurm_conf=slurm_conf,
-                ranks_per_node=ranks_per_node,
-                distribution=distribution,
-            )
-        elif not paths:
-            raise DiagnoseError("give log PATHS, or --job ID")
-        else:
-            report = diagnose_paths(
-                paths, nodelist=nodelist, ranks_per_node=ranks_per_node, distribution=distribution, rank_map=rank_map
-            )
-    except DiagnoseError as exc:
-        _fail(str(exc))
+        if nodelist is not None or rank_map is not None:
+            raise DiagnoseError("--job takes the node list from Slurm: give no --nodelist or --rank-map with it")
+        report = diagnose_job(
+            job,
+            extra_paths=paths or [],
+            slurm_conf=slurm_conf,
+            ranks_per_node=ranks_per_node,
+            distribution=distribution,
+        )
+    elif not paths:
+        raise DiagnoseError("give log PATHS, or --job ID")
+    else:
+        report = diagnose_paths(
+            paths, nodelist=nodelist, ranks_per_node=ranks_per_node, distribution=distribution, rank_map=rank_map
+        )
     if as_json:
         typer.echo(json.dumps(report, indent=2))
     else:
@@ -286,7 +269,7 @@ def diagnose(
                 where += f" rank {e['rank']}"
             typer.echo(f"  [{e['role']:10}] {e['signature']:28} {where:16} {e['line'][:160]}")
     if report["category"] != "healthy":
-        raise typer.Exit(1)
+        raise typer.Exit(ExitCode.NO)
 
 
 def _backend(
@@ -309,29 +292,29 @@ def _backend(
         from sinks.backends.slurm_ssh import slurm_ssh_backend
 
         if not ssh or not ssh_key or not known_hosts:
-            _fail("--backend slurm-ssh needs --ssh USER@HOST[:PORT], --ssh-key FILE and --known-hosts FILE")
-        assert ssh and ssh_key and known_hosts
+            raise UsageError("--backend slurm-ssh needs --ssh USER@HOST[:PORT], --ssh-key FILE and --known-hosts FILE")
         user, _, hostport = ssh.rpartition("@")
         host, _, port = hostport.partition(":")
         if not user or not host or (port and not port.isdigit()):
-            _fail(f"--ssh {ssh!r}: expected USER@HOST[:PORT]")
+            raise UsageError(f"--ssh {ssh!r}: expected USER@HOST[:PORT]")
         try:
             return slurm_ssh_backend(host, int(port or 22), user, ssh_key, known_hosts, slurm_conf=remote_slurm_conf)
         except (ValueError, OSError) as exc:
-            _fail(f"--ssh-key/--known-hosts: {exc}")
+            raise ConfigError(f"--ssh-key/--known-hosts: {exc}") from None
     if name == "slurm-rest":
         from sinks.backends.base import BackendError
         from sinks.backends.slurm_rest import SlurmRestBackend, TokenSource
 
         rest_url, rest_user, token_file = rest
         if not rest_url or not rest_user:
-            _fail("--backend slurm-rest needs --rest-url URL and --rest-user USER (token: --rest-token-file FILE)")
-        assert rest_url and rest_user
+            raise UsageError(
+                "--backend slurm-rest needs --rest-url URL and --rest-user USER (token: --rest-token-file FILE)"
+            )
         token = TokenSource(file=token_file) if token_file else TokenSource(env="TRAINMEDIC_SLURMRESTD_TOKEN")
         try:
             return SlurmRestBackend(rest_url, rest_user, token)
         except (BackendError, ValueError) as exc:
-            _fail(f"--backend slurm-rest: {exc}")
+            raise ConfigError(f"--backend slurm-rest: {exc}") from None
     if name == "simulated":
         from sinks.backends.simulated import SimulatedScheduler
 
@@ -343,8 +326,8 @@ def _backend(
         try:
             return PyslurmBackend()
         except BackendError as exc:
-            _fail(f"--backend pyslurm: {exc}")
-    _fail(f"--backend {name!r}: expected slurm-cli, slurm-ssh, slurm-rest, pyslurm or simulated")
+            raise ConfigError(f"--backend pyslurm: {exc}") from None
+    raise UsageError(f"--backend {name!r}: expected slurm-cli, slurm-ssh, slurm-rest, pyslurm or simulated")
 
 
 @app.command("executor")
@@ -367,19 +350,19 @@ def executor_cmd(
 ) -> None:
     """Run only the executor (one replica of its consumer group), e.g. as its own Deployment."""
     from sinks.executor import Executor, ExecutorService, ExecutorSettings
-    from sinks.guardrails import GuardrailConfigError, GuardrailFile, Guardrails
+    from sinks.guardrails import GuardrailFile, Guardrails
     from streams.policy import DEFAULT_POLICY
-    from trainmedic.metrics_server import MetricsError, MetricsServer, parse_address
-    from trainmedic.runtime import StackError, check_bootstrap
+    from trainmedic.metrics_server import MetricsServer, parse_address
+    from trainmedic.runtime import check_bootstrap
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    metrics_at = parse_address(metrics_address)
+    check_bootstrap(bootstrap)
+    rails = GuardrailFile(policy or DEFAULT_POLICY)
     try:
-        metrics_at = parse_address(metrics_address)
-        check_bootstrap(bootstrap)
-        rails = GuardrailFile(policy or DEFAULT_POLICY)
         metrics = MetricsServer(*metrics_at).start() if metrics_at else None
-    except (StackError, GuardrailConfigError, OSError, MetricsError) as exc:
-        _fail(str(exc))
+    except OSError as exc:
+        raise ConfigError(str(exc)) from None
     sched = _backend(backend, ssh, ssh_key, known_hosts, remote_slurm_conf, (rest_url, rest_user, rest_token_file))
     service = ExecutorService(
         bootstrap,
@@ -395,189 +378,20 @@ def executor_cmd(
     except Exception as exc:
         # Only `up` supervises: alone, a dead loop exits non-zero so systemd or Kubernetes restarts it.
         logging.getLogger("trainmedic.executor").exception("the executor loop died")
-        _fail(f"the executor loop died: {type(exc).__name__}: {exc}", code=3)
+        raise Unavailable(f"the executor loop died: {type(exc).__name__}: {exc}") from None
     if not service.stop_event.is_set():
-        _fail("the executor loop ended without being asked to stop", code=3)
+        raise Unavailable("the executor loop ended without being asked to stop")
     typer.echo("executor stopped.")
 
 
-ApiOpt = Annotated[Optional[str], typer.Option("--api", help="Operator API URL (default: from DATA_DIR/runtime.json).")]
-TokenOpt = Annotated[
-    Optional[str], typer.Option("--token", help="API token (default: TRAINMEDIC_TOKEN or DATA_DIR/api-token).")
-]
-OperatorOpt = Annotated[str, typer.Option("--operator", help="Who is doing this (recorded in the audit).")]
-
-
-def _api(data_dir: Path, api: str | None, token: str | None, method: str, path: str, body: Any = None) -> Any:
-    from trainmedic.client import ClientError, api_token, api_url, call
-
-    try:
-        return call(api_url(data_dir, api), api_token(data_dir, token), method, path, body)
-    except ClientError as exc:
-        _fail(str(exc))
-
-
-def _whoami() -> str:
-    return os.environ.get("USER") or os.environ.get("LOGNAME") or "operator"
-
-
-@app.command()
-def approve(
-    decision_id: Annotated[str, typer.Argument(help="The recommendation's decision id (dec-...).")],
-    comment: Annotated[str, typer.Option(help="Why.")] = "",
-    operator: OperatorOpt = "",
-    data_dir: DataDir = Path("var"),
-    api: ApiOpt = None,
-    token: TokenOpt = None,
-) -> None:
-    """Approve a monitor-mode recommendation: the executor carries it out, recorded with who approved."""
-    r = _api(
-        data_dir,
-        api,
-        token,
-        "POST",
-        f"/api/recommendations/{decision_id}/approve",
-        {"operator": operator or _whoami(), "comment": comment},
-    )
-    typer.echo(f"approved {decision_id}: action {r['action_id']} sent to the executor")
-
-
-@app.command()
-def reject(
-    decision_id: Annotated[str, typer.Argument(help="The recommendation's decision id (dec-...).")],
-    reason: Annotated[str, typer.Option(help=f"One of: {', '.join(REJECT_REASONS)}.")],
-    comment: Annotated[str, typer.Option(help="Free text.")] = "",
-    operator: OperatorOpt = "",
-    data_dir: DataDir = Path("var"),
-    api: ApiOpt = None,
-    token: TokenOpt = None,
-) -> None:
-    """Reject a recommendation, with a reason from a fixed list (it feeds readiness scoring)."""
-    if reason not in REJECT_REASONS:
-        _fail(f"--reason {reason!r}: expected one of {', '.join(REJECT_REASONS)}")
-    _api(
-        data_dir,
-        api,
-        token,
-        "POST",
-        f"/api/recommendations/{decision_id}/reject",
-        {"operator": operator or _whoami(), "reason": reason, "comment": comment},
-    )
-    typer.echo(f"rejected {decision_id} ({reason})")
-
-
-@app.command()
-def recommendations(
-    data_dir: DataDir = Path("var"),
-    api: ApiOpt = None,
-    token: TokenOpt = None,
-    as_json: Annotated[bool, typer.Option("--json")] = False,
-) -> None:
-    """List recommendations waiting for an operator."""
-    rows = _api(data_dir, api, token, "GET", "/api/recommendations")
-    if as_json:
-        typer.echo(json.dumps(rows, indent=2))
-        return
-    for r in rows:
-        typer.echo(
-            f"{r['decision_id']}  {r['event_time'][:19]}  job {r['job_id'] or '-':8} {r['category']:13} "
-            f"{r['action']:18} culprit {r['culprit_node'] or '-':8} {r['verdict'] or 'pending'}"
-        )
-
-
-app.add_typer(produce_app, name="produce")
-app.add_typer(audit_app, name="audit")
-app.add_typer(db_app, name="db")
+app.add_typer(recommendations_app, name="recommendations")
 app.add_typer(policy_app, name="policy")
-app.add_typer(bench_app, name="bench")
-app.command("readiness")(readiness_cmd)
-app.command("replay")(replay_cmd)
-app.command("label")(label_cmd)
-
-mode_app = typer.Typer(help="Autonomy per partition and category (audited; takes effect without a restart).")
+app.add_typer(nodes_app, name="nodes")
 app.add_typer(mode_app, name="mode")
-
-
-@mode_app.command("show")
-def mode_show(data_dir: DataDir = Path("var"), api: ApiOpt = None, token: TokenOpt = None) -> None:
-    """Print the modes in force: default, per category, per partition."""
-    typer.echo(json.dumps(_api(data_dir, api, token, "GET", "/api/modes"), indent=2))
-
-
-@mode_app.command("set")
-def mode_set(
-    mode: Annotated[str, typer.Argument(help="monitor or autonomous")],
-    partition: Annotated[Optional[str], typer.Option(help="Only this partition.")] = None,
-    category: Annotated[Optional[str], typer.Option(help="Only this category.")] = None,
-    reason: Annotated[str, typer.Option(help="Why (recorded).")] = "",
-    force: Annotated[bool, typer.Option(help="Record that a readiness verdict was overridden.")] = False,
-    operator: OperatorOpt = "",
-    data_dir: DataDir = Path("var"),
-    api: ApiOpt = None,
-    token: TokenOpt = None,
-) -> None:
-    """Switch monitor/autonomous for everything, a partition, a category, or both."""
-    if mode not in MODES:
-        _fail(f"mode {mode!r}: expected one of {', '.join(MODES)}")
-    if category is not None and category not in CATEGORIES:
-        _fail(f"--category {category!r}: expected one of {', '.join(CATEGORIES)}")
-    r = _api(
-        data_dir,
-        api,
-        token,
-        "POST",
-        "/api/modes",
-        {
-            "mode": mode,
-            "partition": partition,
-            "category": category,
-            "operator": operator or _whoami(),
-            "reason": reason,
-            "force": force,
-        },
-    )
-    typer.echo(
-        f"mode for partition={r['partition'] or '*'} category={r['category'] or '*'}: "
-        f"{r['old_mode']} -> {r['new_mode']}"
-    )
-
-
-@app.command()
-def nodes(
-    data_dir: DataDir = Path("var"),
-    api: ApiOpt = None,
-    token: TokenOpt = None,
-    as_json: Annotated[bool, typer.Option("--json")] = False,
-) -> None:
-    """Nodes as the scheduler sees them; drained ones with their reason and incident."""
-    rows = _api(data_dir, api, token, "GET", "/api/nodes")
-    if as_json:
-        typer.echo(json.dumps(rows, indent=2))
-        return
-    for r in rows:
-        flags = ",".join(r["flags"]) or "-"
-        typer.echo(f"{r['node']:12} {r['state']:10} {flags:16} {r['incident_id'] or '':26} {r['reason'] or ''}")
-
-
-@app.command()
-def resume(
-    node: Annotated[str, typer.Argument(help="A node trainmedic drained.")],
-    comment: Annotated[str, typer.Option(help="What was fixed.")] = "",
-    operator: OperatorOpt = "",
-    data_dir: DataDir = Path("var"),
-    api: ApiOpt = None,
-    token: TokenOpt = None,
-) -> None:
-    """Return a node trainmedic drained to service (refused for nodes drained by someone else)."""
-    r = _api(
-        data_dir,
-        api,
-        token,
-        "POST",
-        f"/api/nodes/{node}/resume",
-        {"operator": operator or _whoami(), "comment": comment},
-    )
-    typer.echo(f"resumed {node} (it was drained for {r['incident_id']})")
+app.add_typer(audit_app, name="audit")
+app.add_typer(produce_app, name="produce")
+app.command("readiness")(readiness_cmd)
+app.add_typer(bench_app, name="bench")
 
 
 def _print_report(r: dict[str, Any]) -> None:

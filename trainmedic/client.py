@@ -10,9 +10,23 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from schemas.errors import ConfigError, Refused, TrainmedicError, Unavailable
 
-class ClientError(RuntimeError):
-    pass
+
+class ClientError(TrainmedicError, RuntimeError):
+    """A call to the operator API failed; the subclass says how (and so the CLI's exit status)."""
+
+
+class ApiUnreachable(ClientError, Unavailable):
+    """No `trainmedic up` is running there, it does not answer, or it failed (5xx)."""
+
+
+class ApiRefused(ClientError, Refused):
+    """The API answered 4xx: unknown id, bad token, already decided, not ready for autonomy..."""
+
+
+class ClientConfigError(ClientError, ConfigError):
+    """No token, or the running `trainmedic up` serves no API."""
 
 
 def api_url(data_dir: Path, explicit: str | None) -> str:
@@ -22,11 +36,11 @@ def api_url(data_dir: Path, explicit: str | None) -> str:
     try:
         info = json.loads(runtime.read_text())
     except (OSError, ValueError):
-        raise ClientError(
+        raise ApiUnreachable(
             f"trainmedic up is not running with data dir {data_dir} ({runtime} missing); start it, or pass --api URL"
         ) from None
     if not info.get("api_url"):
-        raise ClientError(f"the running trainmedic up ({runtime}) serves no operator API")
+        raise ClientConfigError(f"the running trainmedic up ({runtime}) serves no operator API")
     return str(info["api_url"])
 
 
@@ -37,7 +51,9 @@ def api_token(data_dir: Path, explicit: str | None) -> str:
     try:
         return (data_dir / "api-token").read_text().strip()
     except OSError:
-        raise ClientError(f"no token: pass --token, set TRAINMEDIC_TOKEN, or read {data_dir / 'api-token'}") from None
+        raise ClientConfigError(
+            f"no token: pass --token, set TRAINMEDIC_TOKEN, or read {data_dir / 'api-token'}"
+        ) from None
 
 
 def call(url: str, token: str, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
@@ -56,6 +72,7 @@ def call(url: str, token: str, method: str, path: str, body: dict[str, Any] | No
             detail = json.loads(exc.read()).get("detail")
         except ValueError:
             detail = exc.reason
-        raise ClientError(f"{method} {path}: {exc.code} {detail}") from None
+        error = ApiRefused if exc.code < 500 else ApiUnreachable
+        raise error(f"{method} {path}: {exc.code} {detail}") from None
     except urllib.error.URLError as exc:
-        raise ClientError(f"cannot reach the trainmedic API at {url}: {exc.reason}") from None
+        raise ApiUnreachable(f"cannot reach the trainmedic API at {url}: {exc.reason}") from None

@@ -1,23 +1,22 @@
-"""`trainmedic policy check FILE` and `trainmedic policy explain --incident ID`: dry-run the policy."""
+"""`trainmedic policy check FILE`, `policy explain --incident ID`, `policy replay --policy FILE`: dry-run a policy."""
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from sinks.guardrails import GuardrailConfigError, parse_guardrails
-from streams.policy import PolicyError, explain, load_overlay, load_policy, parse_policy
+from schemas.errors import NotFound, UsageError
+from sinks.guardrails import parse_guardrails
+from streams.policy import explain, load_overlay, load_policy, parse_policy
+from trainmedic.cli_base import AsJson, new_app, running_api, since_days
 
-policy_app = typer.Typer(
-    help="Check a policy file; explain what it decides for a recorded incident.", no_args_is_help=True
+policy_app = new_app(
+    help="Check a policy file; explain what it decides for a recorded incident; replay history through it."
 )
-
-
-def _fail(msg: str) -> None:
-    typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(2)
 
 
 @policy_app.command("check")
@@ -28,9 +27,7 @@ def check(path: Annotated[Path, typer.Argument(help="Policy YAML.")]) -> None:
         policy = parse_policy(text, str(path))
         rails = parse_guardrails(text, str(path))
     except OSError as exc:
-        _fail(f"{path}: cannot read: {exc.strerror}")
-    except (PolicyError, GuardrailConfigError) as exc:
-        _fail(str(exc))
+        raise UsageError(f"{path}: cannot read: {exc.strerror}") from None
     typer.echo(f"{path}: valid")
     typer.echo(
         f"  mode {policy.mode}; categories {policy.categories or '-'}; "
@@ -62,16 +59,50 @@ def explain_cmd(
     from trainmedic.audit_cli import open_store
     from trainmedic.replay import load_incident
 
-    try:
-        pol = load_policy(policy).with_overlay(load_overlay(data_dir / "modes.yaml"))
-    except PolicyError as exc:
-        _fail(str(exc))
+    pol = load_policy(policy).with_overlay(load_overlay(data_dir / "modes.yaml"))
     store = open_store(data_dir, clickhouse, database)
     try:
         inc = load_incident(store, incident)
     finally:
         store.close()
     if inc is None:
-        _fail(f"no incident {incident} in the audit")
-    assert inc is not None
+        raise NotFound(f"no incident {incident} in the audit")
     typer.echo("\n".join(explain(pol, inc)))
+
+
+@policy_app.command("replay")
+def replay_cmd(
+    policy: Annotated[Path, typer.Option(help="The policy to try (YAML).")],
+    since: Annotated[str, typer.Option(help="History to replay: 7d, 24h.")] = "7d",
+    data_dir: Annotated[Path, typer.Option("--data-dir", help="trainmedic's data folder.")] = Path("var"),
+    clickhouse: Annotated[Optional[str], typer.Option("--clickhouse", help="ClickHouse URL instead of chDB.")] = None,
+    database: Annotated[str, typer.Option("--database")] = "trainmedic",
+    as_json: AsJson = False,
+) -> None:
+    """Replay recorded incidents through another policy, side by side with what happened. Executes nothing."""
+    from trainmedic.client import call
+    from trainmedic.replay import render, replay
+
+    days = since_days(since)
+    try:
+        text = policy.read_text()
+    except OSError as exc:
+        raise UsageError(f"--policy {policy}: {exc.strerror}") from None
+    new_policy = parse_policy(text, str(policy))
+    api = running_api(data_dir, clickhouse)
+    if api is not None:
+        report = call(
+            api[0], api[1], "POST", "/api/replay", {"policy_yaml": text, "policy_name": str(policy), "since_days": days}
+        )
+    else:
+        from trainmedic.audit_cli import open_store
+
+        store = open_store(data_dir, clickhouse, database)
+        try:
+            report = replay(store, new_policy, since_s=time.time() - days * 86400)
+        finally:
+            store.close()
+    if as_json:
+        typer.echo(json.dumps(report, indent=2, default=str))
+    else:
+        typer.echo("\n".join(render(report)))

@@ -13,13 +13,14 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 import typer
 
 from bus.publish import Publisher
+from schemas.errors import ConfigError, Unavailable, UsageError
+from trainmedic.cli_base import new_app
 
 if TYPE_CHECKING:
     from producers.position import Checkpointer, PositionStore
 
-produce_app = typer.Typer(
-    help="Run a signal producer: gpu (NVML), dcgm, kernel, logs, slurm, ingest. Each publishes to Kafka.",
-    no_args_is_help=True,
+produce_app = new_app(
+    help="Run a signal producer: gpu (NVML), dcgm, kernel, logs, slurm, ingest. Each publishes to Kafka."
 )
 
 BootstrapOpt = Annotated[
@@ -27,11 +28,6 @@ BootstrapOpt = Annotated[
 ]
 DataDirOpt = Annotated[Path, typer.Option("--data-dir", help="Where a local `trainmedic up` keeps runtime.json.")]
 NodeOpt = Annotated[Optional[str], typer.Option(help="Node name to report (default: this host's name).")]
-
-
-def _fail(msg: str) -> None:
-    typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(2)
 
 
 def _publisher(bootstrap: str | None, data_dir: Path, client_id: str) -> Publisher:
@@ -43,12 +39,12 @@ def _publisher(bootstrap: str | None, data_dir: Path, client_id: str) -> Publish
         try:
             bootstrap = json.loads(runtime_file.read_text())["bootstrap"]
         except (OSError, ValueError, KeyError):
-            _fail(f"--bootstrap not given and no running `trainmedic up` found in {data_dir}")
+            raise ConfigError(f"--bootstrap not given and no running `trainmedic up` found in {data_dir}") from None
     assert bootstrap
     try:
         check_bootstrap(bootstrap)
     except StackError as exc:
-        _fail(str(exc))
+        raise ConfigError(str(exc)) from None
     # A local `up` may be restarted with its broker elsewhere: follow runtime.json then.
     return Publisher(bootstrap, client_id, bootstrap_file=runtime_file)
 
@@ -88,15 +84,10 @@ def _run_loop(name: str, run: Callable[[threading.Event], object], stop: threadi
         run(stop)
     except Exception as exc:
         logging.getLogger("trainmedic.produce").exception("the %s producer's loop died", name)
-        _die(f"the {name} producer's loop died: {type(exc).__name__}: {exc}")
+        # Exit 3, as `trainmedic executor` does when its loop dies.
+        raise Unavailable(f"the {name} producer's loop died: {type(exc).__name__}: {exc}") from None
     if not stop.is_set():
-        _die(f"the {name} producer's loop ended without being asked to stop")
-
-
-def _die(msg: str) -> None:
-    # Exit 3, as `trainmedic executor` does when its loop dies (2 is a usage or setting error).
-    typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(3)
+        raise Unavailable(f"the {name} producer's loop ended without being asked to stop")
 
 
 def _finish(pub: Publisher, counters: dict[str, Any], checkpoint: Checkpointer | None = None) -> None:
@@ -129,7 +120,7 @@ def gpu(
     try:
         producer = NvmlProducer(pub, node=node or None, interval_s=interval)
     except NvmlUnavailable as exc:
-        _fail(str(exc))
+        raise UsageError(str(exc)) from None
     stop = _stop_event()
     typer.echo(f"producing GPU samples every {interval:g} s")
     with producer:
@@ -154,7 +145,7 @@ def dcgm(
     try:
         producer = DcgmProducer(pub, url, interval_s=interval, timeout_s=timeout, node=node)
     except ValueError as exc:
-        _fail(f"--url: {exc}")
+        raise UsageError(f"--url: {exc}") from None
     _run_loop("dcgm", producer.run)
     _finish(pub, {"scrapes": producer.scrapes, "samples": producer.samples, "errors": producer.errors})
 
@@ -193,7 +184,7 @@ def kernel(
     from producers.position import Checkpointer
 
     if sum((file is not None, kmsg, journal)) != 1:
-        _fail("give exactly one of --file PATH, --kmsg, --journal")
+        raise UsageError("give exactly one of --file PATH, --kmsg, --journal")
     _logging()
     pub = _publisher(bootstrap, data_dir, "trainmedic-kernel")
     stop = _stop_event()
@@ -243,7 +234,7 @@ def kernel(
                 if stop.is_set():
                     break
     except OSError as exc:
-        _fail(f"cannot read the kernel log: {exc}")
+        raise UsageError(f"cannot read the kernel log: {exc}") from None
     _finish(pub, {"published": stream.published}, checkpoint)
 
 
@@ -274,15 +265,15 @@ def logs(
     from producers.position import Checkpointer
 
     if discover == bool(job):
-        _fail("give either --discover or --job ID --path FILE")
+        raise UsageError("give either --discover or --job ID --path FILE")
     if interval <= 0:
-        _fail("--interval must be > 0")
+        raise UsageError("--interval must be > 0")
     if placements not in ("slurm", "bus"):
-        _fail(f"--placements {placements!r}: expected 'slurm' or 'bus'")
+        raise UsageError(f"--placements {placements!r}: expected 'slurm' or 'bus'")
     if placements == "bus" and not only_node:
-        _fail("--placements bus needs --only-node NODE (the node whose jobs to follow)")
+        raise UsageError("--placements bus needs --only-node NODE (the node whose jobs to follow)")
     if resync <= 0:
-        _fail("--resync must be > 0")
+        raise UsageError("--resync must be > 0")
     _logging()
     pub = _publisher(bootstrap, data_dir, "trainmedic-logs")
     stop = _stop_event()
@@ -298,7 +289,7 @@ def logs(
                     BusPlacements(pub.bootstrap, only_node, resync=finder.running_jobs, resync_s=resync)
                 )
             except ValueError as exc:
-                _fail(str(exc))
+                raise UsageError(str(exc)) from None
         checkpoint = Checkpointer(store, finder.current_positions, _flushed(pub))
         while not stop.is_set():
             finder.poll_once()
@@ -311,7 +302,7 @@ def logs(
             t.close()
         return
     if not path:
-        _fail("--job needs at least one --path")
+        raise UsageError("--job needs at least one --path")
     assert job and path
     layout = JobLayout(tuple(n for n in (nodes or "").split(",") if n), ranks_per_node)
     store = _positions(state_dir, data_dir, f"logs-job-{job}")
@@ -365,7 +356,7 @@ def ingest(
     try:
         token = load_token(token_file)
     except IngestConfigError as exc:
-        _fail(str(exc))
+        raise UsageError(str(exc)) from None
     pub = _publisher(bootstrap, data_dir, "trainmedic-ingest")
     try:
         stats = run_ingest(
@@ -379,5 +370,5 @@ def ingest(
             stop_event=_stop_event(),
         )
     except IngestConfigError as exc:
-        _fail(str(exc))
+        raise UsageError(str(exc)) from None
     _finish(pub, {"stats": str(stats)})

@@ -217,7 +217,7 @@ def test_monitor_mode_recommendation_then_approve(
         cli = [sys.executable, "-m", "trainmedic.cli"]
         common = ["--data-dir", str(tmp_path), "--api", api.url]
         unknown = subprocess.run(
-            [*cli, "approve", "dec-doesnotexist", *common, "--operator", "alice"],
+            [*cli, "recommendations", "approve", "dec-doesnotexist", *common, "--operator", "alice"],
             capture_output=True,
             text=True,
             timeout=60,
@@ -225,7 +225,7 @@ def test_monitor_mode_recommendation_then_approve(
         )
         assert unknown.returncode == 2 and "404" in unknown.stderr
         no_token = subprocess.run(
-            [*cli, "approve", dec["decision_id"], *common, "--token", "wrong-token-123456"],
+            [*cli, "recommendations", "approve", dec["decision_id"], *common, "--token", "wrong-token-123456"],
             capture_output=True,
             text=True,
             timeout=60,
@@ -234,7 +234,7 @@ def test_monitor_mode_recommendation_then_approve(
         assert no_token.returncode == 2 and "401" in no_token.stderr
         assert sched.calls == []  # neither did anything
         ok = subprocess.run(
-            [*cli, "approve", dec["decision_id"], *common, "--operator", "alice"],
+            [*cli, "recommendations", "approve", dec["decision_id"], *common, "--operator", "alice"],
             capture_output=True,
             text=True,
             timeout=60,
@@ -253,7 +253,7 @@ def test_monitor_mode_recommendation_then_approve(
         )[0]
         assert act["requested_by"] == "operator:alice"
         again = subprocess.run(
-            [*cli, "approve", dec["decision_id"], *common, "--operator", "bob"],
+            [*cli, "recommendations", "approve", dec["decision_id"], *common, "--operator", "bob"],
             capture_output=True,
             text=True,
             timeout=60,

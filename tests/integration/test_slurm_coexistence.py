@@ -3,7 +3,7 @@
 Someone else's drain (NHC, an admin, NVSentinel: a reason without trainmedic's
 incident prefix) becomes a scheduler event with its reason, author and time;
 trainmedic neither overwrites it (the backend refuses the drain before calling
-Slurm) nor resumes it (`trainmedic resume`'s API refuses), and readiness counts
+Slurm) nor resumes it (`trainmedic nodes resume`'s API refuses), and readiness counts
 it as a miss - unless it is planned maintenance: the node is in an active MAINT
 reservation, or the reason matches a maintenance pattern. An action on a node
 in a MAINT reservation is suppressed: the executor reports it ``skipped`` with
@@ -170,7 +170,7 @@ def test_someone_elses_drain_is_an_event_left_alone_and_a_miss_unless_maintenanc
     assert (after.reason, after.reason_user) == (NHC, "root")
     assert not backend.node_state("gpu02").drained
 
-    # ...nor resumes it: `trainmedic resume` goes through this API call.
+    # ...nor resumes it: `trainmedic nodes resume` goes through this API call.
     store = AuditStore(chdb_url, database)
     try:
         store.migrate()

@@ -358,8 +358,7 @@ def test_api_catalog_names_every_operation_once() -> None:
 
 
 def test_cli_chooses_the_rest_backend(rest_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
-    import typer
-
+    from schemas.errors import UsageError
     from trainmedic.cli import _backend
 
     token_file = Path(rest_env["TRAINMEDIC_SLURMRESTD_TOKEN_FILE"])
@@ -369,7 +368,7 @@ def test_cli_chooses_the_rest_backend(rest_env: dict[str, str], monkeypatch: pyt
     assert _backend("slurm-rest", rest=(rest_env["TRAINMEDIC_SLURMRESTD_URL"], "root", None)).name == "slurm-rest"
     monkeypatch.delenv("TRAINMEDIC_SLURMRESTD_TOKEN")
     for rest in ((None, "root", token_file), (rest_env["TRAINMEDIC_SLURMRESTD_URL"], "root", None)):
-        with pytest.raises(typer.Exit):
+        with pytest.raises(UsageError):
             _backend("slurm-rest", rest=rest)
 
 
