@@ -558,7 +558,7 @@ def test_cli_says_when_another_process_holds_the_chdb_folder(real_run: RealRun) 
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "ready"
         proc = cli(real_run, "latency")
-        assert proc.returncode == 1
+        assert proc.returncode == 3  # the audit store is unavailable while another process holds it
         assert f"locked by PID {holder.pid}" in flat(proc.stderr) and "trainmedic up" in flat(proc.stderr)
     finally:
         assert holder.stdin is not None
@@ -576,7 +576,7 @@ def test_cli_missing_audit_and_database(real_run: RealRun, tmp_path: Path) -> No
         cwd=REPO,
         check=False,
     )
-    assert proc.returncode == 1 and "no audit at" in flat(proc.stderr)
+    assert proc.returncode == 2 and "no audit at" in flat(proc.stderr)
     proc = subprocess.run(
         [
             sys.executable,
@@ -594,4 +594,4 @@ def test_cli_missing_audit_and_database(real_run: RealRun, tmp_path: Path) -> No
         cwd=REPO,
         check=False,
     )
-    assert proc.returncode == 1 and "no database 'nope'" in flat(proc.stderr) and real_run.database in proc.stderr
+    assert proc.returncode == 2 and "no database 'nope'" in flat(proc.stderr) and real_run.database in proc.stderr
