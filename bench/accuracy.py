@@ -6,11 +6,13 @@ compares the diagnosis with the label. The corpus is split once, by source: `dev
 are tuned on, `test/` is held out and only reported. Per split, overall and per labeled category:
 
 - category accuracy: diagnosed category == labeled category;
-- action accuracy: recommended action == labeled action;
+- action accuracy: the action == labeled action, the action being what the default policy
+  (infra/policies/default.yaml, loaded as the streams worker loads it) decides for the diagnosed
+  incident: attribution states facts, policy alone chooses the action;
 - culprit accuracy: diagnosed culprit node == labeled culprit (null == null counts as right) and,
   where the label has `culprit_rank`, the diagnosed rank == that rank;
 - culprit where the log names it: the same, over the cases whose label has a culprit or a rank;
-- false actions on healthy: healthy cases whose recommended action is not `none`;
+- false actions on healthy: healthy cases whose action is not `none`;
 - `unknown`: cases labeled unknown ("needs a person"), and any action recommended on them.
 
 A label's optional `diagnose_args` (for example `{nodelist: "gpu[01-04]", ranks_per_node: 8}`) are
@@ -43,6 +45,7 @@ from bench.machine import machine
 from schemas.errors import UsageError
 from schemas.vocab import ACTIONS, CATEGORIES
 from schemas.yamlsafe import YamlError, load_yaml
+from streams.policy import Policy, load_policy
 from trainmedic.diagnose import DiagnoseError, diagnose_paths
 
 REPO = Path(__file__).resolve().parents[1]
@@ -197,15 +200,15 @@ def accepted_args() -> set[str] | None:
     return {p.name for p in params if p.kind in kinds}
 
 
-def run_case(case: Path, accepted: set[str] | None) -> Outcome:
+def run_case(case: Path, accepted: set[str] | None, policy: Policy | None = None) -> Outcome:
     label = load_label(case / LABEL_FILE)
     files = case_files(case)
     if not files:
         raise CorpusError(f"{case}: no log files")
-    kwargs = {k: v for k, v in label.diagnose_args.items() if accepted is None or k in accepted}
+    kwargs = {k: v for k, v in label.diagnose_args.items() if k != "policy" and (accepted is None or k in accepted)}
     ignored = sorted(set(label.diagnose_args) - set(kwargs))
     try:
-        report = diagnose_paths(files, **kwargs)
+        report = diagnose_paths(files, policy=policy or load_policy(), **kwargs)
     except DiagnoseError as exc:
         # The tool refusing a real log is a miss of the tool, not a malformed corpus.
         report = {
@@ -317,7 +320,8 @@ def misses(outcomes: list[Outcome]) -> list[dict[str, Any]]:
 def evaluate_split(split_dir: Path, accepted: set[str] | None) -> dict[str, Any]:
     if not split_dir.is_dir():
         raise CorpusError(f"{split_dir}: no such split directory")
-    outcomes = [run_case(case, accepted) for case in case_dirs(split_dir)]
+    policy = load_policy()  # the default policy, validated as the streams worker validates it
+    outcomes = [run_case(case, accepted, policy) for case in case_dirs(split_dir)]
     if not outcomes:
         raise CorpusError(f"{split_dir}: no cases (a case is a folder with a {LABEL_FILE})")
     return {

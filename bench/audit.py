@@ -90,6 +90,8 @@ def _gen(store: AuditStore, sizes: dict[str, int], t_end: float, old: bool) -> d
     t0 = t_end - span
     n_inc, n_anm, n_sch = sizes["incidents"], sizes["anomalies"], sizes["sched_events"]
     none = "NULL" if old else "''"
+    # Attribution chose an action when the old layout was in use; incidents no longer carry one.
+    recommended = "'drain_and_requeue'" if old else "''"
     per = max(1, n_anm // n_inc)  # anomalies per incident
 
     def ts(expr: str) -> str:
@@ -107,7 +109,7 @@ def _gen(store: AuditStore, sizes: dict[str, int], t_end: float, old: bool) -> d
             SELECT concat('inc-', toString(number)), {ts(inc_t)}, {ts(f"{inc_t} - 5 - intHash32(number) % 20")},
             {job}, concat('p', toString(cityHash64(number, 2) % 8)),
             arrayMap(k -> concat('node', toString((intHash32(number) + k) % {NODES})), range(4)),
-            {cat}, 'critical', {node}, toInt32(intHash32(number) % 32), 0.9, 'drain_and_requeue',
+            {cat}, 'critical', {node}, toInt32(intHash32(number) % 32), 0.9, {recommended},
             concat('Xid 79 on ', {node}, ': GPU has fallen off the bus'),
             concat('[{{"source":"kernel","signature":"xid_79","node":"', {node}, '","line":"NVRM: Xid (PCI:0000:1b:00): 79"}}]'),
             arrayMap(k -> concat('anm-', toString(number * {per} + k)), range({per})),

@@ -85,8 +85,6 @@ guardrails:
   max_drains_per_window: 10000
   drain_window_s: 3600
   max_drain_fraction: 0.5
-  max_restarts_per_job: 100
-  restart_window_s: 21600
   node_cooldown_s: 0
 """
 
@@ -317,7 +315,7 @@ def _query_audit(store: Any) -> dict[str, list[dict[str, Any]]]:
     return {
         "incidents": q(
             f"SELECT incident_id, {_secs('event_time')} AS t, {_secs('first_signal_time')} AS first_signal, job_id, "
-            "category, culprit_node, culprit_rank, confidence, recommended_action, explanation, detection_latency_s, "
+            "category, culprit_node, culprit_rank, confidence, explanation, detection_latency_s, "
             "length(anomaly_ids) AS n_anomalies "
             "FROM {db}.incidents FINAL ORDER BY t"
         ),

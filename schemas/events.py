@@ -286,12 +286,16 @@ class Incident(Event):
     culprit_rank: int | None = None
     culprit_gpu: int | None = None  # GPU index on the culprit node, when the evidence names it
     confidence: float = Field(ge=0.0, le=1.0)
-    recommended_action: ActionKind
+    # Facts only: which action they call for is policy's (streams.policy.choose_action).
+    # The fault lives on the culprit's node (the deciding signal's catalog `isolate`, or the same
+    # error on several ranks of one node): a restart must take that node out first.
+    isolate: bool = False
     # The culprit node against the scheduler's placement of the job: True one of its nodes,
     # False not one of them (a job's output named a foreign node), None placement unknown.
     culprit_in_job: bool | None = None
     # Whether isolating the culprit may be carried out (streams.policy.isolation: a node of the
-    # job per the scheduler, or the node whose own kernel/GPU reported the fault), and why not.
+    # job per the scheduler, or the node whose own kernel/GPU reported the fault), and why not;
+    # stated where `isolate` is.
     isolatable: bool = False
     isolation_note: str = Field(default="", max_length=1024)
     explanation: str

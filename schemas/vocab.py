@@ -32,6 +32,8 @@ Guardrail = Literal[
     "kill_switch",
     "partition_not_allowed",
     "blast_radius",
+    # No longer tripped: the per-job restart budget is the policy's (streams/policy.py), which
+    # stops the job instead. Kept so that trips recorded before (topics, audit) still decode.
     "restart_budget",
     "node_cooldown",
     # The node to drain is not one of the job's nodes per the scheduler (or they cannot be read).

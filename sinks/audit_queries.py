@@ -126,7 +126,7 @@ def check_schema(store: AuditStore) -> None:
 
 
 _INCIDENT_COLUMNS = """incident_id, detected_at, first_signal_time, job_id, partition, job_nodes, category, severity,
-    culprit_node, confidence, recommended_action, decision_kind, decision_action, decision_mode, verdict,
+    culprit_node, confidence, decision_kind, decision_action, decision_mode, verdict,
     actions, actions_done, actions_failed, guardrail_trips, verified_at,
     detection_latency_s, action_latency_s, recovery_s"""
 
@@ -136,7 +136,8 @@ CHILD_SKEW_S = 3600
 
 
 def summary_sql(where: str, child_where: str = "1") -> str:
-    """incident_summary (infra/clickhouse/007_layout.sql) for the incidents matching `where` only.
+    """incident_summary (infra/clickhouse/007_layout.sql) for the incidents matching `where` only,
+    less the incident's `recommended_action`: the action is policy's, `decision_action`.
 
     `where` filters incidents (on event_time, job_id, culprit_node: the sort key and
     bloom filters); the decisions, verdicts, results and trips are read for those
@@ -150,7 +151,7 @@ def summary_sql(where: str, child_where: str = "1") -> str:
     nullIf(i.job_id, '') AS job_id, nullIf(i.partition, '') AS partition, i.job_nodes AS job_nodes,
     toUInt32(length(i.job_nodes)) AS job_node_count, i.category AS category, i.severity AS severity,
     nullIf(i.culprit_node, '') AS culprit_node, i.confidence AS confidence,
-    i.recommended_action AS recommended_action, i.detection_latency_s AS detection_latency_s,
+    i.detection_latency_s AS detection_latency_s,
     d.decision_kind AS decision_kind, d.decision_action AS decision_action, d.decision_mode AS decision_mode,
     ap.verdict AS verdict, ap.verdict_at AS verdict_at, ap.operator AS operator,
     r.actions AS actions, r.actions_done AS actions_done, r.actions_failed AS actions_failed,
@@ -257,8 +258,7 @@ LEFT JOIN ({m}) AS m ON m.anomaly_id = a.event_id""")
         parts.append(f"""SELECT event_time, 'incident', toUInt8(2), incident_id, incident_id, nullIf(job_id, ''),
     nullIf(culprit_node, ''), nullIf(partition, ''), toString(category),
     concat(category, ' ', severity, ', culprit ', if(culprit_node = '', '?', culprit_node),
-        ', confidence ', toString(round(confidence, 2)), ', recommends ', recommended_action,
-        ', detection ', toString(detection_latency_s), ' s'),
+        ', confidence ', toString(round(confidence, 2)), ', detection ', toString(detection_latency_s), ' s'),
     explanation
 FROM {{db}}.incidents FINAL WHERE {w}""")
     if w := wheres.get("decision"):

@@ -2,19 +2,23 @@
 
 Settings live in the `guardrails:` section of the policy file and are reread
 when the file changes, so the kill switch takes effect without a restart.
+They are cluster-wide caps only: the kill switch, the partitions autonomy may
+act in, drains per window and the share of a partition drained (blast radius),
+and the node cooldown. How often one job may be restarted is the policy's
+`restart_budget` alone (streams/policy.py); a file that still sets the old
+`max_restarts_per_job` / `restart_window_s` here is refused, not ignored.
 
 What counts is every scheduler call that may have taken effect, not actions
 that ended well: a drain that was sent counts toward the drain window, the
 node cooldown and the blast radius whether its requeue then failed, timed out
-or the executor crashed; a requeue counts toward the job's restart budget. The
-executor writes an ActionAttempt to the action.attempts topic (acks=all,
-flushed) before each call and feeds it to `count()`; when it takes over the
-acting lease it reads the topic back through the same `count()`. So there is
-one accounting path, a crash between record and call errs on the side of
-counting, and, as exactly one executor replica acts at a time and reads back
-what the previous one recorded before acting, the count holds across replicas.
-The per-job budget also reads Slurm's own restart counter, and the partition
-drain fraction is read from the scheduler on every drain.
+or the executor crashed. The executor writes an ActionAttempt to the
+action.attempts topic (acks=all, flushed) before each call and feeds it to
+`count()`; when it takes over the acting lease it reads the topic back through
+the same `count()`. So there is one accounting path, a crash between record and
+call errs on the side of counting, and, as exactly one executor replica acts at
+a time and reads back what the previous one recorded before acting, the count
+holds across replicas. The partition drain fraction is read from the scheduler
+on every drain.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from schemas.errors import ConfigError
 from schemas.events import Action, ActionAttempt, AttemptCall
@@ -41,6 +45,23 @@ class GuardrailConfigError(ConfigError, ValueError):
     pass
 
 
+# Keys this section had before the restart budget was the policy's alone, and where each went.
+# Refused rather than ignored: a file that still sets them expects a limit the executor no
+# longer enforces, and must not be read as if it were in force.
+MOVED_TO_POLICY: dict[str, str] = {
+    "max_restarts_per_job": "restart_budget.max_restarts",
+    "restart_window_s": "restart_budget.window_h (hours)",
+}
+
+
+def moved_key_error(key: str) -> str:
+    return (
+        f"{key} is no longer a guardrail: the per-job restart budget moved to the policy's "
+        f"{MOVED_TO_POLICY[key]} (one budget, counted by policy); remove it from guardrails "
+        "and set restart_budget instead"
+    )
+
+
 class GuardrailSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -51,9 +72,18 @@ class GuardrailSettings(BaseModel):
     max_drains_per_window: int = Field(default=2, ge=0)
     max_drain_fraction: float = Field(default=0.1, ge=0.0, le=1.0)
     drain_window_s: float = Field(default=3600.0, gt=0)
-    max_restarts_per_job: int = Field(default=3, ge=0)
-    restart_window_s: float = Field(default=6 * 3600.0, gt=0)
     node_cooldown_s: float = Field(default=600.0, ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_moved_keys(cls, data: object) -> object:
+        # Every way in (the file, a replayed policy's section) says where the key went,
+        # not only "extra inputs are not permitted".
+        if isinstance(data, dict):
+            for key in MOVED_TO_POLICY:
+                if key in data:
+                    raise ValueError(moved_key_error(key))
+        return data
 
 
 def parse_guardrails(text: str, origin: str) -> GuardrailSettings:
@@ -63,7 +93,15 @@ def parse_guardrails(text: str, origin: str) -> GuardrailSettings:
         data = load_yaml(text, origin) or {}
     except YamlError as exc:
         raise GuardrailConfigError(str(exc)) from None
-    section = data.get("guardrails", {}) if isinstance(data, dict) else {}
+    return guardrail_settings(data.get("guardrails", {}) if isinstance(data, dict) else {}, origin)
+
+
+def guardrail_settings(section: object, origin: str) -> GuardrailSettings:
+    """The `guardrails:` section (already parsed), validated; errors name the field."""
+    if isinstance(section, dict):
+        for key in MOVED_TO_POLICY:
+            if key in section:
+                raise GuardrailConfigError(f"{origin}: field 'guardrails.{key}': {moved_key_error(key)}")
     try:
         return GuardrailSettings.model_validate(section or {})
     except ValidationError as exc:
@@ -109,7 +147,6 @@ class Guardrails:
         self.backend = backend
         self._lock = threading.Lock()
         self._drains: list[tuple[float, str]] = []  # (when, node), in time order
-        self._requeues: dict[str, list[float]] = {}  # job id -> when, in time order
         self._node_acted: dict[str, float] = {}
         self._attempted: set[str] = set()  # action ids with at least one counted call
         self._counted: set[tuple[str, str]] = set()  # (action id, call): each counts once
@@ -118,7 +155,7 @@ class Guardrails:
     def horizon_s(self) -> float:
         """How far back attempted calls still count against a guardrail."""
         s = self.settings()
-        return max(s.drain_window_s, s.restart_window_s, s.node_cooldown_s)
+        return max(s.drain_window_s, s.node_cooldown_s)
 
     def count(self, attempt: ActionAttempt) -> bool:
         """Count one scheduler call that may have taken effect: the only way anything is counted,
@@ -137,9 +174,8 @@ class Guardrails:
             if attempt.call == "drain" and attempt.node:
                 bisect.insort(self._drains, (at, attempt.node))
                 self._node_acted[attempt.node] = max(at, self._node_acted.get(attempt.node, 0.0))
-            elif attempt.call == "requeue" and attempt.job_id:
-                bisect.insort(self._requeues.setdefault(attempt.job_id, []), at)
-            # cancel and hold are recorded (and mark the action as attempted) but no limit counts them.
+            # requeue, cancel and hold are recorded (and mark the action as attempted) but no
+            # guardrail counts them: restarts per job are the policy's restart budget.
             return True
 
     def restore(self, attempts: Iterable[ActionAttempt]) -> int:
@@ -198,13 +234,7 @@ class Guardrails:
             )
         with self._lock:
             if action.node and action.action == "drain_and_requeue":
-                trip = self._check_drain(s, action.node, now)
-                if trip:
-                    return trip
-            if action.job_id and action.action in ("requeue", "drain_and_requeue"):
-                trip = self._check_restarts(s, action.job_id, now)
-                if trip:
-                    return trip
+                return self._check_drain(s, action.node, now)
         return None
 
     def _check_drain(self, s: GuardrailSettings, node: str, now: float) -> Trip | None:
@@ -230,20 +260,4 @@ class Guardrails:
                     f"draining {node} would take {drained + 1} of {len(members)} nodes of partition(s) "
                     f"{','.join(sorted(part))} out of service (max_drain_fraction {s.max_drain_fraction:.0%})"
                 )
-        return None
-
-    def _check_restarts(self, s: GuardrailSettings, job_id: str, now: float) -> Trip | None:
-        times = [at for at in self._requeues.get(job_id, ()) if now - at <= s.restart_window_s]
-        self._requeues[job_id] = times
-        used_here = len(times)
-        try:
-            slurm_restarts = self.backend.job_state(job_id).restart_count
-        except Exception:  # an unknown job fails later, in the action itself, with its own error
-            slurm_restarts = 0
-        used = max(used_here, slurm_restarts)
-        if used >= s.max_restarts_per_job:
-            return "restart_budget", (
-                f"job {job_id} was restarted {used} time(s) (max_restarts_per_job {s.max_restarts_per_job} "
-                f"per {s.restart_window_s / 3600:.0f} h): not restarting it again"
-            )
         return None

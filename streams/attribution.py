@@ -7,8 +7,10 @@ severity, source and the earliest in time; the same error on every rank of one
 node is that node's; collective timeouts alone are judged by their context.
 
 The incident states facts: category, culprit node / rank / GPU, confidence,
-evidence, whether the culprit is one of the job's nodes per the scheduler, and
-whether isolating it may be carried out (streams.policy.isolation).
+evidence, whether the fault lives on the culprit's node (`isolate`), whether the
+culprit is one of the job's nodes per the scheduler, and whether isolating it may
+be carried out (streams.policy.isolation). Which action follows is policy's alone
+(streams.policy.choose_action).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from dataclasses import dataclass, field
 
 from schemas.events import Anomaly, Evidence, Incident, SchedEvent
 from schemas.ids import stable_id
-from schemas.vocab import ActionKind, Category
 from streams.causal import judge, tier
 from streams.policy import isolation
 
@@ -51,20 +52,6 @@ class _Allocation:
     # The placement is the scheduler's (a SchedEvent, or an incident that had one), not
     # what a job's log batches claim: only then can a culprit be checked against the job.
     from_scheduler: bool = False
-
-
-def recommended_action(category: Category, isolate: bool) -> ActionKind:
-    """What the fault calls for, whatever is known of where it is: isolation is never
-    downgraded to a plain restart for want of a node (policy decides what may be done)."""
-    if category in ("healthy", "unknown"):
-        return "none"
-    if category in ("user_code", "oom", "numerical", "storage"):
-        # A restart would fail again the same way.
-        return "stop"
-    # Whether the fault lives on the node is the catalog entry's `isolate`, not the category:
-    # NVIDIA's RESTART_APP Xids (a contained ECC error, say) need the job restarted, not the
-    # node taken out; an uncorrectable ECC error or a node failure takes the node out.
-    return "drain_and_requeue" if isolate else "requeue"
 
 
 class Attributor:
@@ -296,7 +283,7 @@ class Attributor:
             culprit_gpu=v.culprit_gpu,
             culprit_in_job=culprit_in_job,
             confidence=v.confidence,
-            recommended_action=recommended_action(v.category, v.isolate),
+            isolate=v.isolate,
             explanation=v.explanation,
             evidence=[
                 Evidence(
@@ -314,7 +301,7 @@ class Attributor:
             anomaly_ids=sorted(a.event_id for a in g.anomalies),
             first_signal_time=first,
         )
-        if draft.recommended_action != "drain_and_requeue":
+        if not draft.isolate:
             return draft
         ok, note = isolation(draft)
         return draft.model_copy(update={"isolatable": ok, "isolation_note": "" if ok else note})

@@ -1,7 +1,11 @@
 """Policy: what to do about an incident, and whether to do it or only recommend.
 
-The policy is a YAML file (default: infra/policies/default.yaml) validated at
-load; errors name the file, the line and the field.
+Attribution states facts (category, culprit, confidence, evidence, whether the
+fault lives on the culprit's node and whether isolating it may be carried out);
+the action is chosen here alone (`choose_action`, then rules, isolation, the
+restart budget and modes in `decide`). The policy is a YAML file (default:
+infra/policies/default.yaml) validated at load; errors name the file, the line
+and the field.
 """
 
 from __future__ import annotations
@@ -115,7 +119,8 @@ class Policy(BaseModel):
     stop: Literal["cancel", "hold"] = "cancel"  # how `stop` from `actions` stops a job
     restart_budget: RestartBudget = Field(default_factory=RestartBudget)
     min_confidence: float = Field(default=0.6, ge=0.0, le=1.0)
-    # Enforced by the executor (sinks/guardrails.py validates this section).
+    # Enforced by the executor (sinks/guardrails.py validates this section): cluster-wide caps
+    # only. The per-job restart budget is `restart_budget`, the only one.
     guardrails: dict[str, Any] = Field(default_factory=dict)
     readiness: ReadinessSettings = Field(default_factory=ReadinessSettings)
 
@@ -308,19 +313,50 @@ def isolation(incident: Incident) -> tuple[bool, str]:
     return False, f"culprit {node} is named by the job's output and the scheduler's placement of the job is unknown"
 
 
+#: The actions that restart the job; which of the two a category's restart is, the fault says.
+RESTARTS: tuple[ActionKind, ...] = ("requeue", "drain_and_requeue")
+
+
+def choose_action(policy: Policy, incident: Incident) -> tuple[ActionKind, str]:
+    """The action the incident's facts call for under the policy's category mapping (`actions`),
+    and the rule that says so. The only place an incident's facts become an action kind.
+
+    The category says whether the job is restarted, stopped or left alone. Whether a restart
+    takes the culprit's node out first is not the category's but the fault's (`isolate`, from
+    the deciding signal's catalog entry): NVIDIA's RESTART_APP Xids (a contained ECC error, say)
+    need the job restarted, not the node taken out; an uncorrectable ECC error, a node failure or
+    the node's own InfiniBand port going down take the node out, whatever the category maps to.
+    Isolation is chosen whether or not the node is known: `decide` never downgrades it to a plain
+    restart for want of one.
+    """
+    configured = policy.actions[incident.category]
+    rule = f"actions.{incident.category}={configured}"
+    if configured not in RESTARTS:
+        return configured, rule
+    if incident.isolate:
+        return "drain_and_requeue", rule + (
+            "" if configured == "drain_and_requeue" else " (fault of the node: isolate)"
+        )
+    return "requeue", rule + ("" if configured == "requeue" else " (not a fault of the node: requeue)")
+
+
 def decide(policy: Policy, incident: Incident, now: float, recent_restarts: int = 0) -> tuple[Decision, Action | None]:
     """Turn an incident into a decision, and an action when autonomy allows it.
+
+    The action is `choose_action`'s, unless a rule matches first: a rule is an operator's
+    explicit choice and is taken as written. On top: what may be carried out (isolation,
+    no job), the restart budget, the mode and min_confidence.
 
     `recent_restarts`: restarts this policy already ordered for the job within the
     restart budget's window (the caller counts them).
     """
     matched = next((r for r in policy.rules if r.match.matches(incident)), None)
+    action: ActionKind
     if matched is not None:
-        configured, stop_mode, rule = matched.action, matched.stop, f"rules.{matched.name}={matched.action}"
+        action, stop_mode, rule = matched.action, matched.stop, f"rules.{matched.name}={matched.action}"
     else:
-        configured = policy.actions[incident.category]
-        stop_mode, rule = policy.stop, f"actions.{incident.category}={configured}"
-    action: ActionKind = configured
+        action, rule = choose_action(policy, incident)
+        stop_mode = policy.stop
     reasons = [f"{incident.category} with confidence {incident.confidence:.2f}"]
     # Set when the decision may only be a recommendation, whatever the mode says.
     hold: str | None = None
@@ -343,7 +379,7 @@ def decide(policy: Policy, incident: Incident, now: float, recent_restarts: int 
             rule += " (culprit not resolved to a node of the job: recommendation only)"
             reasons.append(f"{note}: recommendation only")
     budget = policy.restart_budget
-    if action in ("requeue", "drain_and_requeue") and incident.job_id and recent_restarts >= budget.max_restarts:
+    if action in RESTARTS and incident.job_id and recent_restarts >= budget.max_restarts:
         # The job keeps failing: another restart would burn more GPU-hours. Stop it for a human.
         rule += f" (restart budget: {recent_restarts} restarts in {budget.window_h:g} h: stop and escalate)"
         action, stop_mode = "stop", budget.stop
@@ -420,12 +456,14 @@ def explain(policy: Policy, incident: Incident) -> list[str]:
     lines = [
         f"incident {incident.incident_id}: {incident.category} (severity {incident.severity}, confidence "
         f"{incident.confidence:.2f}) partition {incident.partition or '-'} culprit {incident.culprit_node or '-'} "
-        f"recommended {incident.recommended_action}",
+        f"fault of the node: {'yes' if incident.isolate else 'no'}",
         f"  job {incident.job_id or '-'} name {incident.job_name or '-'} user {incident.user or '-'} "
         f"account {incident.account or '-'}",
     ]
     for r in policy.rules:
         lines.append(f"  rule {r.name}: {'MATCHES' if r.match.matches(incident) else 'no match'} -> {r.action}")
+    chosen, by = choose_action(policy, incident)
+    lines.append(f"  facts call for: {chosen} ({by})")
     isolatable, note = isolation(incident)
     lines.append(f"  isolation: {'allowed' if isolatable else 'not allowed'} ({note})")
     decision, action = decide(policy, incident, now=incident.event_time)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from schemas.events import Action, Decision, Incident
 from schemas.vocab import MODES, Mode
-from streams.policy import DEFAULT_POLICY, Policy, PolicyError, decide, load_overlay, load_policy
+from streams.policy import DEFAULT_POLICY, RESTARTS, Policy, PolicyError, decide, load_overlay, load_policy
 
 log = logging.getLogger("trainmedic.policy")
 
@@ -28,8 +28,9 @@ class PolicyStore:
         self._override: Mode | None = mode_override  # type: ignore[assignment]
         self._mtimes = self._stat()
         self._policy = self._load()
-        # Restarts this worker ordered per job: the restart budget counts them. A worker
-        # restart forgets them; the executor's own budget also reads Slurm's counter.
+        # Restarts policy ordered per job: the restart budget (the only one: the executor's
+        # guardrails keep cluster-wide caps) counts them. A worker restart takes them back
+        # from the actions topic (`restore`).
         self._restarts: dict[str, deque[float]] = {}
 
     def _stat(self) -> tuple[float, float]:
@@ -68,7 +69,7 @@ class PolicyStore:
             if a.action_id in seen:
                 continue  # the same action published twice (a crash between send and commit)
             seen.add(a.action_id)
-            if a.requested_by == "policy" and a.action in ("requeue", "drain_and_requeue") and a.job_id:
+            if a.requested_by == "policy" and a.action in RESTARTS and a.job_id:
                 self._restarts.setdefault(a.job_id, deque()).append(a.event_time)
                 restored += 1
         return restored
@@ -80,6 +81,6 @@ class PolicyStore:
         while times and now - times[0] > window_s:
             times.popleft()
         decision, action = decide(policy, incident, now, recent_restarts=len(times))
-        if action is not None and action.action in ("requeue", "drain_and_requeue") and incident.job_id:
+        if action is not None and action.action in RESTARTS and incident.job_id:
             times.append(now)
         return decision, action

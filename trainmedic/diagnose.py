@@ -12,7 +12,8 @@ What runs, through the same functions as online:
   finding classified by the evidence in the same logs) and the hang detector (`HangDetector`);
 - kernel logs: the kernel producer's line parser, the Xid detector and the kernel-text detector
   (NVSwitch SXids, hung-task / D-state reports naming a filesystem);
-- one `Attributor` over all of it.
+- one `Attributor` over all of it, and the policy's `decide` on its incident (the default
+  policy unless another is given): the reported action is the policy's, as online.
 
 Time: each line's own timestamp where it has one (`streams.detectors.logtime`: ISO, Python
 logging, syslog without a year, glog, epoch seconds), else the previous line's time plus a
@@ -49,7 +50,6 @@ from producers.progress import ProgressParser
 from schemas.errors import UsageError
 from schemas.events import Anomaly, LogBatch, LogLine, ProgressBatch, ProgressSample
 from schemas.ids import stable_id
-from schemas.vocab import NEVER_ACTS
 from streams.attribution import Attributor
 from streams.detectors.divergence import DivergenceDetector, DivergenceSettings
 from streams.detectors.hang import MEANING_DUMP, HangDetector, parked_threads
@@ -58,6 +58,7 @@ from streams.detectors.logtime import FileClock, RawStamp, parse_stamp, referenc
 from streams.detectors.signatures import SignatureDetector
 from streams.detectors.throughput import ThroughputDetector, ThroughputSettings, with_evidence
 from streams.detectors.xid import XidDetector
+from streams.policy import Policy, decide, load_policy
 from trainmedic.rankmap import RankMap, RankMapError, from_nodelist, load_rank_map, ranks_per_node_from_log
 
 OFFLINE_JOB = "offline"
@@ -439,13 +440,6 @@ def _unknown_crash(ln: _Line) -> Anomaly:
 # -- report ------------------------------------------------------------------------------------
 
 
-def _top_anomaly(anomalies: Sequence[Anomaly], evidence: dict[str, Any]) -> Anomaly | None:
-    for a in anomalies:
-        if a.signature == evidence["signature"] and a.line == evidence["line"] and a.rank == evidence["rank"]:
-            return a
-    return None
-
-
 def placement(
     nodelist: str | None = None,
     ranks_per_node: int | None = None,
@@ -476,10 +470,12 @@ def diagnose_paths(
     rank_map: str | Path | None = None,
     stdin: TextIO | None = None,
     settings: OfflineSettings | None = None,
+    policy: Policy | None = None,
 ) -> dict[str, Any]:
     """Diagnose the inputs (see the module docstring). `nodelist` (a Slurm hostlist) with
     `ranks_per_node` and `distribution` (block, cyclic), or `rank_map` (a file of RANK NODE
-    lines), resolve a culprit rank to its node."""
+    lines), resolve a culprit rank to its node. `action` is what `policy` (default:
+    infra/policies/default.yaml, through the streams worker's loader) decides."""
     cfg = settings or OfflineSettings()
     ranks = placement(nodelist, ranks_per_node, distribution, rank_map)
     inputs = gather_inputs(paths, stdin)
@@ -525,19 +521,14 @@ def diagnose_paths(
         {"source": e.source, "signature": e.signature, "node": e.node, "rank": e.rank, "role": e.role, "line": e.line}
         for e in inc.evidence
     ]
-    action, explanation = inc.recommended_action, inc.explanation
+    # The action is the policy's, as the streams worker would decide it (attribution states facts).
+    action = decide(policy or load_policy(), inc, now=inc.event_time)[0].action
+    explanation = inc.explanation
     resolved = inc.culprit_node
-    top = _top_anomaly(anomalies, evidence[0]) if evidence else None
     if resolved is None and ranks is not None and inc.culprit_rank is not None:
         resolved = ranks.node_of(inc.culprit_rank)
         if resolved is not None:
             explanation += f"; rank {inc.culprit_rank} ran on {resolved} ({ranks.describe()})"
-    if inc.category in NEVER_ACTS:
-        action = "none"
-    elif top is not None and top.isolate and top.role == "root":
-        # Isolation is not downgraded when the log names no node: the recommendation names the
-        # culprit as far as it is known.
-        action = "drain_and_requeue"
     if action == "drain_and_requeue" and resolved is None:
         who = f"rank {inc.culprit_rank}" if inc.culprit_rank is not None else "the failing rank"
         if inc.culprit_gpu is not None:

@@ -3,8 +3,16 @@
 Each incident of the period is decided again with the new policy (the same
 `decide` the streams worker uses) and its actions are passed through the new
 policy's guardrails (the executor's own `Guardrails`, with a scheduler that
-knows nothing: guardrails that need live cluster state, the partition share
-and Slurm's restart counter, are judged from the replayed actions alone).
+knows nothing: the guardrail that needs live cluster state, the partition
+share, is judged from the replayed actions alone). The per-job restart budget
+is the policy's: the restarts it orders are counted per job as the streams
+worker counts them (streams/policy_store.py).
+
+The policy decides from the incident's facts; whether the fault lived on the
+culprit's node (`Incident.isolate`) is not an audit column. Rows written while
+attribution still chose the action say it by `recommended_action`
+(drain_and_requeue); later rows ('' there) by the recorded decision, where
+policy chose drain_and_requeue from that fact.
 
 GPU-hours use the audit's estimate (docs/audit.md): a fault costs
 job GPUs x recovery time; the baseline without trainmedic is the NCCL watchdog
@@ -24,8 +32,8 @@ from schemas.events import Evidence, Incident
 from sinks.audit import AuditStore
 from sinks.audit_queries import CHILD_SKEW_S, summary_sql
 from sinks.backends.base import JobState, NodeState
-from sinks.guardrails import Guardrails, GuardrailSettings
-from streams.policy import Policy, decide
+from sinks.guardrails import Guardrails, guardrail_settings
+from streams.policy import RESTARTS, Policy, decide
 
 GPUS_PER_NODE = 8
 BASELINE_RECOVERY_S = 600.0 + 1800.0
@@ -57,6 +65,13 @@ class Change:
     gpu_hours: float  # + saved by the new policy, - lost
 
 
+def _isolate(row: dict[str, Any]) -> bool:
+    recommended = row.get("recommended_action") or ""
+    if recommended:
+        return bool(recommended == "drain_and_requeue")
+    return bool(row.get("decision_action") == "drain_and_requeue")
+
+
 def _incident(row: dict[str, Any]) -> Incident:
     return Incident(
         event_id=row["incident_id"],
@@ -73,7 +88,7 @@ def _incident(row: dict[str, Any]) -> Incident:
         culprit_node=row["culprit_node"] or None,  # the table keeps '' for none
         culprit_rank=row["culprit_rank"],
         confidence=float(row["confidence"]),
-        recommended_action=row["recommended_action"],
+        isolate=_isolate(row),
         explanation=row["explanation"],
         evidence=[Evidence.model_validate(e) for e in orjson.loads(row["evidence"] or "[]")],
         anomaly_ids=list(row["anomaly_ids"]),
@@ -82,7 +97,13 @@ def _incident(row: dict[str, Any]) -> Incident:
 
 
 def load_incident(store: AuditStore, incident_id: str) -> Incident | None:
-    rows = store.query("SELECT * FROM {db}.incidents FINAL WHERE incident_id = {i:String}", {"i": incident_id})
+    rows = store.query(
+        "SELECT i.*, d.decision_action AS decision_action FROM {db}.incidents AS i FINAL LEFT JOIN ("
+        "SELECT incident_id, argMax(action, event_time) AS decision_action FROM {db}.decisions FINAL "
+        "WHERE incident_id = {i:String} GROUP BY incident_id) AS d ON d.incident_id = i.incident_id "
+        "WHERE i.incident_id = {i:String}",
+        {"i": incident_id},
+    )
     return _incident(rows[0]) if rows else None
 
 
@@ -103,13 +124,20 @@ def _load(store: AuditStore, since_s: float) -> list[tuple[Incident, dict[str, A
 
 def replay(store: AuditStore, policy: Policy, since_s: float) -> dict[str, Any]:
     recorded = _load(store, since_s)
-    rails = Guardrails(lambda: GuardrailSettings.model_validate(policy.guardrails), _NoCluster())  # type: ignore[arg-type]
+    settings = guardrail_settings(policy.guardrails, "the replayed policy")
+    rails = Guardrails(lambda: settings, _NoCluster())  # type: ignore[arg-type]
     measured = [float(r["action_latency_s"]) for _, r in recorded if r["action_latency_s"] is not None]
     action_s = statistics.median(measured) if measured else DEFAULT_ACTION_S
     changes: list[Change] = []
     acted_before = acted_after = trips = 0
+    window_s = policy.restart_budget.window_h * 3600
+    restarts: dict[str, list[float]] = {}  # job id -> when policy ordered a restart of it
     for incident, row in recorded:
-        decision, action = decide(policy, incident, now=incident.event_time)
+        now = incident.event_time
+        ordered = [t for t in restarts.get(incident.job_id or "", ()) if now - t <= window_s]
+        decision, action = decide(policy, incident, now=now, recent_restarts=len(ordered))
+        if action is not None and action.action in RESTARTS and incident.job_id:
+            restarts[incident.job_id] = [*ordered, now]
         guardrail = None
         if action is not None:
             trip = rails.check(action, incident.event_time)

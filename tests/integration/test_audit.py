@@ -96,7 +96,7 @@ def incident_events(
             severity="critical",
             culprit_node=node,
             confidence=0.9,
-            recommended_action=action,  # type: ignore[arg-type]
+            isolate=action == "drain_and_requeue",
             explanation="synthetic",
             evidence=[],
             anomaly_ids=[f"anm-{job}-{n}"],

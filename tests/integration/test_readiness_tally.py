@@ -42,7 +42,7 @@ def _recommendation(
             severity="critical",
             culprit_node=node,
             confidence=0.9,
-            recommended_action="drain_and_requeue",
+            isolate=True,
             explanation="synthetic",
             evidence=[],
             anomaly_ids=[],

@@ -91,7 +91,7 @@ def incident(i: int, prefix: str = "rel") -> Incident:
         culprit_node="gpu02",
         culprit_rank=3,
         confidence=0.9,
-        recommended_action="drain_and_requeue",
+        isolate=True,
         explanation="xid_79 on gpu02",
         evidence=[
             Evidence(source="kernel", signature="xid_79", node="gpu02", rank=None, time=now, line="x", role="root")

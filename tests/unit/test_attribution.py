@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from schemas.events import Anomaly, SchedEvent
+from schemas.events import Anomaly, Incident, SchedEvent
 from streams.attribution import Attributor
 from streams.catalog import default_xids
 
@@ -58,12 +58,15 @@ def test_xid_beats_nccl_cascade_one_incident() -> None:
     a.add(xid("gpu02", 79, 9.5), now=10.2)
     assert a.flush(10.5) == []  # still collecting
     (inc,) = a.flush(15.1)
-    assert (inc.job_id, inc.culprit_node, inc.category, inc.recommended_action) == (
+    # Facts only: the fault lives on gpu02, whose own kernel reported it (policy picks the action).
+    assert (inc.job_id, inc.culprit_node, inc.category, inc.isolate, inc.isolatable) == (
         "100",
         "gpu02",
         "gpu_hardware",
-        "drain_and_requeue",
+        True,
+        True,
     )
+    assert "recommended_action" not in Incident.model_fields
     assert {e.signature for e in inc.evidence} == {"xid_79", "nccl_watchdog_timeout"}
     assert inc.confidence >= 0.9 and inc.first_signal_time == 9.5
     assert "gpu01" in inc.explanation and "explained by it" in inc.explanation
@@ -97,7 +100,7 @@ def test_collateral_only_waits_then_names_no_culprit() -> None:
         a.add(nccl(n, i, 10.0), now=10.0)
     assert a.flush(12.0) == []
     (inc,) = a.flush(15.0)
-    assert inc.culprit_node is None and inc.category == "interconnect" and inc.recommended_action == "requeue"
+    assert inc.culprit_node is None and inc.category == "interconnect" and not inc.isolate
     assert "gpu02 is the only node" in inc.explanation and inc.confidence < 0.6
 
 
@@ -105,7 +108,7 @@ def test_node_without_job_gives_node_incident() -> None:
     a = Attributor(settle_s=1.0)
     a.add(xid("gpu07", 48, 1.0), now=1.0)
     (inc,) = a.flush(2.5)
-    assert inc.job_id is None and inc.culprit_node == "gpu07" and inc.recommended_action == "drain_and_requeue"
+    assert inc.job_id is None and inc.culprit_node == "gpu07" and inc.isolate
 
 
 def test_redelivered_anomaly_counts_once_and_ids_are_stable() -> None:

@@ -13,7 +13,7 @@ from schemas.events import Incident, LogBatch, LogLine, SchedEvent
 from streams.attribution import Attributor
 from streams.causal import ranks_words
 from streams.detectors.signatures import SignatureDetector
-from streams.policy import decide, load_policy
+from streams.policy import choose_action, decide, load_policy
 from tests.conftest import FIXTURES
 
 CORPUS = FIXTURES / "corpus" / "dev"
@@ -81,10 +81,15 @@ def diagnose(lines: list[LogLine], job_nodes: list[str] | None = None, sched: li
     return inc
 
 
+def chosen(inc: Incident) -> str:
+    """What the default policy makes of the incident's facts (attribution states no action)."""
+    return choose_action(load_policy(), inc)[0]
+
+
 def test_oom_on_one_rank_before_the_others_timeouts_is_the_cause() -> None:
     lines = [line(CUDA_OOM, T, 1, rank=3)] + [line(t, T + 40, i) for i, t in enumerate(TIMEOUTS, 2)]
     inc = diagnose(lines)
-    assert (inc.category, inc.culprit_rank, inc.recommended_action) == ("oom", 3, "stop")
+    assert (inc.category, inc.culprit_rank, chosen(inc)) == ("oom", 3, "stop")
     assert inc.explanation.startswith("rank 3 reported cuda_oom at 18:40:12, 40 s before the other ranks'")
     assert "which are collateral, explained by it" in inc.explanation
     assert inc.evidence[0].signature == "cuda_oom"
@@ -98,14 +103,14 @@ def test_the_same_cause_later_does_not_win_over_the_earlier() -> None:
 
 def test_timeouts_alone_are_the_network() -> None:
     inc = diagnose([line(t, T, i) for i, t in enumerate(TIMEOUTS, 1)])
-    assert (inc.category, inc.recommended_action, inc.culprit_node) == ("interconnect", "requeue", None)
+    assert (inc.category, chosen(inc), inc.culprit_node) == ("interconnect", "requeue", None)
     assert inc.explanation.startswith("3 x nccl_watchdog_timeout on ranks 0, 3-4 in _REDUCE_SCATTER_BASE, and nothing")
     assert "suspect the network" in inc.explanation
 
 
 def test_a_timeout_configured_far_below_the_default_is_the_job() -> None:
     inc = diagnose([line(SHORT_TIMEOUT, T, 1)])
-    assert inc.category == "user_code" and inc.recommended_action == "stop"
+    assert inc.category == "user_code" and chosen(inc) == "stop"
     assert "Timeout(ms)=1" in inc.explanation and "far below the 600 s default" in inc.explanation
 
 
@@ -113,7 +118,7 @@ def test_a_rank_still_validating_is_why_the_others_timed_out() -> None:
     others = [t for t in TIMEOUTS if not t.startswith("[rank0]")]
     lines = [line(VALIDATION_START, T, 1, rank=0)] + [line(t, T + 600, i) for i, t in enumerate(others, 2)]
     inc = diagnose(lines)
-    assert (inc.category, inc.culprit_rank, inc.recommended_action) == ("user_code", 0, "stop")
+    assert (inc.category, inc.culprit_rank, chosen(inc)) == ("user_code", 0, "stop")
     assert "while rank 0 was still validating (since 18:40:12" in inc.explanation
 
 
@@ -142,7 +147,7 @@ def test_the_same_cuda_error_on_every_rank_of_one_node_is_the_node() -> None:
     lines = [line(ILLEGAL_ACCESS, T, 1, rank=8, node="gpu02"), line(ILLEGAL_ACCESS, T + 1, 2, rank=9, node="gpu02")]
     lines += [line(t, T + 600, i, node="gpu01") for i, t in enumerate(TIMEOUTS, 3)]
     inc = diagnose(lines, job_nodes=["gpu01", "gpu02"])
-    assert (inc.category, inc.culprit_node, inc.recommended_action) == ("node", "gpu02", "drain_and_requeue")
+    assert (inc.category, inc.culprit_node, inc.isolate, chosen(inc)) == ("node", "gpu02", True, "drain_and_requeue")
     assert "ranks 8-9, all on gpu02, and on no other node" in inc.explanation
     # The same error on a rank of the other node too: the code, not a node.
     lines.append(line(ILLEGAL_ACCESS, T + 2, 99, rank=0, node="gpu01"))
@@ -151,7 +156,7 @@ def test_the_same_cuda_error_on_every_rank_of_one_node_is_the_node() -> None:
 
 def test_a_crash_with_no_known_cause_is_unknown_and_never_acts() -> None:
     inc = diagnose([line(EXIT_1, T, 1)])
-    assert (inc.category, inc.recommended_action) == ("unknown", "none")
+    assert (inc.category, inc.isolate, chosen(inc)) == ("unknown", False, "none")
     assert "needs a person" in inc.explanation
     decision, action = decide(load_policy().with_mode("autonomous"), inc, T + 2)
     assert action is None and decision.action == "none"
@@ -209,7 +214,7 @@ def test_a_node_of_the_job_is_isolated() -> None:
 
 def test_no_placement_known_stays_a_recommendation() -> None:
     inc = diagnose([line(NODE_FAILURE, T, 1)])
-    assert (inc.culprit_in_job, inc.isolatable, inc.recommended_action) == (None, False, "drain_and_requeue")
+    assert (inc.culprit_in_job, inc.isolate, inc.isolatable, chosen(inc)) == (None, True, False, "drain_and_requeue")
     decision, action = decide(load_policy().with_mode("autonomous"), inc, T + 2)
     assert action is None and decision.action == "drain_and_requeue" and "recommendation only" in decision.reason
 

@@ -102,15 +102,48 @@ def test_partition_allow_list_applies_to_policy_not_operators() -> None:
     assert g.check(action("gpu01", None, partition="canary"), 1.0) is None
 
 
-def test_restart_budget_uses_the_schedulers_counter() -> None:
+def test_restarts_per_job_are_the_policys_budget_not_a_guardrail() -> None:
+    # One restart budget (streams/policy.py restart_budget): the executor counts none per job.
     sched = SimulatedScheduler(NODES, requeue_delay_s=0.0)
     job = sched.submit("t", 1)
-    for _ in range(2):
+    for _ in range(5):
         sched.requeue_job(job, [])
         sched.tick()
-    g = rails(sched, max_restarts_per_job=2)
-    trip = g.check(action(None, job, kind="requeue"), 1.0)
-    assert trip is not None and trip[0] == "restart_budget"
+    g = rails(sched)
+    for i in range(5):
+        a = action(None, job, kind="requeue", incident=f"inc-{i}")
+        g.count(attempt(a, "requeue", 1.0 + i))
+    assert g.check(action(None, job, kind="requeue", incident="inc-9"), 10.0) is None
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "moved_to"),
+    [
+        ("max_restarts_per_job", 3, "restart_budget.max_restarts"),
+        ("restart_window_s", 21600, "restart_budget.window_h"),
+    ],
+)
+def test_a_file_still_setting_the_old_restart_budget_is_refused(
+    tmp_path: Path, key: str, value: int, moved_to: str
+) -> None:
+    """Fail closed: a limit the file expects but the executor no longer enforces is an error, never ignored."""
+    text = f"guardrails:\n  max_drains_per_window: 2\n  {key}: {value}\n"
+    with pytest.raises(GuardrailConfigError) as err:
+        parse_guardrails(text, "p.yaml")
+    assert f"p.yaml: field 'guardrails.{key}'" in str(err.value) and moved_to in str(err.value)
+    path = tmp_path / "p.yaml"
+    path.write_text(text)
+    with pytest.raises(GuardrailConfigError, match=key):
+        GuardrailFile(path)  # the executor does not start on it
+    path.write_text("guardrails:\n  kill_switch: false\n")
+    f = GuardrailFile(path)
+    path.write_text(text.replace("max_drains_per_window: 2", "kill_switch: true"))
+    import os
+
+    os.utime(path, (5, 5))
+    assert not f().kill_switch  # a reload that sets it is refused: the previous settings stay
+    with pytest.raises(ValueError, match=f"{key} is no longer a guardrail.*{moved_to}"):
+        GuardrailSettings.model_validate({key: value})
 
 
 def test_node_cooldown() -> None:

@@ -5,15 +5,15 @@ from pathlib import Path
 import pytest
 
 from schemas.events import Evidence, Incident
-from schemas.vocab import ActionKind, Category
-from streams.policy import PolicyError, decide, explain, load_policy, parse_policy
+from schemas.vocab import Category
+from streams.policy import PolicyError, choose_action, decide, explain, load_policy, parse_policy
 from streams.policy_store import PolicyStore
 
 
 def incident(
     category: Category = "gpu_hardware",
     culprit: str | None = "gpu02",
-    action: ActionKind = "drain_and_requeue",
+    isolate: bool = True,
     confidence: float = 0.95,
     job: str | None = "100",
     partition: str = "gpu",
@@ -28,7 +28,7 @@ def incident(
         severity="critical",
         culprit_node=culprit,
         confidence=confidence,
-        recommended_action=action,
+        isolate=isolate,
         explanation="x",
         anomaly_ids=["a"],
         first_signal_time=9.0,  # type: ignore[arg-type]
@@ -53,6 +53,35 @@ def test_autonomous_partition_acts_with_stable_action_id() -> None:
     assert "inc-1" in a1.reason
     _, other = decide(policy, incident(partition="batch"), 11.0)
     assert other is None
+
+
+def test_the_fault_not_the_category_says_whether_a_restart_isolates() -> None:
+    """The action is chosen once, by policy: from the category's action and the fault's `isolate`."""
+    policy = load_policy()
+    # NVIDIA's RESTART_APP Xids (isolate: false): the GPU is fine, the application restarts.
+    restart_app = incident(category="gpu_hardware", isolate=False)
+    assert choose_action(policy, restart_app) == (
+        "requeue",
+        "actions.gpu_hardware=drain_and_requeue (not a fault of the node: requeue)",
+    )
+    d, _ = decide(policy.with_mode("autonomous"), restart_app, 11.0)
+    assert d.action == "requeue" and "not a fault of the node" in d.rule
+    # The node's own InfiniBand port going down (ib_port_error, isolate: true): the node leaves.
+    port = incident(category="interconnect", isolate=True)
+    assert choose_action(policy, port) == (
+        "drain_and_requeue",
+        "actions.interconnect=requeue (fault of the node: isolate)",
+    )
+    assert choose_action(policy, incident(category="interconnect", isolate=False))[0] == "requeue"
+    # Neither a stop nor "none" is turned into a restart by the fault's place.
+    assert choose_action(policy, incident(category="oom", isolate=True)) == ("stop", "actions.oom=stop")
+    assert choose_action(policy, incident(category="unknown", isolate=True))[0] == "none"
+    # A rule is an operator's explicit choice: taken as written.
+    ruled = parse_policy("mode: autonomous\nrules:\n  - {name: never-drain, action: requeue}\n" + _actions())
+    d, a = decide(ruled, incident(isolate=True), 11.0)
+    assert d.rule == "rules.never-drain=requeue" and a is not None and a.action == "requeue"
+    lines = explain(policy, restart_app)
+    assert "fault of the node: no" in lines[0] and any(ln.startswith("  facts call for: requeue") for ln in lines)
 
 
 def test_unresolved_culprit_stays_a_drain_recommendation_naming_rank_and_gpu() -> None:
@@ -104,7 +133,7 @@ def test_kernel_evidence_from_the_culprit_node_counts_as_that_node() -> None:
 
 def test_unknown_never_acts() -> None:
     policy = parse_policy("mode: autonomous\nrules:\n  - {name: all, action: requeue}\n" + _actions())
-    d, a = decide(policy, incident(category="unknown", culprit=None, action="none"), 11.0)
+    d, a = decide(policy, incident(category="unknown", culprit=None, isolate=False), 11.0)
     assert a is None and d.action == "none" and "unknown never acts" in d.rule
 
 
@@ -196,7 +225,7 @@ def test_rules_first_match_wins_then_actions() -> None:
     assert d.rule == "rules.canary-hardware-unsure=none" and d.action == "none" and a is None
     d, a = decide(policy, incident(partition="gpu"), 11.0)
     assert d.rule == "actions.gpu_hardware=drain_and_requeue" and a is not None
-    d, a = decide(policy, incident(category="user_code", action="stop", culprit=None), 11.0)
+    d, a = decide(policy, incident(category="user_code", isolate=False, culprit=None), 11.0)
     assert d.rule == "rules.user-bugs-hold=stop" and a is not None and a.stop_mode == "hold"
 
 

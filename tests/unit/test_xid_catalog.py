@@ -4,19 +4,19 @@ NVSentinel (health-monitors/syslog-health-monitor/pkg/common/xid_catalog_consist
 holds NVIDIA's resolution buckets and its action mapper together: every bucket the catalog contains must
 reach a mapping, and every mapping case must be selected by some bucket. Here the mapping is data
 (xid.yaml `buckets`), and "reaches a mapping" is checked against what trainmedic would actually do:
-streams.attribution.recommended_action for the code's category and isolation.
+the default policy's decision (streams.policy.decide) on an incident of the code's category and
+isolation, its culprit a node of the job.
 """
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 
 import pytest
 import yaml
 
-from schemas.vocab import ACTIONS, CATEGORIES
-from streams.attribution import recommended_action
+from schemas.events import Incident
+from schemas.vocab import ACTIONS, CATEGORIES, Category
 from streams.catalog import (
     CATALOG_DIR,
     CatalogError,
@@ -27,17 +27,32 @@ from streams.catalog import (
     load_xid_catalog,
     load_xids,
 )
+from streams.policy import decide, load_policy
 
 XID = load_xid_catalog()
 SXID = load_sxid_catalog()
+POLICY = load_policy()  # infra/policies/default.yaml: what trainmedic does out of the box
 
 
-def _recommend(category: str, isolate: bool) -> str:
-    # recommended_action(category, culprit, isolate) became recommended_action(category, isolate) when
-    # isolation stopped depending on a named node (issue 13 item 5); either way the culprit is known here.
-    params = inspect.signature(recommended_action).parameters
-    args: tuple[object, ...] = (category, "gpu01", isolate) if len(params) == 3 else (category, isolate)
-    return str(recommended_action(*args))  # type: ignore[arg-type]
+def _recommend(category: Category, isolate: bool) -> str:
+    incident = Incident(
+        event_id="inc-x",
+        event_time=1.0,
+        incident_id="inc-x",
+        job_id="1",
+        job_nodes=["gpu01"],
+        category=category,
+        severity="error",
+        culprit_node="gpu01",
+        culprit_in_job=True,
+        confidence=0.9,
+        isolate=isolate,
+        explanation="",
+        evidence=[],
+        anomaly_ids=[],
+        first_signal_time=1.0,
+    )
+    return decide(POLICY, incident, now=1.0)[0].action
 
 
 def _variants(entry: XidEntry, bucket: XidBucket) -> list[bool]:

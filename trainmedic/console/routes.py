@@ -70,7 +70,6 @@ SELECT
     toString(i.severity) AS severity,
     nullIf(i.culprit_node, '') AS culprit_node,
     i.confidence AS confidence,
-    toString(i.recommended_action) AS recommended_action,
     i.explanation AS explanation,
     i.detection_latency_s AS detection_latency_s,
     d.decision_id AS decision_id,
