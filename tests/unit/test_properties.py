@@ -141,7 +141,7 @@ def _bounds(metadata: Sequence[object]) -> dict[str, Any]:
         if isinstance(item, FieldInfo):
             out.update(_bounds(item.metadata))
             continue
-        for attr in ("ge", "gt", "le", "lt", "min_length", "max_length"):
+        for attr in ("ge", "gt", "le", "lt", "min_length", "max_length", "pattern"):
             value = getattr(item, attr, None)
             if value is not None:
                 out[attr] = value
@@ -181,6 +181,8 @@ def value_strategy(annotation: Any, metadata: Sequence[object] = ()) -> st.Searc
             allow_infinity=False,
         )
     if annotation is str:
+        if "pattern" in b:
+            return st.from_regex(b["pattern"], fullmatch=True)
         low = b.get("min_length", 0)
         return st.text(min_size=low, max_size=max(low, min(b.get("max_length", 16), 16)))
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
