@@ -288,11 +288,13 @@ class Prober:
         self._producer.flush(10)
 
     def send_round(self) -> int:
+        from schemas.events import SCHEMA_VERSION
+
         self._seq += 1
         for topic in PROBE_TOPICS:
             for p in range(self.partitions):
                 now = time.time()
-                payload = orjson.dumps({"schema_version": 1, "bench_probe": self._seq, "sent_at": now})
+                payload = orjson.dumps({"schema_version": SCHEMA_VERSION, "bench_probe": self._seq, "sent_at": now})
                 self._producer.produce(topic, value=payload, key=b"bench-probe", partition=p)
                 self.sent.append((topic, p, self._seq, now))
         self._producer.poll(0)

@@ -1,4 +1,8 @@
-"""orjson serialization with typed, field-naming decode errors."""
+"""orjson serialization with typed, field-naming decode errors.
+
+Encode writes the current schema version; decode also reads the previous one,
+upgraded first (schemas/upgrade.py, docs/schemas.md).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from pydantic import ValidationError
 
 from schemas.errors import UsageError
 from schemas.events import SCHEMA_VERSION, Event
+from schemas.upgrade import ACCEPTED_VERSIONS, UpgradeError, upgrade
 
 E = TypeVar("E", bound=Event)
 
@@ -36,8 +41,15 @@ def decode(event_type: type[E], payload: bytes | str) -> E:
     if not isinstance(data, dict):
         raise DecodeError(name, "<payload>", f"expected a JSON object, got {type(data).__name__}")
     version = data.get("schema_version")
+    # bool is an int subclass (and 1.0 == 1): `true` must not pass for version 1.
+    if type(version) is not int or version not in ACCEPTED_VERSIONS:
+        accepted = " and ".join(map(str, ACCEPTED_VERSIONS))
+        raise DecodeError(name, "schema_version", f"unsupported version {version!r} (accepted: {accepted})")
     if version != SCHEMA_VERSION:
-        raise DecodeError(name, "schema_version", f"unsupported version {version!r} (expected {SCHEMA_VERSION})")
+        try:
+            data = upgrade(name, data)
+        except UpgradeError as exc:
+            raise DecodeError(name, exc.field, f"{exc.problem} (a version {version} payload)") from None
     try:
         return event_type.model_validate(data)
     except ValidationError as exc:

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_serializer
 
 from schemas.vocab import ActionKind, Category, Guardrail, Mode, RejectReason, ResultStatus, Role, Severity, Source
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 # Upper bound of any event time: 2200-01-01 UTC, inside ClickHouse DateTime64's range
@@ -36,7 +36,7 @@ class Event(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     type_name: ClassVar[str] = "event"
 
-    schema_version: Literal[1] = 1  # == SCHEMA_VERSION
+    schema_version: Literal[2] = 2  # == SCHEMA_VERSION
     event_id: str = Field(min_length=1, max_length=200)
     event_time: Timestamp
     produced_at: Timestamp = Field(default_factory=now)

@@ -1,7 +1,9 @@
-"""Write one JSON Schema file per event type into schemas/json/.
+"""Write one JSON Schema file per event type into schemas/json/: the current version.
 
 `python -m schemas.generate` regenerates; tests/unit/test_schemas.py fails when
-a committed file is stale.
+a committed file is stale. The previous version's schemas and example payloads
+(schemas/json/v<N-1>/, docs/schemas.md) are data, frozen when that version was
+replaced: never written here, since the models now describe the current version.
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ import json
 from pathlib import Path
 
 from schemas.events import EVENT_TYPES
+from schemas.upgrade import PREVIOUS_VERSION
 
 OUT_DIR = Path(__file__).parent / "json"
+PREVIOUS_DIR = OUT_DIR / f"v{PREVIOUS_VERSION}"
 
 
 def render() -> dict[str, str]:

@@ -16,7 +16,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from schemas.events import GpuMetrics, GpuSample
+from schemas.events import SCHEMA_VERSION, GpuMetrics, GpuSample
 from schemas.ids import stable_id
 
 GPUS_PER_NODE = 8
@@ -130,7 +130,7 @@ class NodeGpus:
 def sample_payload(node: NodeGpus, event_time: float, produced_at: float) -> dict[str, Any]:
     """The JSON object of a GpuSample (what schemas.codec.encode would produce, minus defaults)."""
     return {
-        "schema_version": 1,
+        "schema_version": SCHEMA_VERSION,
         "event_id": node.next_id(event_time),
         "event_time": event_time,
         "produced_at": produced_at,

@@ -13,7 +13,7 @@ import orjson
 
 from producers.publisher import Publisher
 from schemas.codec import decode, encode
-from schemas.events import DeadLetter, KernelEvent, LogBatch, LogLine
+from schemas.events import SCHEMA_VERSION, DeadLetter, KernelEvent, LogBatch, LogLine
 from schemas.topics import (
     ACTIONS,
     ANOMALIES,
@@ -95,7 +95,12 @@ def test_bad_input_is_dead_lettered_or_handled_and_nothing_crashes(
                 {"streams.detect_logs"},
                 "JSON",
             ),
-            (JOB_LOGS.name, _with(log_ok, schema_version=2), {"streams.detect_logs"}, "unsupported version 2"),
+            (
+                JOB_LOGS.name,
+                _with(log_ok, schema_version=SCHEMA_VERSION + 1),
+                {"streams.detect_logs"},
+                f"unsupported version {SCHEMA_VERSION + 1}",
+            ),
             (
                 JOB_LOGS.name,
                 _with(log_ok, lines=[{"text": huge, "ts": 1.0, "lineno": 0}]),
@@ -111,7 +116,9 @@ def test_bad_input_is_dead_lettered_or_handled_and_nothing_crashes(
             ),
             (
                 GPU_SAMPLES.name,
-                b'{"schema_version": 1, "event_id": "g", "event_time": -5, "node": "gpu01", "gpus": []}',
+                orjson.dumps(
+                    {"schema_version": SCHEMA_VERSION, "event_id": "g", "event_time": -5, "node": "gpu01", "gpus": []}
+                ),
                 {"streams.detect_signals"},
                 "event_time",
             ),
@@ -122,8 +129,18 @@ def test_bad_input_is_dead_lettered_or_handled_and_nothing_crashes(
                 "JSON",
             ),
             (JOB_PROGRESS.name, b"", {"streams.detect_signals"}, "JSON"),
-            (ANOMALIES.name, b'{"schema_version": 1}', {"streams.attribute", "sinks.audit"}, "event_id"),
-            (INCIDENTS.name, b'{"schema_version": 1, "event_id": 5}', {"streams.policy", "sinks.audit"}, "event_id"),
+            (
+                ANOMALIES.name,
+                orjson.dumps({"schema_version": SCHEMA_VERSION}),
+                {"streams.attribute", "sinks.audit"},
+                "event_id",
+            ),
+            (
+                INCIDENTS.name,
+                orjson.dumps({"schema_version": SCHEMA_VERSION, "event_id": 5}),
+                {"streams.policy", "sinks.audit"},
+                "event_id",
+            ),
             (ACTIONS.name, b"\x1b[31mnot an action\x1b[0m", {"sinks.executor", "sinks.audit"}, "JSON"),
         ]
         for i, (topic, payload, _, _) in enumerate(poisons):

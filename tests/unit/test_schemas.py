@@ -5,7 +5,7 @@ import pytest
 
 from schemas import generate
 from schemas.codec import DecodeError, decode, encode
-from schemas.events import EVENT_TYPES, KernelEvent, LogBatch, LogLine
+from schemas.events import EVENT_TYPES, SCHEMA_VERSION, KernelEvent, LogBatch, LogLine
 from schemas.topics import ALL_TOPICS, JOB_LOGS, NODE_KERNEL, partition_key
 
 
@@ -49,7 +49,11 @@ def test_roundtrip_and_keys() -> None:
         (lambda d: d.pop("job_id"), "job_id", "Field required"),
         (lambda d: d.update(lines="nope"), "lines", "valid list"),
         (lambda d: d["lines"][0].update(rank=-1), "lines.0.rank", "greater than or equal"),
-        (lambda d: d.update(schema_version=2), "schema_version", "unsupported version 2"),
+        (
+            lambda d: d.update(schema_version=SCHEMA_VERSION + 1),
+            "schema_version",
+            f"unsupported version {SCHEMA_VERSION + 1}",
+        ),
         (lambda d: d.update(surprise=1), "surprise", "Extra inputs"),
     ],
 )
