@@ -91,3 +91,23 @@ def test_every_app_maps_the_error_classes(error: type[TrainmedicError], status: 
 
     result = runner.invoke(sub, ["fails"])
     assert result.exit_code == status and result.stderr == "error: it went wrong\n"
+
+
+def test_every_exception_class_derives_from_the_root() -> None:
+    import importlib
+    import inspect
+    import pkgutil
+
+    outside = []
+    for pkg in ("schemas", "bus", "producers", "streams", "sinks", "slurmio", "trainmedic", "sim", "bench"):
+        for info in pkgutil.walk_packages(importlib.import_module(pkg).__path__, pkg + "."):
+            mod = importlib.import_module(info.name)
+            outside += [
+                f"{mod.__name__}.{name}"
+                for name, obj in vars(mod).items()
+                if inspect.isclass(obj)
+                and issubclass(obj, BaseException)
+                and obj.__module__ == mod.__name__
+                and not issubclass(obj, TrainmedicError)
+            ]
+    assert outside == []
