@@ -14,7 +14,7 @@ audit trail:
   second one deliberately undecodable record per partition of gpu.samples, job.logs and
   node.kernel; the agent that reads it dead-letters it when it gets to it, so
   (dead letter time - probe publish time) is that agent's lag on that partition (the
-  embedded broker's end offsets are wrong, see ENVIRONMENT-NOTES);
+  embedded broker's end offsets are wrong, see docs/environment.md);
 - CPU (% of one core) and RSS of the broker, the streams worker and this process (simulator,
   audit sink and executor threads broken out from /proc/self/task).
 
@@ -268,7 +268,7 @@ class Prober:
     def __init__(self, bootstrap: str, interval_s: float, partitions: int) -> None:
         from confluent_kafka import Producer
 
-        from schemas.clients import producer_config
+        from bus.config import producer_config
 
         self._producer = Producer(producer_config(bootstrap, "bench-prober"))
         self.interval_s = interval_s
@@ -480,7 +480,7 @@ _PLUMBING = (
 
 def run_scenario(cfg: ScenarioConfig) -> dict[str, Any]:
     """One run of the real stack against the simulated cluster; raw records, evaluated later."""
-    from producers.publisher import Publisher
+    from bus.publish import Publisher
     from schemas.topics import DEFAULT_PARTITIONS
     from sim.cluster import ClusterConfig, SimCluster
     from trainmedic.runtime import Stack, StackConfig

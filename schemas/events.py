@@ -14,6 +14,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer
 
+from schemas.ids import CLUSTER_RE, current_cluster
 from schemas.vocab import ActionKind, Category, Guardrail, Mode, RejectReason, ResultStatus, Role, Severity, Source
 
 SCHEMA_VERSION = 2
@@ -40,6 +41,8 @@ class Event(BaseModel):
     event_id: str = Field(min_length=1, max_length=200)
     event_time: Timestamp
     produced_at: Timestamp = Field(default_factory=now)
+    # Which cluster the event is about (schemas.ids): the process's own when it makes the event.
+    cluster: str = Field(default_factory=current_cluster, max_length=63, pattern=CLUSTER_RE.pattern)
 
 
 # --- signals -----------------------------------------------------------------

@@ -50,15 +50,15 @@ def _v1_to_v2(data: JsonObject) -> JsonObject:
 
 def _incident_v1_to_v2(data: JsonObject) -> JsonObject:
     out = _v1_to_v2(data)
-    # Version 2 leaves the action to policy (streams.policy), not attribution. Checked against
-    # the model rather than assumed, so this step holds both before and after the field's removal
-    # lands in schemas.events.
-    if "recommended_action" not in Incident.model_fields:
-        if "recommended_action" not in out:
-            raise UpgradeError("recommended_action", "Field required in version 1")
-        action = out.pop("recommended_action")
-        if action not in ACTIONS:
-            raise UpgradeError("recommended_action", f"Input should be one of {', '.join(map(repr, ACTIONS))}")
+    # Version 2 leaves the action to policy (streams.policy.choose_action), which reads the fact
+    # attribution states instead: whether the fault lives on the culprit's node (`isolate`). A
+    # version 1 incident said so by recommending a drain.
+    if "recommended_action" not in out:
+        raise UpgradeError("recommended_action", "Field required in version 1")
+    action = out.pop("recommended_action")
+    if action not in ACTIONS:
+        raise UpgradeError("recommended_action", f"Input should be one of {', '.join(map(repr, ACTIONS))}")
+    out["isolate"] = action == "drain_and_requeue"
     return out
 
 

@@ -10,19 +10,24 @@ from pathlib import Path
 
 from schemas.events import Action, Decision, Incident
 from schemas.vocab import MODES, Mode
-from streams.policy import DEFAULT_POLICY, RESTARTS, Policy, PolicyError, decide, load_overlay, load_policy
+from streams.modes import ModeState
+from streams.policy import DEFAULT_POLICY, RESTARTS, Policy, PolicyError, decide, load_policy
 
 log = logging.getLogger("trainmedic.policy")
 
 
 class PolicyStore:
-    """Policy file + operator mode overlay (+ a whole-run override for demos/tests)."""
+    """Policy file + operator mode changes (streams.modes) (+ a whole-run override for demos/tests).
+
+    Without `modes` (offline: diagnose, replay, tests) the policy file's modes apply. With them,
+    a worker in doubt about the operators' changes (streams.modes.ModeState.in_doubt) decides as
+    in monitor mode everywhere."""
 
     def __init__(
-        self, path: str | Path | None = None, mode_override: str | None = None, overlay: str | Path | None = None
+        self, path: str | Path | None = None, mode_override: str | None = None, modes: ModeState | None = None
     ) -> None:
         self.path = Path(path) if path else DEFAULT_POLICY
-        self.overlay_path = Path(overlay) if overlay else None
+        self.modes = modes
         if mode_override is not None and mode_override not in MODES:
             raise PolicyError(f"TRAINMEDIC_MODE: unknown mode {mode_override!r} (expected one of {', '.join(MODES)})")
         self._override: Mode | None = mode_override  # type: ignore[assignment]
@@ -33,20 +38,24 @@ class PolicyStore:
         # from the actions topic (`restore`).
         self._restarts: dict[str, deque[float]] = {}
 
-    def _stat(self) -> tuple[float, float]:
-        def mtime(p: Path | None) -> float:
-            try:
-                return os.stat(p).st_mtime if p else 0.0
-            except OSError:
-                return 0.0
-
-        return mtime(self.path), mtime(self.overlay_path)
+    def _stat(self) -> tuple[float, int, bool]:
+        try:
+            mtime = os.stat(self.path).st_mtime
+        except OSError:
+            mtime = 0.0
+        if self.modes is None:
+            return mtime, 0, False
+        return mtime, self.modes.version, self.modes.in_doubt
 
     def _load(self) -> Policy:
         policy = load_policy(self.path)
-        if self.overlay_path is not None:
-            policy = policy.with_overlay(load_overlay(self.overlay_path))
-        return policy.with_mode(self._override) if self._override else policy
+        if self._override:
+            return policy.with_mode(self._override)
+        if self.modes is not None:
+            if self.modes.in_doubt:
+                return policy.with_mode("monitor")
+            policy = policy.with_overlay(self.modes.overlay)
+        return policy
 
     @property
     def policy(self) -> Policy:
@@ -55,7 +64,8 @@ class PolicyStore:
             self._mtimes = mtimes
             try:
                 self._policy = self._load()
-                log.info("policy reloaded from %s (overlay %s)", self.path, self.overlay_path)
+                doubt = self.modes is not None and self.modes.in_doubt
+                log.info("policy reloaded from %s%s", self.path, " (operator modes in doubt: monitor)" if doubt else "")
             except PolicyError as exc:
                 # Keep acting on the last valid policy; a typo must not stop the service.
                 log.error("policy reload refused, keeping the previous one: %s", exc)

@@ -112,7 +112,7 @@ class Produced:
 
 def produce(bootstrap: str, pairs: Iterable[tuple[str, Event]], timeout: float = 30.0) -> Produced:
     """Publish events with the project's producer settings; offsets come from the delivery reports
-    (the embedded broker answers "latest offset" wrongly, see ENVIRONMENT-NOTES)."""
+    (the embedded broker answers "latest offset" wrongly, see docs/environment.md)."""
     out = Produced()
     producer = Producer(producer_config(bootstrap, "reliability-test"))
 

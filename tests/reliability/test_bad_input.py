@@ -11,7 +11,7 @@ from pathlib import Path
 
 import orjson
 
-from producers.publisher import Publisher
+from bus.publish import Publisher
 from schemas.codec import decode, encode
 from schemas.events import SCHEMA_VERSION, DeadLetter, KernelEvent, LogBatch, LogLine
 from schemas.topics import (
