@@ -266,7 +266,6 @@
       severity: ev.severity,
       culprit_node: ev.culprit_node,
       confidence: ev.confidence,
-      recommended_action: ev.recommended_action,
       explanation: ev.explanation,
     });
     if (isNew) {
@@ -422,7 +421,8 @@
     c[3].textContent = rec.culprit_node ?? "\u2014";
     c[4].className = "num";
     c[4].textContent = rec.confidence === null || rec.confidence === undefined ? "\u2014" : Number(rec.confidence).toFixed(2);
-    const action = rec.decision_action || rec.recommended_action;
+    // Policy alone chooses the action: none is shown until its decision arrives.
+    const action = rec.decision_action || "\u2014";
     const rec5 = [text("span", action)];
     if (rec.decision_mode) rec5.push(text("span", `mode ${rec.decision_mode}`, "why"));
     if (rec.explanation) rec5.push(text("span", rec.explanation, "why"));
