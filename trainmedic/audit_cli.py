@@ -23,7 +23,7 @@ from schemas.errors import ConfigError, NotFound, Unavailable
 from schemas.vocab import CATEGORIES
 from sinks import audit_queries as q
 from sinks.audit import AuditStore, ChdbFolderLocked, chdb_folder
-from trainmedic.cli_base import new_app
+from trainmedic.cli_base import new_app, settings
 from trainmedic.limits import bounded_since
 
 audit_app = new_app(help="Query the audit trail: incidents, a job's timeline, a node's history, latency, exports.")
@@ -61,6 +61,7 @@ Since = Annotated[
 
 def open_store(data_dir: Path, clickhouse: str | None, database: str) -> AuditStore:
     """The audit store the options name; raises, saying what is wrong."""
+    clickhouse = settings().secret("clickhouse_url") if clickhouse is None else clickhouse
     if clickhouse:
         url = clickhouse
     else:

@@ -19,13 +19,15 @@ import typer
 from schemas.errors import ConfigError, ExitCode, Unavailable, UsageError
 from trainmedic.audit_cli import audit_app
 from trainmedic.bench_cli import bench_app
-from trainmedic.cli_base import new_app
+from trainmedic.cli_base import config_file, new_app, settings, use_config
+from trainmedic.config_cli import config_app
 from trainmedic.mode_cli import mode_app
 from trainmedic.nodes_cli import nodes_app
 from trainmedic.policy_cli import policy_app
 from trainmedic.produce_cli import produce_app
 from trainmedic.readiness_cli import readiness_cmd
 from trainmedic.recommendations_cli import recommendations_app
+from trainmedic.settings import secret_file
 
 app = new_app(help="Workload-level recovery for distributed AI training on Slurm.")
 
@@ -60,12 +62,12 @@ def up(
         Optional[str], typer.Option(help="Override the policy's mode everywhere: monitor|autonomous.")
     ] = None,
     backend: Annotated[
-        str,
+        Optional[str],
         typer.Option(
             help="Scheduler backend: slurm-cli (this host), slurm-ssh (a login node), slurm-rest (slurmrestd, JWT), "
-            "pyslurm (in-process, untested) or simulated."
+            "pyslurm (in-process, untested) or simulated (default: the settings' slurm_access, local: slurm-cli)."
         ),
-    ] = "slurm-cli",
+    ] = None,
     api_port: Annotated[int, typer.Option(help="Port of the operator API (approvals, modes, nodes).")] = 8477,
     api_host: Annotated[
         str, typer.Option(help="Address of the operator API; loopback unless --insecure.")
@@ -111,8 +113,8 @@ def up(
     sched = _backend(backend, ssh, ssh_key, known_hosts, remote_slurm_conf, (rest_url, rest_user, rest_token_file))
     config = StackConfig(
         data_dir=data_dir,
-        bootstrap=bootstrap,
-        clickhouse=clickhouse,
+        bootstrap=settings(bootstrap=bootstrap).bootstrap,
+        clickhouse=settings(clickhouse_url=clickhouse).secret("clickhouse_url"),
         policy=policy,
         mode=mode,
         api_port=api_port,
@@ -272,8 +274,12 @@ def diagnose(
         raise typer.Exit(ExitCode.NO)
 
 
+# The settings' Slurm access -> the backend that provides it.
+_ACCESS_BACKEND = {"local": "slurm-cli", "ssh": "slurm-ssh", "rest": "slurm-rest"}
+
+
 def _backend(
-    name: str,
+    name: str | None,
     ssh: str | None = None,
     ssh_key: Path | None = None,
     known_hosts: Path | None = None,
@@ -283,7 +289,25 @@ def _backend(
     """The scheduler backend: slurm-cli runs Slurm's CLI here (munge auth); slurm-ssh runs it on a
     login node over SSH with strict host-key checking; slurm-rest calls slurmrestd with a JWT
     (what its API cannot do is refused, see sinks/backends/slurm_rest_api.yaml); pyslurm calls libslurm in-process (Slurm
-    23.02+, untested here); simulated is the demo's in-memory scheduler."""
+    23.02+, untested here); simulated is the demo's in-memory scheduler.
+
+    Flags override the settings (TRAINMEDIC_SLURM_ACCESS, TRAINMEDIC_SLURM_SSH_*, TRAINMEDIC_SLURMRESTD_*,
+    or the config file); without --backend the settings' slurm_access chooses."""
+    flags: dict[str, Any] = {
+        "slurm_ssh_key": ssh_key,
+        "slurm_ssh_known_hosts": known_hosts,
+        "slurm_ssh_slurm_conf": remote_slurm_conf,
+        "slurmrestd_url": rest[0],
+        "slurmrestd_user": rest[1],
+    }
+    if ssh:
+        user, _, hostport = ssh.rpartition("@")
+        host, _, port = hostport.partition(":")
+        if not user or not host or (port and not port.isdigit()):
+            raise UsageError(f"--ssh {ssh!r}: expected USER@HOST[:PORT]")
+        flags |= {"slurm_ssh_user": user, "slurm_ssh_host": host, "slurm_ssh_port": int(port) if port else None}
+    s = settings(**flags)
+    name = name or _ACCESS_BACKEND[s.slurm_access]
     if name == "slurm-cli":
         from sinks.backends.slurm_cli import SlurmCliBackend
 
@@ -291,30 +315,43 @@ def _backend(
     if name == "slurm-ssh":
         from sinks.backends.slurm_ssh import slurm_ssh_backend
 
-        if not ssh or not ssh_key or not known_hosts:
-            raise UsageError("--backend slurm-ssh needs --ssh USER@HOST[:PORT], --ssh-key FILE and --known-hosts FILE")
-        user, _, hostport = ssh.rpartition("@")
-        host, _, port = hostport.partition(":")
-        if not user or not host or (port and not port.isdigit()):
-            raise UsageError(f"--ssh {ssh!r}: expected USER@HOST[:PORT]")
+        if not (s.slurm_ssh_host and s.slurm_ssh_user and s.slurm_ssh_key and s.slurm_ssh_known_hosts):
+            raise UsageError(
+                "slurm-ssh needs a login node, a key and known hosts: --ssh USER@HOST[:PORT], --ssh-key FILE and "
+                "--known-hosts FILE (or TRAINMEDIC_SLURM_SSH_HOST, _USER, _KEY, _KNOWN_HOSTS)"
+            )
         try:
-            return slurm_ssh_backend(host, int(port or 22), user, ssh_key, known_hosts, slurm_conf=remote_slurm_conf)
+            return slurm_ssh_backend(
+                s.slurm_ssh_host,
+                s.slurm_ssh_port,
+                s.slurm_ssh_user,
+                s.slurm_ssh_key,
+                s.slurm_ssh_known_hosts,
+                slurm_conf=s.slurm_ssh_slurm_conf,
+                passphrase=s.secret("slurm_ssh_passphrase"),
+            )
         except (ValueError, OSError) as exc:
-            raise ConfigError(f"--ssh-key/--known-hosts: {exc}") from None
+            raise ConfigError(f"slurm-ssh key/known hosts: {exc}") from None
     if name == "slurm-rest":
         from sinks.backends.base import BackendError
         from sinks.backends.slurm_rest import SlurmRestBackend, TokenSource
 
-        rest_url, rest_user, token_file = rest
-        if not rest_url or not rest_user:
+        if not s.slurmrestd_url or not s.slurmrestd_user:
             raise UsageError(
-                "--backend slurm-rest needs --rest-url URL and --rest-user USER (token: --rest-token-file FILE)"
+                "slurm-rest needs --rest-url URL and --rest-user USER (or TRAINMEDIC_SLURMRESTD_URL, _USER); "
+                "the token: --rest-token-file FILE, TRAINMEDIC_SLURMRESTD_TOKEN_FILE or TRAINMEDIC_SLURMRESTD_TOKEN"
             )
-        token = TokenSource(file=token_file) if token_file else TokenSource(env="TRAINMEDIC_SLURMRESTD_TOKEN")
+        token_file = rest[2] or secret_file("slurmrestd_token", config_file())
+        if token_file is not None:
+            token = TokenSource(file=token_file)
+        elif (value := s.secret("slurmrestd_token")) is not None:
+            token = TokenSource(value=value)
+        else:
+            raise UsageError("slurm-rest: no token (--rest-token-file, TRAINMEDIC_SLURMRESTD_TOKEN[_FILE])")
         try:
-            return SlurmRestBackend(rest_url, rest_user, token)
+            return SlurmRestBackend(s.slurmrestd_url, s.slurmrestd_user, token)
         except (BackendError, ValueError) as exc:
-            raise ConfigError(f"--backend slurm-rest: {exc}") from None
+            raise ConfigError(f"slurm-rest: {exc}") from None
     if name == "simulated":
         from sinks.backends.simulated import SimulatedScheduler
 
@@ -332,9 +369,13 @@ def _backend(
 
 @app.command("executor")
 def executor_cmd(
-    bootstrap: Annotated[str, typer.Option(help="Kafka bootstrap servers HOST:PORT.")],
+    bootstrap: Annotated[
+        Optional[str], typer.Option(help="Kafka bootstrap servers HOST:PORT (default: TRAINMEDIC_BOOTSTRAP).")
+    ] = None,
     policy: Annotated[Optional[Path], typer.Option(help="Policy YAML whose guardrails section applies.")] = None,
-    backend: Annotated[str, typer.Option(help="Scheduler backend.")] = "slurm-cli",
+    backend: Annotated[
+        Optional[str], typer.Option(help="Scheduler backend (default: the settings' slurm_access, local: slurm-cli).")
+    ] = None,
     group: Annotated[str, typer.Option(help="Consumer group; replicas share it.")] = "trainmedic-executor",
     verify_timeout: Annotated[float, typer.Option(help="Seconds to wait for each effect to show.")] = 60.0,
     ssh: SshOpt = None,
@@ -357,6 +398,11 @@ def executor_cmd(
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     metrics_at = parse_address(metrics_address)
+    bootstrap = settings(bootstrap=bootstrap).bootstrap
+    if not bootstrap:
+        raise UsageError(
+            "the executor needs Kafka: --bootstrap HOST:PORT, TRAINMEDIC_BOOTSTRAP or `bootstrap` in --config"
+        )
     check_bootstrap(bootstrap)
     rails = GuardrailFile(policy or DEFAULT_POLICY)
     try:
@@ -392,6 +438,23 @@ app.add_typer(audit_app, name="audit")
 app.add_typer(produce_app, name="produce")
 app.command("readiness")(readiness_cmd)
 app.add_typer(bench_app, name="bench")
+app.add_typer(config_app, name="config")
+
+
+@app.callback()
+def _settings(
+    config: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--config",
+            help="Settings file (YAML; default: TRAINMEDIC_CONFIG, else /etc/trainmedic/config.yaml if present). "
+            "Precedence: flags, then TRAINMEDIC_* environment, then this file. `trainmedic config show` prints them.",
+        ),
+    ] = None,
+) -> None:
+    """Workload-level recovery for distributed AI training on Slurm."""
+    # Before any command: its cluster name and Kafka security are the whole process's.
+    use_config(config)
 
 
 def _print_report(r: dict[str, Any]) -> None:

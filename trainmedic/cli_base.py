@@ -22,6 +22,8 @@ import typer
 from typer.core import TyperArgument, TyperGroup, TyperOption
 
 from schemas.errors import TrainmedicError, UsageError
+from trainmedic.settings import Settings
+from trainmedic.settings import apply as apply_settings
 
 # Typer's labels (without <>) -> the metavar help shows; an unknown annotation shows as VALUE.
 _LABELS = {
@@ -110,18 +112,40 @@ DataDir = Annotated[
     ),
 ]
 ApiOpt = Annotated[Optional[str], typer.Option("--api", help="Operator API URL (default: from DATA_DIR/runtime.json).")]
-TokenOpt = Annotated[
-    Optional[str], typer.Option("--token", help="API token (default: TRAINMEDIC_TOKEN or DATA_DIR/api-token).")
-]
 OperatorOpt = Annotated[str, typer.Option("--operator", help="Who is doing this (recorded in the audit).")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print JSON.")]
 
 
-def api(data_dir: Path, url: str | None, token: str | None, method: str, path: str, body: Any = None) -> Any:
-    """One call to the operator API; its errors (ClientError subclasses) carry their exit status."""
+def api(data_dir: Path, url: str | None, method: str, path: str, body: Any = None) -> Any:
+    """One call to the operator API; its errors (ClientError subclasses) carry their exit status.
+
+    The token is never a flag (it would show in `ps` and shell history): the settings' `token`
+    (TRAINMEDIC_TOKEN, TRAINMEDIC_TOKEN_FILE, the config file), else DATA_DIR/api-token."""
     from trainmedic.client import api_token, api_url, call
 
-    return call(api_url(data_dir, url), api_token(data_dir, token), method, path, body)
+    s = settings(api=url)
+    return call(api_url(data_dir, s.api), api_token(data_dir, s.secret("token")), method, path, body)
+
+
+# --- the settings model (trainmedic.settings) as the commands see it
+
+_config: Path | None = None
+
+
+def use_config(path: Path | None) -> None:
+    """The config file of this invocation (`trainmedic --config PATH ...`); applied process-wide."""
+    global _config
+    _config = path
+    apply_settings(Settings.load(path))
+
+
+def config_file() -> Path | None:
+    return _config
+
+
+def settings(**flags: Any) -> Settings:
+    """The effective settings: the command's flags (None: not given) over env over the config file."""
+    return Settings.load(_config, **flags)
 
 
 def running_api(data_dir: Path, clickhouse: str | None) -> tuple[str, str] | None:
@@ -129,10 +153,11 @@ def running_api(data_dir: Path, clickhouse: str | None) -> tuple[str, str] | Non
     (the running process owns the chDB folder, so it must be asked instead)."""
     from trainmedic.client import ClientError, api_token, api_url
 
-    if clickhouse or not (data_dir / "runtime.json").exists():
+    if clickhouse or settings().clickhouse_url or not (data_dir / "runtime.json").exists():
         return None
     try:
-        return api_url(data_dir, None), api_token(data_dir, None)
+        s = settings()
+        return api_url(data_dir, s.api), api_token(data_dir, s.secret("token"))
     except ClientError:
         return None
 

@@ -4,7 +4,6 @@ DATA_DIR/runtime.json, authenticated with the token in DATA_DIR/api-token."""
 from __future__ import annotations
 
 import json
-import os
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -45,14 +44,13 @@ def api_url(data_dir: Path, explicit: str | None) -> str:
 
 
 def api_token(data_dir: Path, explicit: str | None) -> str:
-    token = explicit or os.environ.get("TRAINMEDIC_TOKEN")
-    if token:
-        return token
+    if explicit:  # the settings' token (trainmedic.settings: env, *_FILE or config file)
+        return explicit
     try:
         return (data_dir / "api-token").read_text().strip()
     except OSError:
         raise ClientConfigError(
-            f"no token: pass --token, set TRAINMEDIC_TOKEN, or read {data_dir / 'api-token'}"
+            f"no token: set TRAINMEDIC_TOKEN or TRAINMEDIC_TOKEN_FILE, or make {data_dir / 'api-token'} readable"
         ) from None
 
 

@@ -3,33 +3,23 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from trainmedic.cli_base import config_file, new_app
 from trainmedic.settings import config_path, provenance, unknown_env
 
-config_app = typer.Typer(
-    add_completion=False,
-    no_args_is_help=True,
-    help="The settings model: environment TRAINMEDIC_*, the config file, flags.",
-)
-
-ConfigOpt = Annotated[
-    Path | None,
-    typer.Option("--config", help="Config file (default: TRAINMEDIC_CONFIG, else /etc/trainmedic/config.yaml)."),
-]
+config_app = new_app(help="The settings model: flags, then TRAINMEDIC_* environment, then the config file.")
 
 
 @config_app.command("show")
-def show(
-    config: ConfigOpt = None,
-    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per setting.")] = False,
-) -> None:
-    """Print every setting's effective value (secrets masked) and its origin."""
+def show(as_json: Annotated[bool, typer.Option("--json", help="One JSON object per setting.")] = False) -> None:
+    """Print every setting's effective value (secrets masked) and its origin (`trainmedic --config FILE config show`
+    for another config file)."""
+    config = config_file()
     rows = provenance(config)
     unknown = unknown_env()
     if as_json:

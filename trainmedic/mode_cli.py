@@ -9,15 +9,15 @@ from typing import Annotated, Optional
 import typer
 
 from schemas.vocab import CATEGORIES, MODES
-from trainmedic.cli_base import ApiOpt, DataDir, OperatorOpt, TokenOpt, api, expect, new_app, whoami
+from trainmedic.cli_base import ApiOpt, DataDir, OperatorOpt, api, expect, new_app, whoami
 
 mode_app = new_app(help="Autonomy per partition and category (audited; takes effect without a restart).")
 
 
 @mode_app.command("show")
-def show(data_dir: DataDir = Path("var"), api_url: ApiOpt = None, token: TokenOpt = None) -> None:
+def show(data_dir: DataDir = Path("var"), api_url: ApiOpt = None) -> None:
     """Print the modes in force: default, per category, per partition."""
-    typer.echo(json.dumps(api(data_dir, api_url, token, "GET", "/api/modes"), indent=2))
+    typer.echo(json.dumps(api(data_dir, api_url, "GET", "/api/modes"), indent=2))
 
 
 @mode_app.command("set")
@@ -30,7 +30,6 @@ def set_cmd(
     operator: OperatorOpt = "",
     data_dir: DataDir = Path("var"),
     api_url: ApiOpt = None,
-    token: TokenOpt = None,
 ) -> None:
     """Switch monitor/autonomous for everything, a partition, a category, or both."""
     expect(mode, MODES, "mode")
@@ -38,7 +37,6 @@ def set_cmd(
     r = api(
         data_dir,
         api_url,
-        token,
         "POST",
         "/api/modes",
         {

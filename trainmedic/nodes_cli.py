@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from trainmedic.cli_base import ApiOpt, AsJson, DataDir, OperatorOpt, TokenOpt, api, new_app, whoami
+from trainmedic.cli_base import ApiOpt, AsJson, DataDir, OperatorOpt, api, new_app, whoami
 
 nodes_app = new_app(help="Nodes as the scheduler sees them; return one trainmedic drained to service.")
 
@@ -17,11 +17,10 @@ nodes_app = new_app(help="Nodes as the scheduler sees them; return one trainmedi
 def list_cmd(
     data_dir: DataDir = Path("var"),
     api_url: ApiOpt = None,
-    token: TokenOpt = None,
     as_json: AsJson = False,
 ) -> None:
     """Nodes as the scheduler sees them; drained ones with their reason and incident."""
-    rows = api(data_dir, api_url, token, "GET", "/api/nodes")
+    rows = api(data_dir, api_url, "GET", "/api/nodes")
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
@@ -37,13 +36,11 @@ def resume(
     operator: OperatorOpt = "",
     data_dir: DataDir = Path("var"),
     api_url: ApiOpt = None,
-    token: TokenOpt = None,
 ) -> None:
     """Return a node trainmedic drained to service (refused for nodes drained by someone else)."""
     r = api(
         data_dir,
         api_url,
-        token,
         "POST",
         f"/api/nodes/{node}/resume",
         {"operator": operator or whoami(), "comment": comment},

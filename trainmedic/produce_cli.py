@@ -14,7 +14,7 @@ import typer
 
 from bus.publish import Publisher
 from schemas.errors import ConfigError, Unavailable, UsageError
-from trainmedic.cli_base import new_app
+from trainmedic.cli_base import new_app, settings
 
 if TYPE_CHECKING:
     from producers.position import Checkpointer, PositionStore
@@ -27,19 +27,29 @@ BootstrapOpt = Annotated[
     Optional[str], typer.Option(help="Kafka HOST:PORT (default: the running `trainmedic up` in --data-dir).")
 ]
 DataDirOpt = Annotated[Path, typer.Option("--data-dir", help="Where a local `trainmedic up` keeps runtime.json.")]
-NodeOpt = Annotated[Optional[str], typer.Option(help="Node name to report (default: this host's name).")]
+NodeOpt = Annotated[
+    Optional[str], typer.Option(help="Slurm node name to report (default: TRAINMEDIC_NODE, else this host's name).")
+]
+
+
+def _node(flag: str | None) -> str | None:
+    return settings(node=flag).node
 
 
 def _publisher(bootstrap: str | None, data_dir: Path, client_id: str) -> Publisher:
     from trainmedic.runtime import StackError, check_bootstrap
 
     runtime_file: Path | None = None
+    bootstrap = settings(bootstrap=bootstrap).bootstrap
     if not bootstrap:
         runtime_file = data_dir / "runtime.json"
         try:
             bootstrap = json.loads(runtime_file.read_text())["bootstrap"]
         except (OSError, ValueError, KeyError):
-            raise ConfigError(f"--bootstrap not given and no running `trainmedic up` found in {data_dir}") from None
+            raise ConfigError(
+                f"no Kafka given (--bootstrap, TRAINMEDIC_BOOTSTRAP or `bootstrap` in the config file) and no "
+                f"running `trainmedic up` found in {data_dir}"
+            ) from None
     assert bootstrap
     try:
         check_bootstrap(bootstrap)
@@ -118,7 +128,7 @@ def gpu(
     _logging()
     pub = _publisher(bootstrap, data_dir, "trainmedic-gpu")
     try:
-        producer = NvmlProducer(pub, node=node or None, interval_s=interval)
+        producer = NvmlProducer(pub, node=_node(node), interval_s=interval)
     except NvmlUnavailable as exc:
         raise UsageError(str(exc)) from None
     stop = _stop_event()
@@ -143,7 +153,7 @@ def dcgm(
     _logging()
     pub = _publisher(bootstrap, data_dir, "trainmedic-dcgm")
     try:
-        producer = DcgmProducer(pub, url, interval_s=interval, timeout_s=timeout, node=node)
+        producer = DcgmProducer(pub, url, interval_s=interval, timeout_s=timeout, node=_node(node))
     except ValueError as exc:
         raise UsageError(f"--url: {exc}") from None
     _run_loop("dcgm", producer.run)
@@ -195,7 +205,7 @@ def kernel(
         follower = KernelLogProducer(
             pub,
             file,
-            node=node,
+            node=_node(node),
             gpu_index_of=gpu_index_of,
             resume=store.file(key),
             lookback_bytes=FILE_LOOKBACK_BYTES,
@@ -206,7 +216,7 @@ def kernel(
             checkpoint.maybe_save()
         _finish(pub, {"published": follower.published}, checkpoint)
         return
-    stream = KernelStreamProducer(pub, node=node, gpu_index_of=gpu_index_of)
+    stream = KernelStreamProducer(pub, node=_node(node), gpu_index_of=gpu_index_of)
     # The stream's position: the journal cursor, or the kmsg sequence number within this boot.
     last: dict[str, Any] = {}
     checkpoint = Checkpointer(store, lambda: dict(last), _flushed(pub))
@@ -343,18 +353,20 @@ def ingest(
     host: Annotated[str, typer.Option(help="Bind address; loopback unless TLS or --insecure.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port.")] = 8470,
     token_file: Annotated[
-        Optional[Path], typer.Option(help="File holding the token (else $TRAINMEDIC_INGEST_TOKEN).")
+        Optional[Path],
+        typer.Option(help="File holding the token (else the setting ingest_token: TRAINMEDIC_INGEST_TOKEN[_FILE])."),
     ] = None,
     tls_cert: Annotated[Optional[Path], typer.Option(help="TLS certificate (PEM).")] = None,
     tls_key: Annotated[Optional[Path], typer.Option(help="TLS private key (PEM).")] = None,
     insecure: Annotated[bool, typer.Option(help="Allow plaintext on a non-loopback address.")] = False,
 ) -> None:
     """HTTP endpoint for NVSentinel health events and NVRx reports (token required). See docs/ingest.md."""
-    from producers.ingest import IngestConfigError, load_token, run_ingest
+    from producers.ingest import TOKEN_ENV, IngestConfigError, load_token, run_ingest
 
     _logging()
     try:
-        token = load_token(token_file)
+        # The token as the settings have it (TRAINMEDIC_INGEST_TOKEN, _FILE or the config file).
+        token = load_token(token_file, {TOKEN_ENV: settings().secret("ingest_token") or ""})
     except IngestConfigError as exc:
         raise UsageError(str(exc)) from None
     pub = _publisher(bootstrap, data_dir, "trainmedic-ingest")

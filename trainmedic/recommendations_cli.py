@@ -13,7 +13,7 @@ import typer
 
 from schemas.errors import UsageError
 from schemas.vocab import REJECT_REASONS
-from trainmedic.cli_base import ApiOpt, AsJson, DataDir, OperatorOpt, TokenOpt, api, expect, new_app, whoami
+from trainmedic.cli_base import ApiOpt, AsJson, DataDir, OperatorOpt, api, expect, new_app, whoami
 
 recommendations_app = new_app(
     help="Recommendations of monitor mode: list them, approve or reject one, label one after the fact."
@@ -26,11 +26,10 @@ DecisionId = Annotated[str, typer.Argument(metavar="DECISION_ID", help="The reco
 def list_cmd(
     data_dir: DataDir = Path("var"),
     api_url: ApiOpt = None,
-    token: TokenOpt = None,
     as_json: AsJson = False,
 ) -> None:
     """List recommendations waiting for an operator."""
-    rows = api(data_dir, api_url, token, "GET", "/api/recommendations")
+    rows = api(data_dir, api_url, "GET", "/api/recommendations")
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
@@ -48,13 +47,11 @@ def approve(
     operator: OperatorOpt = "",
     data_dir: DataDir = Path("var"),
     api_url: ApiOpt = None,
-    token: TokenOpt = None,
 ) -> None:
     """Approve a recommendation: the executor carries it out, recorded with who approved."""
     r = api(
         data_dir,
         api_url,
-        token,
         "POST",
         f"/api/recommendations/{decision_id}/approve",
         {"operator": operator or whoami(), "comment": comment},
@@ -70,14 +67,12 @@ def reject(
     operator: OperatorOpt = "",
     data_dir: DataDir = Path("var"),
     api_url: ApiOpt = None,
-    token: TokenOpt = None,
 ) -> None:
     """Reject a recommendation, with a reason from a fixed list (it feeds readiness scoring)."""
     expect(reason, REJECT_REASONS, "--reason")
     api(
         data_dir,
         api_url,
-        token,
         "POST",
         f"/api/recommendations/{decision_id}/reject",
         {"operator": operator or whoami(), "reason": reason, "comment": comment},
@@ -94,7 +89,6 @@ def label(
     operator: OperatorOpt = "",
     data_dir: DataDir = Path("var"),
     api_url: ApiOpt = None,
-    token: TokenOpt = None,
 ) -> None:
     """Label a recommendation after the fact (e.g. confirmed: the node failed its diagnostics)."""
     expect(verdict, ("confirmed", "approved", "rejected"), "verdict")
@@ -103,7 +97,6 @@ def label(
     api(
         data_dir,
         api_url,
-        token,
         "POST",
         f"/api/recommendations/{decision_id}/label",
         {"verdict": verdict, "reason": reason, "operator": operator or whoami(), "comment": comment},

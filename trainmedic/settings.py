@@ -51,7 +51,6 @@ class Settings(BaseSettings):
         description="name of the Slurm cluster this process serves; in every event, id and audit row",
     )
     node: str | None = Field(default=None, description="this host's Slurm node name (node producers)")
-    data_dir: Path = Field(default=Path("var"), description="local state: runtime.json, tokens, positions")
 
     # -- Kafka --------------------------------------------------------------------------
     bootstrap: str | None = Field(
@@ -163,6 +162,20 @@ def config_path(explicit: Path | None) -> Path | None:
     return SYSTEM_CONFIG if SYSTEM_CONFIG.exists() else None
 
 
+def secret_file(name: str, config: Path | None = None) -> Path | None:
+    """The file a secret setting is read from (TRAINMEDIC_<NAME>_FILE, else `<name>_file` in the
+    config file), for readers that re-read it (a rotated token needs no restart); None if none."""
+    ref = os.environ.get(f"{ENV_PREFIX}{name.upper()}_FILE", "").strip()
+    if ref:
+        return Path(ref)
+    token = _config_file.set(config_path(config))
+    try:
+        ref = _ConfigFile(Settings).file_refs().get(f"{name}_file", "")
+    finally:
+        _config_file.reset(token)
+    return Path(ref) if ref else None
+
+
 def secret_fields() -> list[str]:
     return [name for name, f in Settings.model_fields.items() if _is_secret(f)]
 
@@ -246,7 +259,8 @@ def _describe(exc: ValidationError) -> str:
     parts = []
     for err in exc.errors():
         name = ".".join(str(p) for p in err["loc"]) or "?"
-        parts.append(f"setting {name} ({ENV_PREFIX}{name.upper()}): {err['msg']}")
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        parts.append(f"setting {name} ({ENV_PREFIX}{name.upper()}): {msg}")
     return "; ".join(parts)
 
 

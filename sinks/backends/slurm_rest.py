@@ -25,7 +25,7 @@ import os
 import re
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 from urllib.parse import urlsplit
@@ -123,14 +123,16 @@ def load_api_catalog(path: Path = _CATALOG) -> ApiCatalog:
 
 @dataclass(frozen=True)
 class TokenSource:
-    """Where the JWT comes from: a file (re-read per request) or an environment variable."""
+    """Where the JWT comes from: a file (re-read per request: rotation needs no restart), an
+    environment variable, or a value the settings already read."""
 
     file: Path | None = None
     env: str | None = None
+    value: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if (self.file is None) == (self.env is None):
-            raise ValueError("give exactly one of a token file or a token environment variable")
+        if sum(x is not None for x in (self.file, self.env, self.value)) != 1:
+            raise ValueError("give exactly one of a token file, a token environment variable or a token")
 
     def read(self) -> str:
         if self.file is not None:
@@ -139,10 +141,12 @@ class TokenSource:
             except OSError as exc:
                 raise BackendError(f"slurmrestd token file {self.file}: {exc.strerror or exc}") from None
             where = f"token file {self.file}"
-        else:
-            assert self.env is not None
+        elif self.env is not None:
             text = os.environ.get(self.env, "")
             where = f"environment variable {self.env}"
+        else:
+            assert self.value is not None
+            text, where = self.value, "token setting"
         token = text.strip().removeprefix("SLURM_JWT=")
         if not token or any(c.isspace() or not c.isprintable() for c in token):
             raise BackendError(f"slurmrestd {where}: empty or not a single-line token")

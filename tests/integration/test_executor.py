@@ -3,6 +3,7 @@ through the operator API, and the alert-storm case through the whole pipeline.""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -224,12 +225,14 @@ def test_monitor_mode_recommendation_then_approve(
             check=False,
         )
         assert unknown.returncode == 2 and "404" in unknown.stderr
+        # A wrong token, from the environment: the CLI takes no token on its command line.
         no_token = subprocess.run(
-            [*cli, "recommendations", "approve", dec["decision_id"], *common, "--token", "wrong-token-123456"],
+            [*cli, "recommendations", "approve", dec["decision_id"], *common],
             capture_output=True,
             text=True,
             timeout=60,
             check=False,
+            env={**os.environ, "TRAINMEDIC_TOKEN": "wrong-token-123456"},
         )
         assert no_token.returncode == 2 and "401" in no_token.stderr
         assert sched.calls == []  # neither did anything

@@ -65,7 +65,7 @@ def test_help_shows_no_python_types(path: list[str]) -> None:
         (["recommendations", "reject", "dec-x", "--reason", "nope"], ExitCode.USAGE, "--reason 'nope'"),
         (["policy", "check", "/nonexistent.yaml"], ExitCode.USAGE, "cannot read"),
         (["recommendations", "approve", "dec-x"], ExitCode.UNAVAILABLE, "trainmedic up is not running"),
-        (["nodes", "list", "--api", "http://127.0.0.1:9", "--token", "t"], ExitCode.UNAVAILABLE, "cannot reach"),
+        (["nodes", "list", "--api", "http://127.0.0.1:9"], ExitCode.USAGE, "no token: set TRAINMEDIC_TOKEN"),
     ],
 )
 def test_errors_exit_with_their_status_and_one_line(
@@ -75,6 +75,14 @@ def test_errors_exit_with_their_status_and_one_line(
     assert result.exit_code == status, result.output
     assert needle in result.stderr and "Traceback" not in result.output
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("error: ")
+
+
+def test_the_token_comes_from_the_settings_never_a_flag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert runner.invoke(app, ["nodes", "list", "--token", "t"]).exit_code == ExitCode.USAGE
+    (tmp_path / "tok").write_text("t0ken\n")
+    monkeypatch.setenv("TRAINMEDIC_TOKEN_FILE", str(tmp_path / "tok"))
+    result = runner.invoke(app, ["nodes", "list", "--api", "http://127.0.0.1:9", "--data-dir", str(tmp_path)])
+    assert result.exit_code == ExitCode.UNAVAILABLE and "cannot reach" in result.stderr  # got past the token
 
 
 @pytest.mark.parametrize(("error", "status"), [(UsageError, 2), (NotFound, 1), (Unavailable, 3), (TrainmedicError, 2)])

@@ -142,3 +142,25 @@ def test_cluster_in_ids_events_and_groups() -> None:
     assert stable_id("anom", "job-1", 7) == default_id  # a single-cluster site keeps its ids
     with pytest.raises(ValueError, match="DNS label"):
         set_cluster("East")
+
+
+def test_config_show_masks_secrets_and_names_origins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from trainmedic.cli import app
+
+    cfg = _file(tmp_path, "bootstrap: kafka-1:9092\ntoken: s3cret-token\n")
+    monkeypatch.setenv("TRAINMEDIC_CLUSTER", "east")
+    monkeypatch.setenv("TRAINMEDIC_BOOTSTRAPP", "typo:9092")
+    result = CliRunner().invoke(app, ["--config", str(cfg), "config", "show", "--json"])
+    assert result.exit_code == 0, result.output
+    assert "s3cret-token" not in result.output
+    shown = {row["name"]: row for row in json.loads(result.output)["settings"]}
+    assert shown["token"]["value"] == "********"
+    assert shown["bootstrap"] == {"name": "bootstrap", "value": "kafka-1:9092", "origin": f"config file {cfg}"}
+    assert shown["cluster"]["origin"] == "env TRAINMEDIC_CLUSTER"
+    assert json.loads(result.output)["unknown_env"] == ["TRAINMEDIC_BOOTSTRAPP"]
+    bad = CliRunner().invoke(app, ["--config", str(tmp_path / "missing.yaml"), "config", "show"])
+    assert bad.exit_code == 2 and "missing.yaml" in bad.stderr
