@@ -121,7 +121,7 @@ def check_schema(store: AuditStore) -> None:
     if missing := sorted(set(RELATIONS) - names):
         raise AuditQueryError(
             f"the audit schema of {store.database!r} in {store.url} predates this trainmedic "
-            f"(missing {', '.join(missing)}): run `trainmedic db migrate` with the same options"
+            f"(missing {', '.join(missing)}): run `trainmedic audit db migrate` with the same options"
         )
 
 

@@ -1,7 +1,7 @@
 """The operator API served by `trainmedic up` (127.0.0.1 by default, token required).
 
 It lives in the process that owns the audit store (chDB allows one process per
-folder), so approvals and queries go through it. `trainmedic approve/reject`
+folder), so approvals and queries go through it. `trainmedic recommendations approve/reject`
 and the console use the same endpoints.
 """
 

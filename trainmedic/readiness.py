@@ -1,8 +1,8 @@
 """Autonomy readiness: score monitor-mode recommendations from the audit trail.
 
 Each recommendation's fate is one of:
-  approved / rejected   an operator answered it (trainmedic approve / reject, console);
-  confirmed             a label after the fact (trainmedic label ... confirmed), or the
+  approved / rejected   an operator answered it (trainmedic recommendations approve / reject, console);
+  confirmed             a label after the fact (trainmedic recommendations label ... confirmed), or the
                         facts confirmed it: the same job failed again on the same culprit
                         node within `expire_after_h`;
   expired               nobody answered within `expire_after_h`;

@@ -4,7 +4,7 @@ and the read endpoints the page needs. Mounted into the operator API
 
 The page also calls endpoints the API already has: GET /api/nodes, GET
 /api/modes and POST /api/recommendations/{id}/approve|reject (the same path as
-`trainmedic approve`), with the same bearer token.
+`trainmedic recommendations approve`), with the same bearer token.
 
 Authentication of the event stream. Every endpoint wants `Authorization:
 Bearer TOKEN`, which EventSource cannot send. /api/events alone also accepts the
