@@ -234,7 +234,8 @@ class AuditStore:
     def layout(self) -> LayoutSettings:
         """The retention/replication settings, checked: AuditStoreError names what is wrong."""
         try:
-            settings = self._layout if self._layout is not None else LayoutSettings.from_env()
+            # The wiring passes the settings model's (trainmedic.settings.audit_layout); else the defaults.
+            settings = self._layout if self._layout is not None else LayoutSettings()
             check_settings(settings)
         except AuditSchemaError as exc:
             raise AuditStoreError(str(exc)) from None

@@ -13,8 +13,7 @@ and payloads are ZSTD-compressed; TTL comes from `LayoutSettings`.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -52,6 +51,7 @@ READ_WINDOWS_DAYS: dict[Retention, dict[str, int]] = {
     "record": {"readiness": 32, "replay": 7, "per-node fault history (incidents)": 365},
 }
 
+# The settings (trainmedic.settings) these come from, named in refusals.
 RAW_TTL_ENV = "TRAINMEDIC_AUDIT_RAW_TTL_DAYS"
 RECORD_TTL_ENV = "TRAINMEDIC_AUDIT_RECORD_TTL_DAYS"
 CLUSTER_ENV = "TRAINMEDIC_AUDIT_CLUSTER"
@@ -68,21 +68,6 @@ class LayoutSettings:
     raw_ttl_days: int = 90  # anomalies, scheduler events, dead letters
     record_ttl_days: int = 730  # incidents, decisions, approvals, actions, results, trips, returns
     cluster: str | None = None  # ClickHouse cluster: Replicated* engines and ON CLUSTER (never run on chDB)
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> LayoutSettings:
-        env = os.environ if environ is None else environ
-
-        def days(name: str, default: int) -> int:
-            text = env.get(name, "").strip()
-            if not text:
-                return default
-            if not text.isdigit():
-                raise AuditSchemaError(f"{name}={text!r}: expected a whole number of days (0: never expire)")
-            return int(text)
-
-        cluster = env.get(CLUSTER_ENV, "").strip() or None
-        return cls(days(RAW_TTL_ENV, cls.raw_ttl_days), days(RECORD_TTL_ENV, cls.record_ttl_days), cluster)
 
     def ttl_days(self, retention: Retention) -> int:
         return {"raw": self.raw_ttl_days, "record": self.record_ttl_days, "forever": 0}[retention]

@@ -25,6 +25,7 @@ from sinks import audit_queries as q
 from sinks.audit import AuditStore, ChdbFolderLocked, chdb_folder
 from trainmedic.cli_base import new_app, settings
 from trainmedic.limits import bounded_since
+from trainmedic.settings import audit_layout, clickhouse_dsn
 
 audit_app = new_app(help="Query the audit trail: incidents, a job's timeline, a node's history, latency, exports.")
 db_app = new_app(help="The audit database schema (migrations).")
@@ -61,7 +62,8 @@ Since = Annotated[
 
 def open_store(data_dir: Path, clickhouse: str | None, database: str) -> AuditStore:
     """The audit store the options name; raises, saying what is wrong."""
-    clickhouse = settings().secret("clickhouse_url") if clickhouse is None else clickhouse
+    s = settings(clickhouse_url=clickhouse)
+    clickhouse, layout = clickhouse_dsn(s), audit_layout(s)
     if clickhouse:
         url = clickhouse
     else:
@@ -73,7 +75,7 @@ def open_store(data_dir: Path, clickhouse: str | None, database: str) -> AuditSt
             )
         url = f"chdb://{folder}"
     try:
-        return AuditStore(url, database)
+        return AuditStore(url, database, layout)
     except ChdbFolderLocked as exc:
         raise Unavailable(
             f"{exc}. Stop it first, or query a ClickHouse server with --clickhouse URL; "

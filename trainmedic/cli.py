@@ -27,7 +27,7 @@ from trainmedic.policy_cli import policy_app
 from trainmedic.produce_cli import produce_app
 from trainmedic.readiness_cli import readiness_cmd
 from trainmedic.recommendations_cli import recommendations_app
-from trainmedic.settings import secret_file
+from trainmedic.settings import clickhouse_dsn, secret_file
 
 app = new_app(help="Workload-level recovery for distributed AI training on Slurm.")
 
@@ -114,7 +114,7 @@ def up(
     config = StackConfig(
         data_dir=data_dir,
         bootstrap=settings(bootstrap=bootstrap).bootstrap,
-        clickhouse=settings(clickhouse_url=clickhouse).secret("clickhouse_url"),
+        clickhouse=clickhouse_dsn(settings(clickhouse_url=clickhouse)),
         policy=policy,
         mode=mode,
         api_port=api_port,

@@ -22,7 +22,7 @@ import typer
 from typer.core import TyperArgument, TyperGroup, TyperOption
 
 from schemas.errors import TrainmedicError, UsageError
-from trainmedic.settings import Settings
+from trainmedic.settings import CONFIG_ENV, Settings
 from trainmedic.settings import apply as apply_settings
 
 # Typer's labels (without <>) -> the metavar help shows; an unknown annotation shows as VALUE.
@@ -137,6 +137,9 @@ def use_config(path: Path | None) -> None:
     global _config
     _config = path
     apply_settings(Settings.load(path))
+    if path is not None:
+        # What this process starts (the streams worker under `up`) reads the same file.
+        os.environ[CONFIG_ENV] = str(path.resolve())
 
 
 def config_file() -> Path | None:

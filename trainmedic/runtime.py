@@ -30,6 +30,7 @@ from trainmedic.api import ApiError, ApiServer, create_api, load_or_create_token
 from trainmedic.broker import BrokerError, EmbeddedBroker, check_port_free, ensure_topics, free_port, port_in_use
 from trainmedic.console import LiveFeed
 from trainmedic.metrics_server import MetricsServer
+from trainmedic.settings import Settings, audit_layout
 from trainmedic.supervisor import Component, Supervisor, describe_returncode, die_with_parent
 
 log = logging.getLogger("trainmedic.runtime")
@@ -130,9 +131,9 @@ class Stack:
             ensure_topics(self.bootstrap)
             self._start_worker()
             self.store = (
-                AuditStore(cfg.clickhouse, cfg.database)
+                AuditStore(cfg.clickhouse, cfg.database, audit_layout(Settings.load()))
                 if cfg.clickhouse
-                else AuditStore.embedded(cfg.data_dir / "chdb", cfg.database)
+                else AuditStore.embedded(cfg.data_dir / "chdb", cfg.database, audit_layout(Settings.load()))
             )
             self.store.migrate()
             self._start_sink()

@@ -18,7 +18,8 @@ import os
 from collections.abc import Mapping
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+from urllib.parse import quote, urlsplit, urlunsplit
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic.fields import FieldInfo
@@ -29,6 +30,9 @@ from schemas.errors import ConfigError
 from schemas.ids import CLUSTER_RE, DEFAULT_CLUSTER, set_cluster
 from schemas.vocab import Mode
 from schemas.yamlsafe import load_yaml
+
+if TYPE_CHECKING:
+    from sinks.audit_schema import LayoutSettings
 
 ENV_PREFIX = "TRAINMEDIC_"
 CONFIG_ENV = "TRAINMEDIC_CONFIG"
@@ -340,6 +344,28 @@ def _shown(value: Any, secret: bool) -> str:
     if secret:
         return "********"
     return str(value)
+
+
+def audit_layout(settings: Settings) -> LayoutSettings:
+    """The audit's retention and replication settings, from the settings model."""
+    # Imported here: the streams worker reads these settings and must not import sinks/.
+    from sinks.audit_schema import LayoutSettings
+
+    return LayoutSettings(settings.audit_raw_ttl_days, settings.audit_record_ttl_days, settings.audit_cluster)
+
+
+def clickhouse_dsn(settings: Settings) -> str | None:
+    """The ClickHouse URL with the user and password settings in it when the URL has none."""
+    url = settings.secret("clickhouse_url")
+    if not url or url.startswith("chdb://"):
+        return url
+    parts = urlsplit(url)
+    if parts.username or not (settings.clickhouse_user or settings.clickhouse_password):
+        return url
+    user = quote(settings.clickhouse_user or "default", safe="")
+    password = settings.secret("clickhouse_password")
+    auth = f"{user}:{quote(password, safe='')}" if password else user
+    return urlunsplit(parts._replace(netloc=f"{auth}@{parts.netloc}"))
 
 
 def apply(settings: Settings) -> None:

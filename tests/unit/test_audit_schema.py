@@ -21,6 +21,7 @@ from sinks.audit_schema import (
     check_settings,
 )
 from tests.integration.test_audit import incident_events, insert_events, operator_events
+from trainmedic.settings import Settings, SettingsError, audit_layout
 
 
 @pytest.fixture
@@ -105,9 +106,9 @@ def test_retention_shorter_than_a_reading_window_is_refused_at_start(chdb_url: s
         check_settings(LayoutSettings(raw_ttl_days=30))
     with pytest.raises(AuditSchemaError, match="keeps raw events longer"):
         check_settings(LayoutSettings(raw_ttl_days=800, record_ttl_days=400))
-    with pytest.raises(AuditSchemaError, match="whole number of days"):
-        LayoutSettings.from_env({"TRAINMEDIC_AUDIT_RAW_TTL_DAYS": "ninety"})
-    assert LayoutSettings.from_env({"TRAINMEDIC_AUDIT_RAW_TTL_DAYS": str(longest_raw)}).raw_ttl_days == longest_raw
+    with pytest.raises(SettingsError, match="audit_raw_ttl_days"):
+        Settings.load(None, audit_raw_ttl_days="ninety")
+    assert audit_layout(Settings.load(None, audit_raw_ttl_days=str(longest_raw))).raw_ttl_days == longest_raw
     store = AuditStore(chdb_url, database, LayoutSettings(raw_ttl_days=7))
     try:
         with pytest.raises(AuditStoreError, match="shorter than"):

@@ -164,3 +164,28 @@ def test_config_show_masks_secrets_and_names_origins(tmp_path: Path, monkeypatch
     assert json.loads(result.output)["unknown_env"] == ["TRAINMEDIC_BOOTSTRAPP"]
     bad = CliRunner().invoke(app, ["--config", str(tmp_path / "missing.yaml"), "config", "show"])
     assert bad.exit_code == 2 and "missing.yaml" in bad.stderr
+
+
+def test_clickhouse_credentials_settings_go_into_the_url() -> None:
+    from trainmedic.settings import clickhouse_dsn
+
+    s = Settings.load(
+        None, clickhouse_url="https://ch:8443/trainmedic", clickhouse_user="audit", clickhouse_password="p@ss"
+    )
+    assert clickhouse_dsn(s) == "https://audit:p%40ss@ch:8443/trainmedic"
+    # A URL that names its own user keeps it; chDB has no credentials.
+    assert clickhouse_dsn(Settings.load(None, clickhouse_url="http://u:x@ch:8123", clickhouse_user="audit")) == (
+        "http://u:x@ch:8123"
+    )
+    assert clickhouse_dsn(Settings.load(None, clickhouse_url="chdb:///var/audit", clickhouse_user="a")) == (
+        "chdb:///var/audit"
+    )
+
+
+def test_the_streams_worker_reads_the_settings_without_importing_sinks() -> None:
+    import subprocess
+    import sys
+
+    probe = "import sys, streams.app; print(sorted(m for m in sys.modules if m.split('.')[0] == 'sinks'))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
