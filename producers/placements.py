@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from bus.consume import Follower, MissingTopic
 from schemas.codec import decode
 from schemas.events import SchedEvent
+from schemas.ids import current_cluster
 from schemas.topics import SCHED_EVENTS
 
 log = logging.getLogger("trainmedic.placements")
@@ -100,7 +101,7 @@ class BusPlacements:
         return self._follower.caught_up
 
     def _apply(self, e: SchedEvent) -> None:
-        if e.kind != "job":
+        if e.kind != "job" or e.cluster != current_cluster():  # node names repeat across clusters
             return
         if e.state == SNAPSHOT:
             if "COLD_START" in e.flags:

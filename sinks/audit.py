@@ -34,6 +34,7 @@ from bus.deadletter import make_dead_letter
 from schemas.codec import DecodeError, decode
 from schemas.errors import Unavailable
 from schemas.events import Event
+from schemas.ids import cluster_scoped
 from schemas.topics import Topic
 from sinks.audit_schema import (
     BY_NAME,
@@ -556,7 +557,7 @@ class AuditSink:
         self.store = store
         self.batch_max = batch_max
         self.batch_wait_s = batch_wait_s
-        self._consumer = group_consumer(bootstrap, group, "trainmedic-audit")
+        self._consumer = group_consumer(bootstrap, cluster_scoped(group), "trainmedic-audit")
         self.stop_event = threading.Event()
         self.inserted: dict[str, int] = defaultdict(int)
         self.undecodable = 0

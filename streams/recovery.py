@@ -21,6 +21,7 @@ from typing import TypeVar
 from bus.consume import read_records
 from schemas.codec import DecodeError, decode
 from schemas.events import Action, Anomaly, Event, Incident, SchedEvent
+from schemas.ids import current_cluster
 from schemas.topics import ACTIONS, ANOMALIES, INCIDENTS, SCHED_EVENTS
 
 log = logging.getLogger("trainmedic.streams.recovery")
@@ -45,10 +46,13 @@ def _decoded(kind: type[E], records: list[tuple[float, bytes]], history: History
     out: list[E] = []
     for _, value in sorted(records, key=lambda r: r[0]):
         try:
-            out.append(decode(kind, value))
+            event = decode(kind, value)
         except DecodeError:
             # Already dead-lettered by whoever consumed it live; nothing to rebuild from it.
             history.undecodable += 1
+            continue
+        if event.cluster == current_cluster():  # other clusters' workers take back their own
+            out.append(event)
     return out
 
 
@@ -60,9 +64,12 @@ def read_history(bootstrap: str, now: float, incidents_s: float, actions_s: floa
     history.incidents = _decoded(Incident, read_records(bootstrap, INCIDENTS.name, now - 2 * incidents_s), history)
     for at, value in sorted(read_records(bootstrap, ANOMALIES.name, now - incidents_s), key=lambda r: r[0]):
         try:
-            history.anomalies.append((at, decode(Anomaly, value)))
+            anomaly = decode(Anomaly, value)
         except DecodeError:
             history.undecodable += 1
+            continue
+        if anomaly.cluster == current_cluster():
+            history.anomalies.append((at, anomaly))
     history.actions = _decoded(Action, read_records(bootstrap, ACTIONS.name, now - actions_s), history)
     history.sched = _decoded(SchedEvent, read_records(bootstrap, SCHED_EVENTS.name, now - sched_s), history)
     return history

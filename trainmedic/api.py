@@ -23,10 +23,10 @@ from fastapi import Depends, FastAPI, Header, HTTPException, Query
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from bus.publish import Publisher
+from bus.publish import NotDelivered, Publisher
 from schemas.errors import TrainmedicError
 from schemas.events import Approval, Decision, ModeChange, NodeReturn, incident_in_reason
-from schemas.ids import stable_id
+from schemas.ids import current_cluster, stable_id
 from schemas.topics import ACTIONS, APPROVALS, MODE_CHANGES, NODE_RETURNS
 from schemas.vocab import Category, Mode, RejectReason
 from schemas.yamlsafe import API_LIMITS
@@ -87,6 +87,11 @@ class ApproveBody(BaseModel):
 
 class RejectBody(ApproveBody):
     reason: RejectReason
+
+
+# How long the API's publisher tries to deliver a record before it gives up (librdkafka's
+# message.timeout.ms): shorter than the waits that answer "nothing changed".
+API_MESSAGE_TIMEOUT_MS = 8000
 
 
 def _decision_from_row(row: dict[str, Any]) -> Decision:
@@ -185,10 +190,19 @@ def create_api(
     auth = [Depends(operator_only)]
     read = [Depends(any_role)]
 
-    def recommendation(decision_id: str) -> Decision:
-        rows = store.query("SELECT * FROM {db}.decisions FINAL WHERE decision_id = {d:String}", {"d": decision_id})
+    def own_decision(decision_id: str) -> list[dict[str, Any]]:
+        """The decision's audit row, if it is this cluster's: an approval here acts on this cluster's
+        scheduler, so another cluster's decision (sharing the audit) is unknown here."""
+        rows = store.query(
+            "SELECT * FROM {db}.decisions FINAL WHERE decision_id = {d:String} AND cluster = {c:String}",
+            {"d": decision_id, "c": current_cluster()},
+        )
         if not rows:
-            raise HTTPException(status_code=404, detail=f"no decision {decision_id}")
+            raise HTTPException(status_code=404, detail=f"no decision {decision_id} of cluster {current_cluster()}")
+        return rows
+
+    def recommendation(decision_id: str) -> Decision:
+        rows = own_decision(decision_id)
         if rows[0]["kind"] != "recommendation":
             raise HTTPException(status_code=409, detail=f"{decision_id} was already acted on by policy")
         verdict = decided.get(decision_id) or _recorded_verdict(store, decision_id)
@@ -230,7 +244,9 @@ def create_api(
     def recommendations() -> list[dict[str, Any]]:
         rows = store.query(
             "SELECT decision_id, incident_id, job_id, partition, category, culprit_node, action, reason, event_time "
-            "FROM {db}.decisions FINAL WHERE kind = 'recommendation' ORDER BY event_time DESC LIMIT 200"
+            "FROM {db}.decisions FINAL WHERE kind = 'recommendation' AND cluster = {c:String} "
+            "ORDER BY event_time DESC LIMIT 200",
+            {"c": current_cluster()},
         )
         return [
             {**r, "event_time": r["event_time"].isoformat(), "verdict": decided.get(r["decision_id"])} for r in rows
@@ -311,9 +327,14 @@ def create_api(
                 forced=body.force and not ready,
                 readiness=verdict_text,
             )
-            publisher.publish(MODE_CHANGES, change)
-            if publisher.flush(10):
-                raise HTTPException(status_code=503, detail="Kafka did not confirm the mode change; nothing changed")
+            try:
+                # Acknowledged or definitively failed when this returns (the API's publisher gives up on
+                # a record after API_MESSAGE_TIMEOUT_MS): "nothing changed" is then true, not a guess.
+                publisher.publish_sync(MODE_CHANGES, change, timeout_s=API_MESSAGE_TIMEOUT_MS / 1000 + 5)
+            except NotDelivered as exc:
+                raise HTTPException(
+                    status_code=503, detail=f"Kafka did not confirm the mode change; nothing changed ({exc})"
+                ) from None
             save_overlay(modes_path, overlay)
         log.info(
             "mode %s -> %s for partition=%s category=%s by %s",
@@ -344,10 +365,7 @@ def create_api(
     @api.post("/api/recommendations/{decision_id}/label", dependencies=auth)
     def label(decision_id: str, body: LabelBody) -> dict[str, str]:
         """A verdict after the fact (e.g. the node failed its diagnostics): the latest label counts."""
-        rows = store.query("SELECT * FROM {db}.decisions FINAL WHERE decision_id = {d:String}", {"d": decision_id})
-        if not rows:
-            raise HTTPException(status_code=404, detail=f"no decision {decision_id}")
-        d = _decision_from_row(rows[0])
+        d = _decision_from_row(own_decision(decision_id)[0])
         approval = Approval(
             event_id=stable_id("lbl", d.decision_id, body.verdict, time.time()),
             event_time=time.time(),

@@ -24,6 +24,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from schemas.ids import current_cluster
 from schemas.vocab import CATEGORIES, NEVER_ACTS
 from sinks.audit import AuditStore
 from sinks.audit_queries import CHILD_SKEW_S, summary_sql
@@ -81,6 +82,8 @@ class Score:
 # Incidents whose decision was a recommendation, from the window's decisions (time sort key).
 _RECOMMENDED = (
     "incident_id IN (SELECT incident_id FROM {db}.decisions FINAL WHERE kind = 'recommendation' "
+    # This cluster's only: clusters may share the audit, and readiness gates this cluster's autonomy.
+    "AND cluster = {c:String} "
     f"AND event_time >= fromUnixTimestamp64Milli({{t:Int64}} - {CHILD_SKEW_S * 1000}))"
 )
 
@@ -90,10 +93,10 @@ _CONFIRMED = (
     "SELECT r.incident_id FROM ("
     "SELECT incident_id, job_id, culprit_node, toUnixTimestamp64Milli(event_time) AS ms "
     "FROM {db}.incidents FINAL WHERE event_time >= fromUnixTimestamp64Milli({t:Int64}) "
-    f"AND job_id != '' AND culprit_node != '' AND {_RECOMMENDED}) AS r "
+    f"AND cluster = {{c:String}} AND job_id != '' AND culprit_node != '' AND {_RECOMMENDED}) AS r "
     "INNER JOIN (SELECT job_id, culprit_node, toUnixTimestamp64Milli(event_time) AS ms "
     "FROM {db}.incidents FINAL WHERE event_time >= fromUnixTimestamp64Milli({t:Int64}) "
-    "AND job_id != '' AND culprit_node != '') AS l "
+    "AND cluster = {c:String} AND job_id != '' AND culprit_node != '') AS l "
     "ON l.job_id = r.job_id AND l.culprit_node = r.culprit_node "
     "WHERE l.ms > r.ms AND l.ms <= r.ms + {expire:Int64}"
 )
@@ -130,7 +133,7 @@ def _tallies(store: AuditStore, since_s: float, now: float, expire_s: float) -> 
         f"FROM ({summary_sql(since, child)}) AS s LEFT JOIN ({_REJECT_REASONS}) AS rr ON rr.incident_id = s.incident_id "
         "WHERE s.decision_kind = 'recommendation') "
         "GROUP BY GROUPING SETS ((category, partition), (category))",
-        {"t": int(since_s * 1000), "now": int(now * 1000), "expire": int(expire_s * 1000)},
+        {"t": int(since_s * 1000), "now": int(now * 1000), "expire": int(expire_s * 1000), "c": current_cluster()},
     )
 
 
@@ -144,14 +147,21 @@ def _misses(
     rows = store.query(
         "SELECT d.partition AS partition, countIf(o.ms = 0 OR o.ms < d.ms - {look:Int64}) AS misses FROM ("
         "SELECT node, partition, min(toUnixTimestamp64Milli(event_time)) AS ms FROM {db}.sched_events FINAL "
-        "WHERE kind = 'node' AND has(flags, 'DRAIN') AND event_time >= fromUnixTimestamp64Milli({t:Int64}) "
+        "WHERE kind = 'node' AND cluster = {c:String} AND has(flags, 'DRAIN') "
+        "AND event_time >= fromUnixTimestamp64Milli({t:Int64}) "
         "AND NOT startsWith(ifNull(reason, ''), 'trainmedic ') AND NOT has(flags, 'MAINTENANCE') "
         "AND NOT arrayExists(p -> match(lower(ifNull(reason, '')), p), {maint:Array(String)}) "
         "GROUP BY node, partition, ifNull(reason, '')) AS d "
         "ASOF LEFT JOIN (SELECT culprit_node, toUnixTimestamp64Milli(event_time) AS ms FROM {db}.incidents FINAL "
-        "WHERE culprit_node != '' AND event_time >= fromUnixTimestamp64Milli({t:Int64} - {look:Int64})) AS o "
+        "WHERE culprit_node != '' AND cluster = {c:String} "
+        "AND event_time >= fromUnixTimestamp64Milli({t:Int64} - {look:Int64})) AS o "
         "ON d.node = o.culprit_node AND d.ms >= o.ms GROUP BY partition SETTINGS join_use_nulls = 0",
-        {"t": int(since_s * 1000), "look": int(MISS_LOOKBACK_S * 1000), "maint": [glob_regex(p) for p in patterns]},
+        {
+            "t": int(since_s * 1000),
+            "look": int(MISS_LOOKBACK_S * 1000),
+            "maint": [glob_regex(p) for p in patterns],
+            "c": current_cluster(),
+        },
     )
     return {(r["partition"] or None): int(r["misses"]) for r in rows if r["misses"]}
 
