@@ -176,15 +176,18 @@ class Publisher:
             acked.append((err, msg.offset()))
             self._delivery(event_id)(err, msg)
 
-        with self._lock:
-            self._producer.produce(
-                topic.name,
-                value=payload,
-                key=key,
-                on_delivery=on_delivery,
-                partition=_partition(fixed_partition(topic)),
-            )
-            self.sent[topic.name] += 1
+        try:
+            with self._lock:
+                self._producer.produce(
+                    topic.name,
+                    value=payload,
+                    key=key,
+                    on_delivery=on_delivery,
+                    partition=_partition(fixed_partition(topic)),
+                )
+                self.sent[topic.name] += 1
+        except (BufferError, KafkaException) as exc:
+            raise NotDelivered(f"{topic.name} event {event_id} not queued: {exc}") from None
         self._producer.flush(timeout_s)
         err, offset = acked[0] if acked else (None, None)
         if err is not None or offset is None:

@@ -632,6 +632,7 @@ class SlurmProducer:
             job_name=view.name,
             user=view.user,
             account=view.account,
+            restart_count=view.restart_cnt,
         )
 
 

@@ -149,6 +149,9 @@ class SchedEvent(Event):
     reason_time: Timestamp | None = None
     # The active MAINT reservation holding the node (planned maintenance; flags then has MAINTENANCE).
     reservation: str | None = None
+    # How often Slurm has restarted the job (kind "job"; squeue's restart_cnt): policy's restart budget
+    # counts it too, so restarts nobody here remembers (a lost broker, an operator's) still count.
+    restart_count: int | None = Field(default=None, ge=0)
 
 
 #: How trainmedic's own drain reasons start (streams/policy.make_action): "trainmedic inc-...: category".
@@ -281,6 +284,7 @@ class Incident(Event):
     partition: str | None = None
     job_nodes: list[str] = Field(default_factory=list)
     job_name: str | None = None  # from the scheduler's job state, when one was seen
+    job_restarts: int | None = Field(default=None, ge=0)  # Slurm's restart count of the job, when seen
     user: str | None = None
     account: str | None = None
     category: Category

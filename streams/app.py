@@ -195,8 +195,10 @@ async def publish(topic: Topic, event: Event) -> None:
         log.error("dead-lettered %s: %s", topic.name, reason)
         letter = make_dead_letter("streams", topic.name, None, None, reason, encode(part))
         # A letter is cut to fit (bus.deadletter): it always has one record.
+        metrics.DEAD_LETTERS.labels("streams").inc()
         for key, payload, _ in prepare(DEADLETTER, letter, CLIENT_DEFAULT_MAX_BYTES)[0]:
             await _outputs[DEADLETTER.name].send(key=key, value=payload)
+            metrics.PUBLISHED.labels(DEADLETTER.name).inc()
 
 
 def ours(event: Event, agent: str) -> bool:

@@ -49,9 +49,18 @@ class _Allocation:
     job_name: str | None = None
     user: str | None = None
     account: str | None = None
+    restarts: int | None = None  # Slurm's restart count of the job
     # The placement is the scheduler's (a SchedEvent, or an incident that had one), not
     # what a job's log batches claim: only then can a culprit be checked against the job.
     from_scheduler: bool = False
+
+
+def _restarts(src: SchedEvent | Incident | _Allocation | None) -> int | None:
+    if isinstance(src, SchedEvent):
+        return src.restart_count
+    if isinstance(src, Incident):
+        return src.job_restarts
+    return src.restarts if src is not None else None
 
 
 class Attributor:
@@ -232,6 +241,7 @@ class Attributor:
             src.job_name if src else None,
             src.user if src else None,
             src.account if src else None,
+            _restarts(src),
             scheduler,
         )
         for n in nodes:
@@ -276,6 +286,7 @@ class Attributor:
             job_name=alloc.job_name if alloc else None,
             user=alloc.user if alloc else None,
             account=alloc.account if alloc else None,
+            job_restarts=alloc.restarts if alloc else None,
             category=v.category,
             severity=v.severity,
             culprit_node=v.culprit_node,

@@ -15,6 +15,7 @@ record says, and a worker that has neither runs in monitor mode until it has the
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -68,12 +69,17 @@ class ModeState:
         )
         self._follower: Follower | None = None
         self._pending: ModeOverlay | None = None  # the backlog read so far, before it is all read
+        self._read_whole = False  # the topic's backlog has been applied
+        self._missing_logged = 0.0
         self._seen: set[str] = set()
 
     @property
     def in_doubt(self) -> bool:
-        """Neither the durable record nor the whole topic is known: act as in monitor mode."""
-        return not self.durable and not (self._follower is not None and self._follower.caught_up)
+        """Neither the durable record nor the whole topic is known: act as in monitor mode.
+
+        The topic counts once its backlog is applied (`_read_whole`), not when the follower first
+        reaches its end: the last chunk is still being decoded then."""
+        return not self.durable and not self._read_whole
 
     def poll(self) -> int:
         """Apply the changes that arrived on the topic; how many were applied."""
@@ -83,7 +89,14 @@ class ModeState:
             try:
                 self._follower = self._make_follower()
             except MissingTopic as exc:
-                log.warning("mode changes not readable yet (%s); %s", exc, self._standing())
+                # Once a minute, not once a poll: a missing topic is a setup fault, not news each second.
+                if time.monotonic() - self._missing_logged > 60:
+                    self._missing_logged = time.monotonic()
+                    log.error(
+                        "mode changes not readable (%s); %s - create the topics (`trainmedic up` does)",
+                        exc,
+                        self._standing(),
+                    )
                 return 0
         applied = 0
         # Changes go into a copy swapped in whole: the policy store reads the overlay from the
@@ -105,8 +118,9 @@ class ModeState:
         if not self._follower.caught_up:
             self._pending = overlay
             return 0
-        if applied or self._pending is not None:
+        if applied or self._pending is not None or not self._read_whole:
             self.overlay, self._pending = overlay, None
+            self._read_whole = True  # after the swap: never trusted with the overlay half applied
             self.version += 1
             log.info("mode changes applied from %s (%d new)", MODE_CHANGES.name, applied)
         return applied

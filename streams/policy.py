@@ -379,9 +379,18 @@ def decide(policy: Policy, incident: Incident, now: float, recent_restarts: int 
             rule += " (culprit not resolved to a node of the job: recommendation only)"
             reasons.append(f"{note}: recommendation only")
     budget = policy.restart_budget
-    if action in RESTARTS and incident.job_id and recent_restarts >= budget.max_restarts:
+    # Ours within the window, or Slurm's own count of the job's restarts (whoever made them: an
+    # operator's approval, a worker before a broker restart, Slurm itself): the higher.
+    slurm_restarts = incident.job_restarts or 0
+    used = max(recent_restarts, slurm_restarts)
+    if action in RESTARTS and incident.job_id and used >= budget.max_restarts:
         # The job keeps failing: another restart would burn more GPU-hours. Stop it for a human.
-        rule += f" (restart budget: {recent_restarts} restarts in {budget.window_h:g} h: stop and escalate)"
+        counted = (
+            f"{recent_restarts} restarts in {budget.window_h:g} h"
+            if recent_restarts >= slurm_restarts
+            else f"Slurm restarted the job {slurm_restarts} times"
+        )
+        rule += f" (restart budget: {counted}: stop and escalate)"
         action, stop_mode = "stop", budget.stop
     if not incident.job_id and action in ("requeue", "stop"):
         action = "none"

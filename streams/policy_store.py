@@ -31,6 +31,11 @@ class PolicyStore:
         if mode_override is not None and mode_override not in MODES:
             raise PolicyError(f"TRAINMEDIC_MODE: unknown mode {mode_override!r} (expected one of {', '.join(MODES)})")
         self._override: Mode | None = mode_override  # type: ignore[assignment]
+        if mode_override is not None:
+            log.warning(
+                "mode %s for every partition (the mode setting): operator mode changes have no effect here",
+                mode_override,
+            )
         self._mtimes = self._stat()
         self._policy = self._load()
         # Restarts policy ordered per job: the restart budget (the only one: the executor's

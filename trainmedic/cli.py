@@ -115,7 +115,7 @@ def up(
         data_dir=data_dir,
         bootstrap=settings(bootstrap=bootstrap).bootstrap,
         clickhouse=clickhouse_dsn(settings(clickhouse_url=clickhouse)),
-        policy=policy,
+        policy=settings(policy=policy).policy,
         mode=mode,
         api_port=api_port,
         api_host=api_host,
@@ -404,7 +404,8 @@ def executor_cmd(
             "the executor needs Kafka: --bootstrap HOST:PORT, TRAINMEDIC_BOOTSTRAP or `bootstrap` in --config"
         )
     check_bootstrap(bootstrap)
-    rails = GuardrailFile(policy or DEFAULT_POLICY)
+    # The policy file the streams worker decides by (TRAINMEDIC_POLICY under the chart): its guardrails.
+    rails = GuardrailFile(settings(policy=policy).policy or DEFAULT_POLICY)
     try:
         metrics = MetricsServer(*metrics_at).start() if metrics_at else None
     except OSError as exc:

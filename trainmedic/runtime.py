@@ -26,7 +26,7 @@ from sinks.backends.base import SchedulerBackend
 from sinks.executor import Executor, ExecutorService, ExecutorSettings
 from sinks.guardrails import GuardrailFile, Guardrails
 from streams.policy import DEFAULT_POLICY
-from trainmedic.api import ApiError, ApiServer, create_api, load_or_create_token
+from trainmedic.api import API_MESSAGE_TIMEOUT_MS, ApiError, ApiServer, create_api, load_or_create_token
 from trainmedic.broker import BrokerError, EmbeddedBroker, check_port_free, ensure_topics, free_port, port_in_use
 from trainmedic.console import LiveFeed
 from trainmedic.metrics_server import MetricsServer
@@ -48,8 +48,9 @@ class StackConfig:
     database: str = "trainmedic"
     policy: Path | None = None
     mode: str | None = None  # overrides the policy's mode everywhere
-    settle_s: float = 1.0
-    collateral_wait_s: float = 5.0
+    # None: the streams worker's own settings (TRAINMEDIC_SETTLE_S / _COLLATERAL_S, the config file).
+    settle_s: float | None = None
+    collateral_wait_s: float | None = None
     verify_timeout_s: float = 60.0
     group_suffix: str = ""  # isolates consumer groups (tests sharing a broker)
     worker_ready_timeout_s: float = 90.0
@@ -346,7 +347,9 @@ class Stack:
     def _start_api(self) -> None:
         cfg = self.config
         assert self.store is not None
-        self.publisher = Publisher(self.bootstrap, "trainmedic-api")
+        self.publisher = Publisher(
+            self.bootstrap, "trainmedic-api", config={"message.timeout.ms": API_MESSAGE_TIMEOUT_MS}
+        )
         token = load_or_create_token(cfg.token_file)
         viewer_token = load_or_create_token(cfg.viewer_token_file)
         self.console_feed = LiveFeed(self.bootstrap, group_prefix=f"trainmedic-console{cfg.group_suffix}").start()
@@ -370,13 +373,14 @@ class Stack:
     def _start_worker(self) -> None:
         cfg = self.config
         env = dict(os.environ)
-        env.update(
-            TRAINMEDIC_BOOTSTRAP=self.bootstrap,
-            TRAINMEDIC_SETTLE_S=str(cfg.settle_s),
-            TRAINMEDIC_COLLATERAL_S=str(cfg.collateral_wait_s),
-            TRAINMEDIC_STREAMS_ID=f"trainmedic-streams{cfg.group_suffix}",
-            TRAINMEDIC_MODES_FILE=str(self.modes_path),
-        )
+        # Only what `up` itself decides: the rest the worker reads from the settings as `up` did.
+        env.update(TRAINMEDIC_BOOTSTRAP=self.bootstrap, TRAINMEDIC_MODES_FILE=str(self.modes_path))
+        if cfg.settle_s is not None:
+            env["TRAINMEDIC_SETTLE_S"] = str(cfg.settle_s)
+        if cfg.collateral_wait_s is not None:
+            env["TRAINMEDIC_COLLATERAL_S"] = str(cfg.collateral_wait_s)
+        if cfg.group_suffix:
+            env["TRAINMEDIC_STREAMS_ID"] = f"trainmedic-streams{cfg.group_suffix}"
         if cfg.policy:
             env["TRAINMEDIC_POLICY"] = str(Path(cfg.policy).resolve())
         if cfg.mode:

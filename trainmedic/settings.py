@@ -314,7 +314,15 @@ def unknown_env(environ: Mapping[str, str] | None = None) -> list[str]:
     known = {f"{ENV_PREFIX}{n.upper()}" for n in Settings.model_fields} | {CONFIG_ENV}
     known |= {f"{ENV_PREFIX}{n.upper()}_FILE" for n in secret_fields()}
     known |= _SCRIPT_ENV
-    return sorted(k for k in env if k.upper().startswith(ENV_PREFIX) and k.upper() not in known)
+    return sorted(
+        k
+        for k in env
+        if k.upper().startswith(ENV_PREFIX) and k.upper() not in known and not k.upper().startswith(_SCRIPT_PREFIX)
+    )
+
+
+# The 24.11 cluster's scripts (infra/slurm/start-2411.sh) and tests.
+_SCRIPT_PREFIX = f"{ENV_PREFIX}SLURM2411_"
 
 
 # Variables of the local Slurm scripts (infra/slurm) and the test harness, not of trainmedic's processes.
@@ -330,6 +338,10 @@ _SCRIPT_ENV = {
         "SLURMRESTD_LIFESPAN",
         "SLURMRESTD_TOKEN_DIR",
         "DEBIAN_MIRROR",
+        "SLURM_KEEP",
+        "OUTAGE_S",
+        "RELIABILITY_ROWS",
+        "TEST_ARTIFACTS",
         "CH_HOST",
         "CH_USER",
         "CH_PASSWORD",

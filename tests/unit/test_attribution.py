@@ -216,3 +216,11 @@ def test_incident_carries_the_job_owner_from_the_scheduler() -> None:
     a.add(xid("gpu02", 79, 9.5), now=10.0)
     (inc,) = a.flush(11.5)
     assert (inc.job_id, inc.job_name, inc.user, inc.account) == ("100", "pretrain-70b", "alice", "llm")
+
+
+def test_incident_carries_slurms_restart_count_of_the_job() -> None:
+    a = Attributor(settle_s=1.0)
+    a.observe_sched(running("100", JOB_NODES, 1.0).model_copy(update={"restart_count": 2}), now=1.0)
+    a.add(xid("gpu02", 79, 5.0), now=5.0)
+    (inc,) = a.flush(6.1)
+    assert inc.job_id == "100" and inc.job_restarts == 2

@@ -312,3 +312,16 @@ def test_an_ingested_health_event_is_not_the_nodes_own_report() -> None:
     ext = [Evidence(source="external", signature="nvsentinel_fatal", node="gpu02", time=9.0, line="l", role="root")]
     d, a = decide(policy, incident().model_copy(update={"evidence": ext}), 11.0)
     assert a is None and "placement of the job is unknown" in d.reason
+
+
+def test_slurms_restart_count_counts_toward_the_one_budget() -> None:
+    # Restarts nobody here remembers (an operator's approvals, a worker before a broker restart):
+    # the scheduler's count of them still spends the job's budget.
+    policy = parse_policy("mode: autonomous\nrestart_budget: {max_restarts: 2, window_h: 6}\n" + _actions())
+    fresh = incident().model_copy(update={"job_restarts": 1})
+    d, a = decide(policy, fresh, 11.0)
+    assert a is not None and a.action == "drain_and_requeue"
+    spent = incident().model_copy(update={"job_restarts": 2})
+    d, a = decide(policy, spent, 11.0)
+    assert a is not None and a.action == "stop"
+    assert "Slurm restarted the job 2 times" in d.rule
