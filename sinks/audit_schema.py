@@ -253,6 +253,9 @@ INCIDENTS_T = Table(
         # Kept for the rows written when attribution chose an action; the incident no longer
         # carries one (policy chooses it: the decisions table), so new rows hold ''.
         Column("recommended_action", LC, lambda e: ""),
+        # The fact policy's action follows (the fault lives on the culprit's node); NULL on rows from
+        # before it was recorded (migration 012), whose recommended_action says it.
+        Column("isolate", "Nullable(Bool)", _a("isolate")),
         Column("explanation", "String", _a("explanation"), codec=ZSTD),
         Column("evidence", "String", _evidence, codec=ZSTD),  # JSON list of {source, signature, node, ...}
         Column("anomaly_ids", "Array(String)", _a("anomaly_ids")),

@@ -9,10 +9,10 @@ is the policy's: the restarts it orders are counted per job as the streams
 worker counts them (streams/policy_store.py).
 
 The policy decides from the incident's facts; whether the fault lived on the
-culprit's node (`Incident.isolate`) is not an audit column. Rows written while
-attribution still chose the action say it by `recommended_action`
-(drain_and_requeue); later rows ('' there) by the recorded decision, where
-policy chose drain_and_requeue from that fact.
+culprit's node (`Incident.isolate`) is the incidents table's `isolate` column
+(migration 012). Older rows say it by `recommended_action` (drain_and_requeue,
+rows from when attribution chose the action) or, failing that, by the recorded
+decision, where policy chose drain_and_requeue from that fact.
 
 GPU-hours use the audit's estimate (docs/audit.md): a fault costs
 job GPUs x recovery time; the baseline without trainmedic is the NCCL watchdog
@@ -66,6 +66,8 @@ class Change:
 
 
 def _isolate(row: dict[str, Any]) -> bool:
+    if row.get("isolate") is not None:  # recorded since migration 012
+        return bool(row["isolate"])
     recommended = row.get("recommended_action") or ""
     if recommended:
         return bool(recommended == "drain_and_requeue")
