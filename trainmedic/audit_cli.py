@@ -299,7 +299,7 @@ def migrate(
     database: Database = "trainmedic",
 ) -> None:
     """Create or upgrade the audit schema (infra/clickhouse/NNN_*.sql); running it again changes nothing."""
-    if not clickhouse:
+    if not clickhouse_dsn(settings(clickhouse_url=clickhouse)):
         (data_dir / "chdb").mkdir(parents=True, exist_ok=True)
     with _store(data_dir, clickhouse, database, check=False) as store:
         applied = store.migrate()

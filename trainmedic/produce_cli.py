@@ -257,7 +257,10 @@ def logs(
     nodes: Annotated[Optional[str], typer.Option(help="The job's nodes, comma-separated (rank -> node).")] = None,
     ranks_per_node: Annotated[Optional[int], typer.Option(help="Ranks per node (block layout).")] = None,
     discover: Annotated[bool, typer.Option(help="Find running jobs' StdOut/StdErr from Slurm.")] = False,
-    only_node: Annotated[Optional[str], typer.Option(help="With --discover: only jobs running on this node.")] = None,
+    only_node: Annotated[
+        Optional[str],
+        typer.Option(help="With --discover: only jobs running on this node (default: TRAINMEDIC_NODE when set)."),
+    ] = None,
     interval: Annotated[float, typer.Option(help="With --discover: seconds between Slurm queries.")] = 1.0,
     placements: Annotated[
         str,
@@ -280,6 +283,8 @@ def logs(
         raise UsageError("--interval must be > 0")
     if placements not in ("slurm", "bus"):
         raise UsageError(f"--placements {placements!r}: expected 'slurm' or 'bus'")
+    # On a node (TRAINMEDIC_NODE set, as the chart's DaemonSet does) discovery follows that node's jobs.
+    only_node = _node(only_node) if discover else only_node
     if placements == "bus" and not only_node:
         raise UsageError("--placements bus needs --only-node NODE (the node whose jobs to follow)")
     if resync <= 0:
