@@ -167,6 +167,12 @@ async def recover_state() -> None:
             )
             _recovered = True
             return
+        # Operator modes before the first decision: a worker still in doubt would decide as in
+        # monitor mode. Bounded: a missing or slow topic leaves it in doubt (monitor), not stuck.
+        deadline = time.monotonic() + 10.0
+        while modes.in_doubt and time.monotonic() < deadline:
+            await asyncio.get_running_loop().run_in_executor(None, modes.poll)
+            await asyncio.sleep(0.1)
         holding = attributor.restore(history.incidents, history.sched, now, history.anomalies)
         restarts = policies.restore(history.actions)
         _recovered = True

@@ -15,6 +15,7 @@ record says, and a worker that has neither runs in monitor mode until it has the
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -71,6 +72,7 @@ class ModeState:
         self._pending: ModeOverlay | None = None  # the backlog read so far, before it is all read
         self._read_whole = False  # the topic's backlog has been applied
         self._missing_logged = 0.0
+        self._lock = threading.Lock()
         self._seen: set[str] = set()
 
     @property
@@ -83,6 +85,10 @@ class ModeState:
 
     def poll(self) -> int:
         """Apply the changes that arrived on the topic; how many were applied."""
+        with self._lock:  # the worker's start and its timer may both poll; one consumer, one reader
+            return self._poll()
+
+    def _poll(self) -> int:
         if self._follower is None:
             if self._make_follower is None:
                 return 0
