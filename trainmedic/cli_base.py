@@ -14,7 +14,9 @@ It also holds the options and helpers of the commands that talk to a running `tr
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, Optional
 
@@ -149,6 +151,15 @@ def config_file() -> Path | None:
 def settings(**flags: Any) -> Settings:
     """The effective settings: the command's flags (None: not given) over env over the config file."""
     return Settings.load(_config, **flags)
+
+
+def print_rows(rows: list[dict[str, Any]], as_json: bool, line: Callable[[dict[str, Any]], str]) -> None:
+    """An API listing: JSON as the API gave it, or one line per row."""
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    for r in rows:
+        typer.echo(line(r))
 
 
 def running_api(data_dir: Path, clickhouse: str | None) -> tuple[str, str] | None:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from trainmedic.cli_base import ApiOpt, AsJson, DataDir, OperatorOpt, api, new_app, whoami
+from trainmedic.cli_base import ApiOpt, AsJson, DataDir, OperatorOpt, api, new_app, print_rows, whoami
 
 nodes_app = new_app(help="Nodes as the scheduler sees them; return one trainmedic drained to service.")
 
@@ -20,13 +19,14 @@ def list_cmd(
     as_json: AsJson = False,
 ) -> None:
     """Nodes as the scheduler sees them; drained ones with their reason and incident."""
-    rows = api(data_dir, api_url, "GET", "/api/nodes")
-    if as_json:
-        typer.echo(json.dumps(rows, indent=2))
-        return
-    for r in rows:
-        flags = ",".join(r["flags"]) or "-"
-        typer.echo(f"{r['node']:12} {r['state']:10} {flags:16} {r['incident_id'] or '':26} {r['reason'] or ''}")
+    print_rows(
+        api(data_dir, api_url, "GET", "/api/nodes"),
+        as_json,
+        lambda r: (
+            f"{r['node']:12} {r['state']:10} {','.join(r['flags']) or '-':16} {r['incident_id'] or '':26} "
+            f"{r['reason'] or ''}"
+        ),
+    )
 
 
 @nodes_app.command()

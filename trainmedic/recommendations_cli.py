@@ -5,7 +5,6 @@ All four go through the operator API of a running `trainmedic up`.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -13,7 +12,7 @@ import typer
 
 from schemas.errors import UsageError
 from schemas.vocab import REJECT_REASONS
-from trainmedic.cli_base import ApiOpt, AsJson, DataDir, OperatorOpt, api, expect, new_app, whoami
+from trainmedic.cli_base import ApiOpt, AsJson, DataDir, OperatorOpt, api, expect, new_app, print_rows, whoami
 
 recommendations_app = new_app(
     help="Recommendations of monitor mode: list them, approve or reject one, label one after the fact."
@@ -29,15 +28,14 @@ def list_cmd(
     as_json: AsJson = False,
 ) -> None:
     """List recommendations waiting for an operator."""
-    rows = api(data_dir, api_url, "GET", "/api/recommendations")
-    if as_json:
-        typer.echo(json.dumps(rows, indent=2))
-        return
-    for r in rows:
-        typer.echo(
+    print_rows(
+        api(data_dir, api_url, "GET", "/api/recommendations"),
+        as_json,
+        lambda r: (
             f"{r['decision_id']}  {r['event_time'][:19]}  job {r['job_id'] or '-':8} {r['category']:13} "
             f"{r['action']:18} culprit {r['culprit_node'] or '-':8} {r['verdict'] or 'pending'}"
-        )
+        ),
+    )
 
 
 @recommendations_app.command()
