@@ -331,7 +331,9 @@ def _backend(
                 passphrase=s.secret("slurm_ssh_passphrase"),
             )
         except (ValueError, OSError) as exc:
-            raise ConfigError(f"slurm-ssh key/known hosts: {exc}") from None
+            raise ConfigError(
+                f"--ssh-key/--known-hosts (or TRAINMEDIC_SLURM_SSH_KEY, _KNOWN_HOSTS, _PASSPHRASE): {exc}"
+            ) from None
     if name == "slurm-rest":
         from sinks.backends.base import BackendError
         from sinks.backends.slurm_rest import SlurmRestBackend, TokenSource
@@ -351,7 +353,7 @@ def _backend(
         try:
             return SlurmRestBackend(s.slurmrestd_url, s.slurmrestd_user, token)
         except (BackendError, ValueError) as exc:
-            raise ConfigError(f"slurm-rest: {exc}") from None
+            raise ConfigError(f"--backend slurm-rest: {exc}") from None
     if name == "simulated":
         from sinks.backends.simulated import SimulatedScheduler
 
