@@ -299,3 +299,23 @@ def test_resume_only_nodes_trainmedic_drained_and_audit_it(
         assert (row["node"], row["incident_id"], row["operator"]) == ("gpu01", "inc-0123456789abcdef0123", "alice")
     finally:
         stack.stop()
+
+
+def test_another_clusters_action_is_never_acted_on(broker: EmbeddedBroker) -> None:
+    """Clusters may share one Kafka: an action stamped with another cluster is passed over (its
+    executors, in their own group, carry it out), and the next action of this cluster is done."""
+    sched = SimulatedScheduler([f"gpu{i:02d}" for i in range(1, 5)], requeue_delay_s=0.0)
+    job = sched.submit("train", 2)
+    svc = ExecutorService(broker.bootstrap, Executor(sched, ExecutorSettings(verify_timeout_s=10, group="clusters")))
+    thread = threading.Thread(target=svc.run, daemon=True)
+    thread.start()
+    pub = Publisher(broker.bootstrap, "test")
+    pub.publish(ACTIONS, _requeue_action(1, job).model_copy(update={"cluster": "east"}))
+    pub.publish(ACTIONS, _requeue_action(2, job))
+    assert pub.flush(10) == 0
+    results = [decode(ActionResult, v) for v in _read_all(broker.bootstrap, ACTION_RESULTS.name, "r", expect=1)]
+    svc.stop_event.set()
+    thread.join(30)
+    # Only this cluster's action has a result; the other made no scheduler call at all.
+    assert [r.action_id for r in results] == ["act-2"] and results[0].status == "done", results
+    assert [c for c in sched.calls if c.startswith("requeue")] == [f"requeue {job} exclude="], sched.calls
