@@ -85,6 +85,11 @@ class BusPlacements:
             self._do_resync()
         return {job: p.generation for job, p in self._jobs.items() if p.running}
 
+    @property
+    def caught_up(self) -> bool:
+        """The topic's backlog was read whole (from then on each call may resync)."""
+        return self._follower.caught_up
+
     def close(self) -> None:
         self._follower.close()
 

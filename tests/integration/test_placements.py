@@ -57,7 +57,9 @@ class _Resync:
 
 
 def _settle(p: BusPlacements, want: dict[str, int]) -> dict[str, int]:
-    wait_for(f"placements {want}", lambda: p() == want, timeout=20)
+    # The picture can be right before every partition has said EOF, and a resync only runs
+    # once the backlog is read whole: wait for both, so what follows sees the resync's effect.
+    wait_for(f"placements {want}, backlog read", lambda: p() == want and p.caught_up, timeout=20)
     return p()
 
 
