@@ -7,7 +7,7 @@ are tuned on, `test/` is held out and only reported. Per split, overall and per 
 
 - category accuracy: diagnosed category == labeled category;
 - action accuracy: the action == labeled action, the action being what the default policy
-  (infra/policies/default.yaml, loaded as the streams worker loads it) decides for the diagnosed
+  (streams/policies/default.yaml, loaded as the streams worker loads it) decides for the diagnosed
   incident: attribution states facts, policy alone chooses the action;
 - culprit accuracy: diagnosed culprit node == labeled culprit (null == null counts as right) and,
   where the label has `culprit_rank`, the diagnosed rank == that rank;

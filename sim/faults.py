@@ -9,7 +9,7 @@ format NVIDIA documents for NVSentinel's Xid 74 workflow (source below).
 tests/e2e/test_bench_smoke.py checks that it does.
 
 Expected category and action are what trainmedic should conclude under the
-default policy (infra/policies/default.yaml). `baseline` says when the status quo
+default policy (streams/policies/default.yaml). `baseline` says when the status quo
 (no trainmedic) finds out: ``watchdog`` when NCCL's watchdog fires (600 s by
 default) on the ranks that wait for the dead one, ``crash`` when the process
 exits (the fault line is the crash), ``silent`` when nothing fails at all (a

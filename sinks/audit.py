@@ -3,7 +3,7 @@ mode change, guardrail trip and dead letter lands in ClickHouse (chDB embedded,
 or a server by URL).
 
 Inserts are batched; offsets are committed only after the insert succeeded.
-The schema is a numbered series of migrations in infra/clickhouse/; applied
+The schema is a numbered series of migrations in sinks/ddl/ (package data); applied
 versions are recorded in `schema_migrations`.
 """
 
@@ -22,11 +22,10 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from importlib import resources
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
-import clickhouse_connect
-from clickhouse_connect.driver.client import Client
 from confluent_kafka import KafkaError, Message
 
 from bus.consume import group_consumer
@@ -46,9 +45,22 @@ from sinks.audit_schema import (
     check_settings,
 )
 
+if TYPE_CHECKING:
+    from clickhouse_connect.driver.client import Client
+
 log = logging.getLogger("trainmedic.audit")
 
-DDL_DIR = Path(__file__).resolve().parent.parent / "infra" / "clickhouse"
+
+def _ddl_dir() -> Path:
+    # Read from the installed package, so a wheel works outside the checkout. Migrations are globbed
+    # and hashed as files, which a zipped install does not have.
+    root = resources.files("sinks.ddl")
+    if not isinstance(root, Path):
+        raise ImportError(f"sinks.ddl is not installed as files on disk ({root!r}): install trainmedic unzipped")
+    return root
+
+
+DDL_DIR = _ddl_dir()
 
 
 _Row = Callable[[Any], list[Any]]
@@ -213,6 +225,13 @@ class AuditStore:
         folder = chdb_folder(url)
         if folder is not None and (holder := chdb_folder_holder(folder)) and holder != f"PID {os.getpid()}":
             raise ChdbFolderLocked(folder, holder)
+        try:
+            # Imported here: the node image has no ClickHouse client, and its CLI imports this module.
+            import clickhouse_connect
+        except ImportError:
+            raise AuditStoreError(
+                f"cannot open {url}: clickhouse-connect is not installed (pip install 'trainmedic[server]')"
+            ) from None
         try:
             self.client: Client = clickhouse_connect.get_client(dsn=url)
         except Exception as exc:

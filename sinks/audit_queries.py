@@ -42,7 +42,7 @@ VIEWS: dict[str, str | None] = {
 }
 RELATIONS: dict[str, str | None] = {**BASE_TABLES, **VIEWS}
 
-# The assumptions behind gpu_hours_saved (infra/clickhouse/003_views.sql, docs/audit.md).
+# The assumptions behind gpu_hours_saved (sinks/ddl/003_views.sql, docs/audit.md).
 GPU_HOURS_ASSUMPTIONS = {
     "gpus_per_node": 8,
     "nccl_watchdog_s": 600,
@@ -136,7 +136,7 @@ CHILD_SKEW_S = 3600
 
 
 def summary_sql(where: str, child_where: str = "1") -> str:
-    """incident_summary (infra/clickhouse/007_layout.sql) for the incidents matching `where` only,
+    """incident_summary (sinks/ddl/007_layout.sql) for the incidents matching `where` only,
     less the incident's `recommended_action`: the action is policy's, `decision_action`.
 
     `where` filters incidents (on event_time, job_id, culprit_node: the sort key and

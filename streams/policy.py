@@ -4,13 +4,14 @@ Attribution states facts (category, culprit, confidence, evidence, whether the
 fault lives on the culprit's node and whether isolating it may be carried out);
 the action is chosen here alone (`choose_action`, then rules, isolation, the
 restart budget and modes in `decide`). The policy is a YAML file (default:
-infra/policies/default.yaml) validated at load; errors name the file, the line
+streams/policies/default.yaml, package data) validated at load; errors name the file, the line
 and the field.
 """
 
 from __future__ import annotations
 
 import fnmatch
+from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,7 +24,17 @@ from schemas.ids import stable_id
 from schemas.vocab import CATEGORIES, NEVER_ACTS, SEVERITY_RANK, ActionKind, Category, Mode, Severity
 from schemas.yamlsafe import FILE_LIMITS, YamlError, YamlLimits, compose_yaml, construct_yaml, load_yaml
 
-DEFAULT_POLICY = Path(__file__).resolve().parent.parent / "infra" / "policies" / "default.yaml"
+
+def _default_policy() -> Path:
+    # Read from the installed package, so a wheel works outside the checkout; callers (the chart's
+    # mirror test, GuardrailFile, PolicyStore) take a filesystem path, which a zipped install has not.
+    path = resources.files("streams.policies") / "default.yaml"
+    if not isinstance(path, Path):
+        raise ImportError(f"streams.policies is not installed as files on disk ({path!r}): install trainmedic unzipped")
+    return path
+
+
+DEFAULT_POLICY = _default_policy()
 
 
 class PolicyError(ConfigError, ValueError):

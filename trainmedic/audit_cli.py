@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Annotated, Any, Optional, cast
 
 import typer
-from clickhouse_connect.driver.exceptions import ClickHouseError
 from rich.console import Console
 from rich.table import Table
 
@@ -86,6 +85,9 @@ def open_store(data_dir: Path, clickhouse: str | None, database: str) -> AuditSt
 @contextlib.contextmanager
 def _store(data_dir: Path, clickhouse: str | None, database: str, check: bool = True) -> Iterator[AuditStore]:
     store = open_store(data_dir, clickhouse, database)
+    # Imported once a store is open (clickhouse-connect is there then): the node image's CLI loads this module.
+    from clickhouse_connect.driver.exceptions import ClickHouseError
+
     try:
         if check:
             q.check_schema(store)
@@ -298,7 +300,7 @@ def migrate(
     clickhouse: ClickHouse = None,
     database: Database = "trainmedic",
 ) -> None:
-    """Create or upgrade the audit schema (infra/clickhouse/NNN_*.sql); running it again changes nothing."""
+    """Create or upgrade the audit schema (sinks/ddl/NNN_*.sql); running it again changes nothing."""
     if not clickhouse_dsn(settings(clickhouse_url=clickhouse)):
         (data_dir / "chdb").mkdir(parents=True, exist_ok=True)
     with _store(data_dir, clickhouse, database, check=False) as store:

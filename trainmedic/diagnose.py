@@ -475,7 +475,7 @@ def diagnose_paths(
     """Diagnose the inputs (see the module docstring). `nodelist` (a Slurm hostlist) with
     `ranks_per_node` and `distribution` (block, cyclic), or `rank_map` (a file of RANK NODE
     lines), resolve a culprit rank to its node. `action` is what `policy` (default:
-    infra/policies/default.yaml, through the streams worker's loader) decides."""
+    streams/policies/default.yaml, through the streams worker's loader) decides."""
     cfg = settings or OfflineSettings()
     ranks = placement(nodelist, ranks_per_node, distribution, rank_map)
     inputs = gather_inputs(paths, stdin)

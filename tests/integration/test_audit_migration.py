@@ -1,4 +1,4 @@
-"""The layout migration (infra/clickhouse/007_layout.sql) on live tables of the old
+"""The layout migration (sinks/ddl/007_layout.sql) on live tables of the old
 layout (migrations 001-005): every row kept, a second run changes nothing, a failure
 leaves the old table serving, rows written during the copy are not lost. Real chDB."""
 

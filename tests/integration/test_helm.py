@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from sinks.guardrails import parse_guardrails
-from streams.policy import load_policy
+from streams.policy import DEFAULT_POLICY, load_policy
 
 helm = pytest.importorskip(
     "helm_python", reason="helm-python-sdk (Helm's Go SDK for Python) is not installed: pip install helm-python-sdk"
@@ -33,7 +33,6 @@ kv = pytest.importorskip(
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "infra" / "helm" / "trainmedic"
-DEFAULT_POLICY = REPO / "infra" / "policies" / "default.yaml"
 # The chart's kubeVersion floor (Chart.yaml) and the newest schemas kubernetes-validate ships.
 KUBE_VERSIONS = ("1.25.0", kv.latest_version())
 

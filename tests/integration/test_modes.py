@@ -16,7 +16,7 @@ from bus.publish import Publisher
 from schemas.events import ModeChange
 from schemas.topics import MODE_CHANGES
 from streams.modes import ModeState
-from streams.policy import ModeOverlay, save_overlay
+from streams.policy import DEFAULT_POLICY, ModeOverlay, save_overlay
 from tests.conftest import wait_for
 from trainmedic.broker import EmbeddedBroker
 
@@ -105,7 +105,7 @@ def test_a_worker_in_doubt_decides_as_in_monitor_mode(tmp_path: Path) -> None:
     from streams.policy_store import PolicyStore
 
     policy = tmp_path / "policy.yaml"
-    default = (Path(__file__).resolve().parents[2] / "infra/policies/default.yaml").read_text()
+    default = DEFAULT_POLICY.read_text()
     policy.write_text(default.replace("\nmode: monitor\n", "\nmode: autonomous\n", 1))
     blind = ModeState("127.0.0.1:1", None, follower=_no_topic)
     store = PolicyStore(policy, modes=blind)

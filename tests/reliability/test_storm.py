@@ -26,7 +26,7 @@ NODES = [f"n{i:03d}" for i in range(320)]
 JOBS = 64
 NODES_PER_JOB = 4
 ANOMALIES_TOTAL = 10_000
-MAX_DRAINS = 2  # infra/policies/default.yaml: guardrails.max_drains_per_window
+MAX_DRAINS = 2  # streams/policies/default.yaml: guardrails.max_drains_per_window
 AGE = re.compile(r'^trainmedic_consumer_record_age_seconds\{component="attribute",topic="anomalies"\} (\S+)$', re.M)
 
 

@@ -31,7 +31,7 @@ from streams.policy import decide, load_policy
 
 XID = load_xid_catalog()
 SXID = load_sxid_catalog()
-POLICY = load_policy()  # infra/policies/default.yaml: what trainmedic does out of the box
+POLICY = load_policy()  # streams/policies/default.yaml: what trainmedic does out of the box
 
 
 def _recommend(category: Category, isolate: bool) -> str:

@@ -1,0 +1,1 @@
+"""The default policy (default.yaml), package data loaded by streams.policy."""
