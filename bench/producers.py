@@ -261,7 +261,8 @@ def main(argv: list[str] | None = None) -> None:
         child(args)
         return
 
-    from trainmedic.broker import EmbeddedBroker, ensure_topics
+    from bus.admin import ensure_topics
+    from trainmedic.broker import EmbeddedBroker
 
     broker = EmbeddedBroker().start()
     try:

@@ -45,13 +45,14 @@ from pathlib import Path
 from typing import Any, cast
 
 from bench.machine import machine
+from bus.admin import ensure_topics
 from bus.publish import Publisher
 from producers.jobdiscovery import JobDiscovery
 from producers.placements import BusPlacements
 from producers.slurm import SlurmProducer
 from slurmio.runners import LocalRunner, SlurmCommandError
 from slurmio.squeue import SQUEUE_ALL
-from trainmedic.broker import EmbeddedBroker, ensure_topics
+from trainmedic.broker import EmbeddedBroker
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"

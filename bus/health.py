@@ -80,6 +80,13 @@ class Loop:
         }
 
 
+def processed(consumer: str, n: int = 1) -> None:
+    """`n` records handled by a consumer that is not a loop of its own (a Faust agent): only its
+    last-processed gauge moves; its process's loop says whether it is alive."""
+    if n:
+        LAST_PROCESSED.labels(consumer).set(time.time())
+
+
 _lock = threading.Lock()
 _loops: dict[str, Loop] = {}
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from confluent_kafka import KafkaError, Message
 
+from bus import health
 from bus.consume import group_consumer
 from bus.deadletter import make_dead_letter
 from schemas.codec import DecodeError, decode
@@ -604,6 +605,7 @@ class AuditSink:
     def _insert_with_retry(self, rows: dict[str, list[list[Any]]]) -> None:
         delay = 0.5
         while True:
+            self._health.beat()
             try:
                 for table, table_rows in rows.items():
                     columns = next(cols for _, t, _, cols in TABLES.values() if t == table)
@@ -612,18 +614,25 @@ class AuditSink:
                         self.store.insert(table, fresh, columns)
                         self.recent.remember(table, [str(r[self._id_index[table]]) for r in fresh])
                     self.inserted[table] += len(fresh)
+                self._health.beat(processed=sum(len(r) for r in rows.values()))
+                self._health.set_ready(True, "consuming")
                 return
             except Exception as exc:  # any storage failure: back off and retry, offsets stay uncommitted
                 if self.stop_event.is_set():
                     raise
+                self._health.set_ready(False, f"audit inserts failing, retrying: {type(exc).__name__}")
                 log.error("audit insert failed, retrying in %.1f s: %s", delay, exc)
                 time.sleep(delay)
                 delay = min(delay * 2, 30.0)
 
     def run(self) -> None:
-        self._consumer.subscribe(list(TABLES))
+        self._health = health.loop("audit-sink", stale_after_s=120.0)
+        self._consumer.subscribe(
+            list(TABLES), on_assign=lambda _c, _ps: self._health.set_ready(True, "consuming: partitions assigned")
+        )
         try:
             while not self.stop_event.is_set():
+                self._health.beat()
                 batch: list[Message] = []
                 deadline = time.monotonic() + self.batch_wait_s
                 while len(batch) < self.batch_max and time.monotonic() < deadline:
@@ -639,4 +648,5 @@ class AuditSink:
                 self._insert_with_retry(self._rows(batch))
                 self._consumer.commit(asynchronous=False)
         finally:
+            self._health.stop()
             self._consumer.close()

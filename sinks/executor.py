@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
+from bus import health
 from bus.consume import group_consumer, read_records
 from bus.deadletter import make_dead_letter
 from bus.publish import NotDelivered, Publisher
@@ -543,9 +544,14 @@ class ExecutorService:
     # -- the loop -------------------------------------------------------------------------
 
     def _step(self) -> None:
+        self._health.beat()
         self._lease.poll(0.0 if self.acting else 0.2)
         if not self._lease.owned:
             metrics.EXECUTOR_ACTING.set(0)
+            if self._lease.elsewhere and self._lease.heard:
+                self._health.set_ready(True, "standing by: another replica holds the acting lease")
+            else:
+                self._health.set_ready(False, "joining the lease group")
             if self._lease.elsewhere:
                 # Another replica may hold the lease: leave the actions to it. During a rebalance
                 # that may give the lease back, the consumer stays (idle): closing and re-joining
@@ -555,10 +561,12 @@ class ExecutorService:
         if self._restored_epoch != self._lease.epoch:
             # Gained (or regained) the lease: count what every earlier holder attempted first.
             if not self._restore():
+                self._health.set_ready(False, f"holding the lease, but {ACTION_ATTEMPTS.name} cannot be read back")
                 self.stop_event.wait(1.0)
                 return
             self._restored_epoch = self._lease.epoch
             metrics.EXECUTOR_ACTING.set(1)
+        self._health.set_ready(True, "acting: holds the lease")
         if self._consumer is None:
             self._consumer = self._subscribe_actions()
         consumer = self._consumer
@@ -580,11 +588,14 @@ class ExecutorService:
             self._lease.rejoin()
 
     def run(self) -> None:
+        # One action may wait for its effects (verify timeout) per step: not stuck until well past that.
+        self._health = health.loop("executor", stale_after_s=max(180.0, 4 * self.executor.settings.verify_timeout_s))
         self._lease.join()
         try:
             while not self.stop_event.is_set():
                 self._step()
         finally:
+            self._health.stop()
             self._stand_by()
             self._lease.close()
             self._publisher.close(5)

@@ -63,6 +63,7 @@ class ActingLease:
         self._consumer: Consumer | None = None
         self._partitions: list[int] = []
         self._elsewhere = True  # until the group assigns the lease partition to this replica
+        self.heard = False  # the group has assigned this replica something (or nothing) at least once
 
     @property
     def elsewhere(self) -> bool:
@@ -89,6 +90,7 @@ class ActingLease:
     def _assigned(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._partitions = sorted(p.partition for p in partitions)
         self._elsewhere = ATTEMPTS_PARTITION not in self._partitions
+        self.heard = True
         if not self._elsewhere:
             with self._lock:
                 self._owned = True

@@ -19,8 +19,8 @@ from typing import Any, TypeVar
 import aiokafka  # type: ignore[import-untyped]
 import faust
 from confluent_kafka import KafkaException
-from prometheus_client import start_http_server
 
+from bus import health
 from bus.config import security
 from bus.deadletter import make_dead_letter
 from bus.publish import CLIENT_DEFAULT_MAX_BYTES, prepare
@@ -46,6 +46,7 @@ from schemas.topics import (
     INCIDENTS,
     JOB_LOGS,
     JOB_PROGRESS,
+    MODE_CHANGES,
     NODE_KERNEL,
     SCHED_EVENTS,
     Topic,
@@ -104,6 +105,7 @@ app = faust.App(
     broker_heartbeat_interval=1,
     broker_rebalance_timeout=20,
     web_enabled=False,
+    datadir=str(SETTINGS.streams_data_dir),
 )
 
 
@@ -137,6 +139,7 @@ kernel_text_detector = KernelTextDetector()
 attributor = Attributor(settle_s=SETTINGS.settle_s, collateral_wait_s=SETTINGS.collateral_s)
 # Operator mode changes: the API's state file when this host sees it, then mode.changes.
 modes = ModeState(BOOTSTRAP, SETTINGS.modes_file)
+LIVENESS = health.loop("streams", stale_after_s=60.0)
 policies = PolicyStore(str(SETTINGS.policy) if SETTINGS.policy else None, SETTINGS.mode, modes)
 
 
@@ -219,6 +222,7 @@ def ours(event: Event, agent: str) -> bool:
 def consumed(agent: str, event: Any) -> None:
     msg = event.message
     metrics.EVENTS_IN.labels(agent, msg.topic).inc()
+    health.processed(f"streams.{agent}")
     if msg.timestamp:
         metrics.RECORD_AGE.labels(agent, msg.topic).set(max(0.0, time.time() - msg.timestamp))
 
@@ -297,6 +301,14 @@ async def follow_mode_changes() -> None:
     # In a thread: the follower's read blocks up to its poll timeout.
     await asyncio.get_running_loop().run_in_executor(None, modes.poll)
     metrics.MODES_IN_DOUBT.set(1 if modes.in_doubt else 0)
+    # Faust starts timers once the worker is fully started (tables recovered, agents running),
+    # so this beat is the worker's liveness and its first run the start of its readiness.
+    LIVENESS.beat()
+    if modes.in_doubt:
+        # Fail closed shows: deciding as in monitor mode until the operators' modes are read.
+        LIVENESS.set_ready(False, f"operator modes unreadable ({MODE_CHANGES.name}): deciding as monitor")
+    else:
+        LIVENESS.set_ready(True, "consuming")
 
 
 @app.timer(interval=2.0)
@@ -354,13 +366,6 @@ async def apply_policy(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
         if action is not None:
             await publish(ACTIONS, action)
         yield None
-
-
-@app.task
-async def serve_metrics() -> None:
-    if SETTINGS.metrics_port is not None:
-        start_http_server(SETTINGS.metrics_port, addr=SETTINGS.metrics_host)
-        log.info("metrics on %s:%s/metrics", SETTINGS.metrics_host, SETTINGS.metrics_port)
 
 
 def main() -> None:

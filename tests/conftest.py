@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from trainmedic.broker import EmbeddedBroker, ensure_topics
+from bus.admin import ensure_topics
+from trainmedic.broker import EmbeddedBroker
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"

@@ -14,13 +14,16 @@ import secrets
 import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import uvicorn
 from fastapi import Depends, FastAPI, Header, HTTPException, Query
 from fastapi.responses import JSONResponse
+from prometheus_client import REGISTRY
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from bus.publish import NotDelivered, Publisher
@@ -166,6 +169,7 @@ def create_api(
     recommendations, modes, readiness, nodes and replays, but no approval, label, mode change
     or resume (403 "operator role required")."""
     api = FastAPI(title="trainmedic", version="1", docs_url=None, redoc_url=None)
+    PENDING.store = store
     lock = threading.Lock()
     decided: dict[str, str] = {}  # decision id -> verdict, for decisions answered in this run
 
@@ -453,17 +457,65 @@ def _recorded_verdict(store: AuditStore, decision_id: str) -> str | None:
     return str(rows[0]["verdict"]) if rows else None
 
 
+class PendingRecommendations(Collector):
+    """trainmedic_recommendations_pending{partition}: recommendations of the last 7 days with no
+    verdict, counted in the audit when Prometheus scrapes (the API's process only)."""
+
+    QUERY = (
+        "SELECT partition, count() AS n FROM {db}.decisions FINAL "
+        "WHERE kind = 'recommendation' AND cluster = {c:String} AND event_time > now() - INTERVAL 7 DAY "
+        "AND decision_id NOT IN (SELECT decision_id FROM {db}.approvals FINAL) GROUP BY partition"
+    )
+
+    def __init__(self) -> None:
+        self.store: AuditStore | None = None
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        if self.store is None:
+            return
+        family = GaugeMetricFamily(
+            "trainmedic_recommendations_pending",
+            "Recommendations of the last 7 days that no operator has approved or rejected yet",
+            labels=["partition"],
+        )
+        try:
+            rows = self.store.query(self.QUERY, {"c": current_cluster()})
+        except Exception as exc:  # the audit away: no sample, rather than a wrong zero
+            log.warning("pending recommendations not counted: %s", exc)
+            return
+        for row in rows:
+            family.add_metric([str(row["partition"] or "")], float(row["n"]))
+        yield family
+
+
+PENDING = PendingRecommendations()
+REGISTRY.register(PENDING)
+
+
 class ApiServer:
     """uvicorn in a thread, stoppable."""
 
-    def __init__(self, api: FastAPI, host: str, port: int) -> None:
+    def __init__(
+        self, api: FastAPI, host: str, port: int, tls_cert: Path | None = None, tls_key: Path | None = None
+    ) -> None:
         self.app, self.host, self.port = api, host, port
-        self._server = uvicorn.Server(uvicorn.Config(api, host=host, port=port, log_level="warning", access_log=False))
+        self.tls = tls_cert is not None
+        config = uvicorn.Config(
+            api,
+            host=host,
+            port=port,
+            log_level="warning",
+            access_log=False,
+            ssl_certfile=str(tls_cert) if tls_cert else None,
+            ssl_keyfile=str(tls_key) if tls_key else None,
+        )
+        self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="api", daemon=True)
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{'https' if self.tls else 'http'}://{host}:{self.port}"
 
     def start(self, timeout: float = 15.0) -> ApiServer:
         self._thread.start()

@@ -12,11 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from confluent_kafka.admin import AdminClient, NewTopic
-
-from bus.config import admin_config
 from schemas.errors import Unavailable
-from schemas.topics import ALL_TOPICS, DEFAULT_PARTITIONS
 from trainmedic.supervisor import describe_returncode, die_with_parent
 
 
@@ -148,22 +144,3 @@ class EmbeddedBroker:
     def exit_status(self) -> str:
         return describe_returncode(self._proc.poll()) if self._proc is not None else "not started"
 
-
-def ensure_topics(bootstrap: str, partitions: int = DEFAULT_PARTITIONS, timeout: float = 20.0) -> None:
-    """Create every trainmedic topic that does not exist yet."""
-    admin = AdminClient(admin_config(bootstrap))
-    try:
-        existing = set(admin.list_topics(timeout=timeout).topics)
-    except Exception as exc:  # confluent_kafka raises KafkaException with a cause
-        raise BrokerError(f"cannot reach Kafka at {bootstrap}: {exc}") from None
-    wanted = [
-        NewTopic(t.name, num_partitions=partitions, replication_factor=-1) for t in ALL_TOPICS if t.name not in existing
-    ]
-    if not wanted:
-        return
-    for name, fut in admin.create_topics(wanted, operation_timeout=timeout).items():
-        try:
-            fut.result(timeout)
-        except Exception as exc:
-            if "TOPIC_ALREADY_EXISTS" not in str(exc):
-                raise BrokerError(f"cannot create topic {name} on {bootstrap}: {exc}") from None

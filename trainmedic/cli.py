@@ -16,10 +16,20 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from schemas.errors import ConfigError, ExitCode, Unavailable, UsageError
+from schemas.errors import ExitCode, Unavailable, UsageError
 from trainmedic.audit_cli import audit_app
+from trainmedic.backend_cli import (
+    KnownHostsOpt,
+    RemoteConfOpt,
+    RestTokenFileOpt,
+    RestUrlOpt,
+    RestUserOpt,
+    SshKeyOpt,
+    SshOpt,
+    scheduler_backend,
+)
 from trainmedic.bench_cli import bench_app
-from trainmedic.cli_base import config_file, new_app, settings, use_config
+from trainmedic.cli_base import new_app, settings, use_config
 from trainmedic.config_cli import config_app
 from trainmedic.mode_cli import mode_app
 from trainmedic.nodes_cli import nodes_app
@@ -27,25 +37,13 @@ from trainmedic.policy_cli import policy_app
 from trainmedic.produce_cli import produce_app
 from trainmedic.readiness_cli import readiness_cmd
 from trainmedic.recommendations_cli import recommendations_app
-from trainmedic.settings import clickhouse_dsn, secret_file
+from trainmedic.run_cli import run_app
+from trainmedic.settings import clickhouse_dsn
+from trainmedic.topics_cli import topics_app
 
 app = new_app(help="Workload-level recovery for distributed AI training on Slurm.")
 
 DataDir = Annotated[Path, typer.Option("--data-dir", help="Where the embedded chDB audit and logs live.")]
-
-
-SshOpt = Annotated[Optional[str], typer.Option("--ssh", help="slurm-ssh: USER@HOST[:PORT] of a login node.")]
-SshKeyOpt = Annotated[Optional[Path], typer.Option("--ssh-key", help="slurm-ssh: private key file.")]
-KnownHostsOpt = Annotated[Optional[Path], typer.Option("--known-hosts", help="slurm-ssh: known_hosts file (strict).")]
-RemoteConfOpt = Annotated[Optional[str], typer.Option("--remote-slurm-conf", help="slurm-ssh: SLURM_CONF there.")]
-RestUrlOpt = Annotated[Optional[str], typer.Option("--rest-url", help="slurm-rest: slurmrestd URL, https://HOST:PORT.")]
-RestUserOpt = Annotated[Optional[str], typer.Option("--rest-user", help="slurm-rest: the Slurm user of the token.")]
-RestTokenFileOpt = Annotated[
-    Optional[Path],
-    typer.Option(
-        "--rest-token-file", help="slurm-rest: file holding the JWT (default: env TRAINMEDIC_SLURMRESTD_TOKEN)."
-    ),
-]
 
 
 @app.command()
@@ -110,7 +108,9 @@ def up(
     if mode not in (None, "monitor", "autonomous"):
         raise UsageError(f"--mode {mode!r}: expected monitor or autonomous")
     load_policy(policy)
-    sched = _backend(backend, ssh, ssh_key, known_hosts, remote_slurm_conf, (rest_url, rest_user, rest_token_file))
+    sched = scheduler_backend(
+        backend, ssh, ssh_key, known_hosts, remote_slurm_conf, (rest_url, rest_user, rest_token_file)
+    )
     config = StackConfig(
         data_dir=data_dir,
         bootstrap=settings(bootstrap=bootstrap).bootstrap,
@@ -274,165 +274,6 @@ def diagnose(
         raise typer.Exit(ExitCode.NO)
 
 
-# The settings' Slurm access -> the backend that provides it.
-_ACCESS_BACKEND = {"local": "slurm-cli", "ssh": "slurm-ssh", "rest": "slurm-rest"}
-
-
-def _backend(
-    name: str | None,
-    ssh: str | None = None,
-    ssh_key: Path | None = None,
-    known_hosts: Path | None = None,
-    remote_slurm_conf: str | None = None,
-    rest: tuple[str | None, str | None, Path | None] = (None, None, None),
-) -> Any:
-    """The scheduler backend: slurm-cli runs Slurm's CLI here (munge auth); slurm-ssh runs it on a
-    login node over SSH with strict host-key checking; slurm-rest calls slurmrestd with a JWT
-    (what its API cannot do is refused, see sinks/backends/slurm_rest_api.yaml); pyslurm calls libslurm in-process (Slurm
-    23.02+, untested here); simulated is the demo's in-memory scheduler.
-
-    Flags override the settings (TRAINMEDIC_SLURM_ACCESS, TRAINMEDIC_SLURM_SSH_*, TRAINMEDIC_SLURMRESTD_*,
-    or the config file); without --backend the settings' slurm_access chooses."""
-    flags: dict[str, Any] = {
-        "slurm_ssh_key": ssh_key,
-        "slurm_ssh_known_hosts": known_hosts,
-        "slurm_ssh_slurm_conf": remote_slurm_conf,
-        "slurmrestd_url": rest[0],
-        "slurmrestd_user": rest[1],
-    }
-    if ssh:
-        user, _, hostport = ssh.rpartition("@")
-        host, _, port = hostport.partition(":")
-        if not user or not host or (port and not port.isdigit()):
-            raise UsageError(f"--ssh {ssh!r}: expected USER@HOST[:PORT]")
-        flags |= {"slurm_ssh_user": user, "slurm_ssh_host": host, "slurm_ssh_port": int(port) if port else None}
-    s = settings(**flags)
-    name = name or _ACCESS_BACKEND[s.slurm_access]
-    if name == "slurm-cli":
-        from sinks.backends.slurm_cli import SlurmCliBackend
-
-        return SlurmCliBackend()
-    if name == "slurm-ssh":
-        from sinks.backends.slurm_ssh import slurm_ssh_backend
-
-        if not (s.slurm_ssh_host and s.slurm_ssh_user and s.slurm_ssh_key and s.slurm_ssh_known_hosts):
-            raise UsageError(
-                "slurm-ssh needs a login node, a key and known hosts: --ssh USER@HOST[:PORT], --ssh-key FILE and "
-                "--known-hosts FILE (or TRAINMEDIC_SLURM_SSH_HOST, _USER, _KEY, _KNOWN_HOSTS)"
-            )
-        try:
-            return slurm_ssh_backend(
-                s.slurm_ssh_host,
-                s.slurm_ssh_port,
-                s.slurm_ssh_user,
-                s.slurm_ssh_key,
-                s.slurm_ssh_known_hosts,
-                slurm_conf=s.slurm_ssh_slurm_conf,
-                passphrase=s.secret("slurm_ssh_passphrase"),
-            )
-        except (ValueError, OSError) as exc:
-            raise ConfigError(
-                f"--ssh-key/--known-hosts (or TRAINMEDIC_SLURM_SSH_KEY, _KNOWN_HOSTS, _PASSPHRASE): {exc}"
-            ) from None
-    if name == "slurm-rest":
-        from sinks.backends.base import BackendError
-        from sinks.backends.slurm_rest import SlurmRestBackend, TokenSource
-
-        if not s.slurmrestd_url or not s.slurmrestd_user:
-            raise UsageError(
-                "slurm-rest needs --rest-url URL and --rest-user USER (or TRAINMEDIC_SLURMRESTD_URL, _USER); "
-                "the token: --rest-token-file FILE, TRAINMEDIC_SLURMRESTD_TOKEN_FILE or TRAINMEDIC_SLURMRESTD_TOKEN"
-            )
-        token_file = rest[2] or secret_file("slurmrestd_token", config_file())
-        if token_file is not None:
-            token = TokenSource(file=token_file)
-        elif (value := s.secret("slurmrestd_token")) is not None:
-            token = TokenSource(value=value)
-        else:
-            raise UsageError("slurm-rest: no token (--rest-token-file, TRAINMEDIC_SLURMRESTD_TOKEN[_FILE])")
-        try:
-            return SlurmRestBackend(s.slurmrestd_url, s.slurmrestd_user, token)
-        except (BackendError, ValueError) as exc:
-            raise ConfigError(f"--backend slurm-rest: {exc}") from None
-    if name == "simulated":
-        from sinks.backends.simulated import SimulatedScheduler
-
-        return SimulatedScheduler([])
-    if name == "pyslurm":
-        from sinks.backends.base import BackendError
-        from sinks.backends.pyslurm_backend import PyslurmBackend
-
-        try:
-            return PyslurmBackend()
-        except BackendError as exc:
-            raise ConfigError(f"--backend pyslurm: {exc}") from None
-    raise UsageError(f"--backend {name!r}: expected slurm-cli, slurm-ssh, slurm-rest, pyslurm or simulated")
-
-
-@app.command("executor")
-def executor_cmd(
-    bootstrap: Annotated[
-        Optional[str], typer.Option(help="Kafka bootstrap servers HOST:PORT (default: TRAINMEDIC_BOOTSTRAP).")
-    ] = None,
-    policy: Annotated[Optional[Path], typer.Option(help="Policy YAML whose guardrails section applies.")] = None,
-    backend: Annotated[
-        Optional[str], typer.Option(help="Scheduler backend (default: the settings' slurm_access, local: slurm-cli).")
-    ] = None,
-    group: Annotated[str, typer.Option(help="Consumer group; replicas share it.")] = "trainmedic-executor",
-    verify_timeout: Annotated[float, typer.Option(help="Seconds to wait for each effect to show.")] = 60.0,
-    ssh: SshOpt = None,
-    ssh_key: SshKeyOpt = None,
-    known_hosts: KnownHostsOpt = None,
-    remote_slurm_conf: RemoteConfOpt = None,
-    rest_url: RestUrlOpt = None,
-    rest_user: RestUserOpt = None,
-    rest_token_file: RestTokenFileOpt = None,
-    metrics_address: Annotated[
-        str, typer.Option(help="HOST:PORT of a Prometheus listener (unauthenticated, read-only); off: none.")
-    ] = "off",
-) -> None:
-    """Run only the executor (one replica of its consumer group), e.g. as its own Deployment."""
-    from sinks.executor import Executor, ExecutorService, ExecutorSettings
-    from sinks.guardrails import GuardrailFile, Guardrails
-    from streams.policy import DEFAULT_POLICY
-    from trainmedic.metrics_server import MetricsServer, parse_address
-    from trainmedic.runtime import check_bootstrap
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    metrics_at = parse_address(metrics_address)
-    bootstrap = settings(bootstrap=bootstrap).bootstrap
-    if not bootstrap:
-        raise UsageError(
-            "the executor needs Kafka: --bootstrap HOST:PORT, TRAINMEDIC_BOOTSTRAP or `bootstrap` in --config"
-        )
-    check_bootstrap(bootstrap)
-    # The policy file the streams worker decides by (TRAINMEDIC_POLICY under the chart): its guardrails.
-    rails = GuardrailFile(settings(policy=policy).policy or DEFAULT_POLICY)
-    try:
-        metrics = MetricsServer(*metrics_at).start() if metrics_at else None
-    except OSError as exc:
-        raise ConfigError(str(exc)) from None
-    sched = _backend(backend, ssh, ssh_key, known_hosts, remote_slurm_conf, (rest_url, rest_user, rest_token_file))
-    service = ExecutorService(
-        bootstrap,
-        Executor(sched, ExecutorSettings(verify_timeout_s=verify_timeout, group=group)),
-        Guardrails(rails, sched),
-    )
-    signal.signal(signal.SIGTERM, lambda *_: service.stop_event.set())
-    typer.echo(f"executor up: group {group}, scheduler {sched.name}, metrics {metrics.url if metrics else 'off'}")
-    try:
-        service.run()
-    except KeyboardInterrupt:
-        service.stop_event.set()
-    except Exception as exc:
-        # Only `up` supervises: alone, a dead loop exits non-zero so systemd or Kubernetes restarts it.
-        logging.getLogger("trainmedic.executor").exception("the executor loop died")
-        raise Unavailable(f"the executor loop died: {type(exc).__name__}: {exc}") from None
-    if not service.stop_event.is_set():
-        raise Unavailable("the executor loop ended without being asked to stop")
-    typer.echo("executor stopped.")
-
-
 app.add_typer(recommendations_app, name="recommendations")
 app.add_typer(policy_app, name="policy")
 app.add_typer(nodes_app, name="nodes")
@@ -442,6 +283,16 @@ app.add_typer(produce_app, name="produce")
 app.command("readiness")(readiness_cmd)
 app.add_typer(bench_app, name="bench")
 app.add_typer(config_app, name="config")
+app.add_typer(run_app, name="run")
+app.add_typer(topics_app, name="topics")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from trainmedic.build import VERSION
+
+        typer.echo(f"trainmedic {VERSION}")
+        raise typer.Exit()
 
 
 @app.callback()
@@ -454,6 +305,9 @@ def _settings(
             "Precedence: flags, then TRAINMEDIC_* environment, then this file. `trainmedic config show` prints them.",
         ),
     ] = None,
+    version: Annotated[
+        bool, typer.Option("--version", is_eager=True, help="Print the version and exit.", callback=_print_version)
+    ] = False,
 ) -> None:
     """Workload-level recovery for distributed AI training on Slurm."""
     # Before any command: its cluster name and Kafka security are the whole process's.

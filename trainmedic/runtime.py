@@ -18,6 +18,7 @@ from typing import Any
 
 from confluent_kafka.admin import AdminClient
 
+from bus.admin import ensure_topics
 from bus.config import admin_config
 from bus.publish import Publisher
 from schemas.errors import TrainmedicError
@@ -27,7 +28,7 @@ from sinks.executor import Executor, ExecutorService, ExecutorSettings
 from sinks.guardrails import GuardrailFile, Guardrails
 from streams.policy import DEFAULT_POLICY
 from trainmedic.api import API_MESSAGE_TIMEOUT_MS, ApiError, ApiServer, create_api, load_or_create_token
-from trainmedic.broker import BrokerError, EmbeddedBroker, check_port_free, ensure_topics, free_port, port_in_use
+from trainmedic.broker import BrokerError, EmbeddedBroker, check_port_free, free_port, port_in_use
 from trainmedic.console import LiveFeed
 from trainmedic.metrics_server import MetricsServer
 from trainmedic.settings import Settings, audit_layout

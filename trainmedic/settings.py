@@ -86,6 +86,9 @@ class Settings(BaseSettings):
     settle_s: float = Field(default=1.0, gt=0, description="attribution window once a root cause is seen")
     collateral_s: float = Field(default=5.0, gt=0, description="how long collateral-only symptoms wait")
     fetch_max_wait_ms: int = Field(default=100, ge=1, le=1500, description="cap on the Faust consumer's fetch wait")
+    streams_data_dir: Path = Field(
+        default=Path("trainmedic-streams-data"), description="the streams worker's local Faust data folder (writable)"
+    )
 
     # -- metrics --------------------------------------------------------------------------
     metrics_host: str = "127.0.0.1"
@@ -94,6 +97,11 @@ class Settings(BaseSettings):
     # -- operator API (the CLI's side) ------------------------------------------------------
     api: str | None = Field(default=None, description="operator API URL; unset: the local `trainmedic up`")
     token: SecretStr | None = Field(default=None, description="operator API token; unset: DATA_DIR/api-token")
+    viewer_token: SecretStr | None = Field(default=None, description="read-only API token (`run api`); unset: none")
+    api_listen: str = Field(default="127.0.0.1:8477", description="HOST:PORT the operator API (`run api`) binds")
+    api_tls_cert: Path | None = Field(default=None, description="the API's TLS certificate chain (PEM)")
+    api_tls_key: Path | None = Field(default=None, description="the API's TLS private key (PEM)")
+    api_insecure: bool = Field(default=False, description="allow the API off loopback without TLS")
     ingest_token: SecretStr | None = Field(default=None, description="bearer token the ingest endpoint requires")
 
     # -- Slurm (the executor) ----------------------------------------------------------------
@@ -108,6 +116,13 @@ class Settings(BaseSettings):
     slurmrestd_url: str | None = None
     slurmrestd_user: str | None = None
     slurmrestd_token: SecretStr | None = None
+
+    # -- topics (`trainmedic topics create`) ------------------------------------------------
+    topic_retention_hours: float = Field(
+        default=168.0,
+        ge=24.0,
+        description="retention of the event topics; at least the read-back windows the workers rely on (24 h)",
+    )
 
     # -- audit retention -------------------------------------------------------------------
     audit_raw_ttl_days: int = Field(default=90, ge=0)

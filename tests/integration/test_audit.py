@@ -30,6 +30,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
+from bus.admin import ensure_topics
 from schemas.events import (
     Action,
     ActionResult,
@@ -46,7 +47,7 @@ from sinks.audit import DDL_DIR, TABLES, AuditStore, AuditStoreError, load_migra
 from sinks.backends.simulated import SimulatedScheduler
 from tests.conftest import REPO, wait_for
 from tests.integration.scenario import NODES, publish_cascade, running_stack
-from trainmedic.broker import EmbeddedBroker, ensure_topics
+from trainmedic.broker import EmbeddedBroker
 
 VIEWS = set(queries.VIEWS)
 AUDIT_TABLES = {table for _, table, _, _ in TABLES.values()}

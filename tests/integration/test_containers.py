@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from bus.admin import ensure_topics
 from sinks.audit import AuditStore
 from sinks.backends.simulated import SimulatedScheduler
 from tests.integration.scenario import NODES, incidents_of, publish_cascade, running_stack, wait_incident
-from trainmedic.broker import ensure_topics
 
 
 def _docker_answers() -> str | None:

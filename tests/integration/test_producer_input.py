@@ -15,13 +15,14 @@ from pathlib import Path
 
 import pytest
 
+from bus.admin import ensure_topics
 from bus.publish import Publisher
 from producers.joblogs import JobLogProducer
 from schemas.codec import decode
 from schemas.events import DeadLetter, KernelEvent, LogBatch
 from schemas.topics import DEADLETTER, JOB_LOGS, NODE_KERNEL
 from tests.conftest import read_topic, wait_for
-from trainmedic.broker import EmbeddedBroker, ensure_topics
+from trainmedic.broker import EmbeddedBroker
 
 TRAINMEDIC = str(Path(sys.executable).with_name("trainmedic"))
 
