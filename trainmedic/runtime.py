@@ -376,6 +376,8 @@ class Stack:
         env = dict(os.environ)
         # Only what `up` itself decides: the rest the worker reads from the settings as `up` did.
         env.update(TRAINMEDIC_BOOTSTRAP=self.bootstrap, TRAINMEDIC_MODES_FILE=str(self.modes_path))
+        # Faust's local folder beside the rest of this run's data, unless the settings name one.
+        env.setdefault("TRAINMEDIC_STREAMS_DATA_DIR", str((cfg.data_dir / "streams").resolve()))
         if cfg.settle_s is not None:
             env["TRAINMEDIC_SETTLE_S"] = str(cfg.settle_s)
         if cfg.collateral_wait_s is not None:
