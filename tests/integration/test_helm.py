@@ -5,24 +5,28 @@ to libhelm_c, shipped inside its PyPI wheel): `helm.lint` is `helm lint`, `Chart
 `helm template` (values.schema.json is enforced as `helm template` enforces it). Rendered
 manifests are checked against the Kubernetes OpenAPI schemas bundled in `kubernetes-validate`
 (offline, strict: unknown fields fail) for the oldest Kubernetes the chart supports and the
-newest bundled. No cluster is involved.
+newest bundled, and the Prometheus Operator objects (PodMonitor, PrometheusRule) against the
+openAPIV3Schema of their CRDs (tests/fixtures/crds/, README there), unknown fields refused as a
+strict API server refuses them. No cluster is involved. tests/integration/test_chart_start.py
+runs what the chart renders.
 """
 
 from __future__ import annotations
 
-import contextlib
-import socket
-import subprocess
-import sys
+import copy
+import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 import yaml
 
 from sinks.guardrails import parse_guardrails
 from streams.policy import DEFAULT_POLICY, load_policy
+from trainmedic.settings import Settings, unknown_env
 
 helm = pytest.importorskip(
     "helm_python", reason="helm-python-sdk (Helm's Go SDK for Python) is not installed: pip install helm-python-sdk"
@@ -33,29 +37,62 @@ kv = pytest.importorskip(
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "infra" / "helm" / "trainmedic"
+CRDS = REPO / "tests" / "fixtures" / "crds"
 # The chart's kubeVersion floor (Chart.yaml) and the newest schemas kubernetes-validate ships.
 KUBE_VERSIONS = ("1.25.0", kv.latest_version())
+APP_VERSION = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
 
+# `produce slurm` reaches Slurm only from its own pod: ssh and rest run without the Slurm producer.
 SSH: dict[str, Any] = {
-    "slurm": {"access": "ssh", "ssh": {"host": "login1.example.org", "port": 2222, "existingSecret": "tm-ssh"}}
+    "slurm": {"access": "ssh", "ssh": {"host": "login1.example.org", "port": 2222, "existingSecret": "tm-ssh"}},
+    "slurmProducer": {"enabled": False},
+}
+REST: dict[str, Any] = {
+    "slurm": {"access": "rest", "rest": {"url": "https://slurmrestd.example.org:6820", "existingSecret": "tm-jwt"}},
+    "slurmProducer": {"enabled": False},
+}
+KAFKA_SASL_MTLS: dict[str, Any] = {
+    "kafka": {
+        "bootstrap": "b1.example.org:9093,b2.example.org:9093",
+        "securityProtocol": "sasl_ssl",
+        "sasl": {"mechanism": "SCRAM-SHA-512", "username": "trainmedic", "existingSecret": "tm-kafka-user"},
+        "tls": {"existingSecret": "tm-kafka-tls", "certificateKey": "tls.crt", "keyKey": "tls.key"},
+        "ports": [9093],
+    }
 }
 EVERYTHING: dict[str, Any] = {
     "mode": "autonomous",
-    "console": {"enabled": True},
-    "clickhouse": {"url": "https://ch.example.org:8443", "existingSecret": "tm-clickhouse"},
+    "cluster": "west",
+    "clickhouse": {"existingSecret": "tm-clickhouse", "userKey": "user", "passwordKey": "password"},
     "imagePullSecrets": [{"name": "regcred"}],
     "podAnnotations": {"example.org/team": "ml-infra"},
+    "api": {
+        "replicas": 2,
+        "token": {"viewerTokenKey": "viewer"},
+        "ingress": {"enabled": True, "className": "nginx", "tlsSecret": "tm-ingress-tls"},
+    },
+    "auditSink": {"replicas": 2},
+    "ingest": {"enabled": True, "tls": {"existingSecret": "tm-ingest-tls"}},
+    "metrics": {"podMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}},
+    "networkPolicy": {
+        "enabled": True,
+        "egressCidrs": ["10.0.0.0/8"],
+        "metricsFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
+    },
     "nodeProducers": {
         "gpu": {"source": "dcgm"},
         "kernel": {"source": "kmsg"},
-        "logs": {"enabled": True, "args": ["--glob", "/shared/slurm-logs/*.out"]},
+        "logs": {"enabled": True},
+        "hostNetwork": True,
+        "nodeName": {"from": "hostname"},
     },
     "streams": {"env": [{"name": "TRAINMEDIC_SETTLE_S", "value": "2"}], "nodeSelector": {"role": "infra"}},
+    **KAFKA_SASL_MTLS,
 }
 # slurm.conf from a ConfigMap instead of the node (no hostPath for it).
 SLURM_CONF_FROM_CONFIGMAP: dict[str, Any] = {
     "slurm": {
-        "inCluster": {
+        "local": {
             "volumes": [
                 {"name": "munge-socket", "hostPath": {"path": "/var/run/munge", "type": "Directory"}},
                 {"name": "slurm-conf", "configMap": {"name": "slurm-conf"}},
@@ -68,12 +105,31 @@ SLURM_CONF_FROM_CONFIGMAP: dict[str, Any] = {
     }
 }
 CASES: dict[str, dict[str, Any]] = {
-    "inCluster": {},
-    "inCluster-configmap": SLURM_CONF_FROM_CONFIGMAP,
+    "local": {},
+    "local-configmap": SLURM_CONF_FROM_CONFIGMAP,
     "ssh": SSH,
+    "rest": REST,
     "autonomous": {"mode": "autonomous"},
+    "kafka-sasl-mtls": KAFKA_SASL_MTLS,
+    "api-insecure": {"api": {"insecure": True, "tls": {"existingSecret": ""}}},
+    "api-off": {"api": {"enabled": False}, "auditSink": {"enabled": False}},
     "ssh-everything": {**EVERYTHING, **SSH},
-    "inCluster-everything": EVERYTHING,
+    "local-everything": EVERYTHING,
+    "rest-everything": {**EVERYTHING, **REST},
+}
+
+# The deployables' commands (docs: the commands contract; `trainmedic run --help`), by container.
+COMMANDS = {
+    "streams": ["trainmedic", "run", "streams"],
+    "executor": ["trainmedic", "run", "executor"],
+    "audit-sink": ["trainmedic", "run", "audit-sink"],
+    "api": ["trainmedic", "run", "api"],
+    "ingest": ["trainmedic", "run", "ingest"],
+    "slurm-producer": ["trainmedic", "produce", "slurm"],
+    "topics": ["trainmedic", "topics", "create"],
+    "audit-migrate": ["trainmedic", "audit", "db", "migrate"],
+    "kernel": ["trainmedic", "produce", "kernel"],
+    "logs": ["trainmedic", "produce", "logs"],
 }
 
 Manifest = dict[str, Any]
@@ -117,12 +173,109 @@ def env_of(c: dict[str, Any]) -> dict[str, Any]:
 
 
 def workloads(docs: list[Manifest]) -> list[Manifest]:
-    return [d for d in docs if d["kind"] in ("Deployment", "DaemonSet")]
+    return [d for d in docs if d["kind"] in ("Deployment", "DaemonSet", "Job")]
+
+
+def containers(docs: list[Manifest]) -> Iterator[tuple[Manifest, dict[str, Any]]]:
+    for w in workloads(docs):
+        for c in pod_spec(w)["containers"]:
+            yield w, c
 
 
 def lint_problems(report: dict[str, Any]) -> list[str]:
     """Warnings and errors of a lint report (severity 2 and 3; 1 is info such as 'icon is recommended')."""
     return [f"{m['path']}: {m['error']}" for m in report["messages"] if m["severity"] >= 2] + list(report["errors"])
+
+
+# --- the Prometheus Operator CRDs' schemas -----------------------------------------------------------
+
+
+def _strict(node: Any) -> Any:
+    """The CRD schema as a strict API server applies it: an object schema that lists its properties
+    and neither preserves unknown fields nor says what extra keys may be refuses any other key."""
+    if isinstance(node, list):
+        return [_strict(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _strict(v) for k, v in node.items()}
+    if isinstance(out.get("pattern"), str) and "(?i)" in out["pattern"]:
+        # Go's RE2 takes an inline flag anywhere (`^(?i)(abort|warn)?$`); Python only at the start.
+        out["pattern"] = "(?i)" + out["pattern"].replace("(?i)", "")
+    if (
+        "properties" in out
+        and "additionalProperties" not in out
+        and not out.get("x-kubernetes-preserve-unknown-fields")
+    ):
+        out["additionalProperties"] = False
+    return out
+
+
+def _crd_validators() -> dict[tuple[str, str], jsonschema.protocols.Validator]:
+    validators: dict[tuple[str, str], jsonschema.protocols.Validator] = {}
+    for path in sorted(CRDS.glob("*.json")):
+        crd = json.loads(path.read_text())
+        schema = _strict(crd["openAPIV3Schema"])
+        schema["properties"]["apiVersion"] = {"const": f"{crd['group']}/{crd['version']}"}
+        schema["properties"]["kind"] = {"const": crd["kind"]}
+        schema["required"] = sorted({*schema.get("required", []), "apiVersion", "kind", "metadata"})
+        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft7Validator)
+        cls.check_schema(schema)
+        validators[(f"{crd['group']}/{crd['version']}", crd["kind"])] = cls(schema)
+    return validators
+
+
+CRD_VALIDATORS = _crd_validators()
+
+
+def crd_errors(doc: Manifest) -> list[str]:
+    validator = CRD_VALIDATORS[(doc["apiVersion"], doc["kind"])]
+    return [f"{'.'.join(map(str, e.absolute_path)) or '.'}: {e.message}" for e in validator.iter_errors(doc)]
+
+
+def validate(doc: Manifest) -> list[str]:
+    """Every schema error of one rendered object: the CRD's for Prometheus Operator kinds, else
+    Kubernetes' own (each version)."""
+    if (doc["apiVersion"], doc["kind"]) in CRD_VALIDATORS:
+        return crd_errors(doc)
+    problems = []
+    for version in KUBE_VERSIONS:
+        try:
+            kv.validate(doc, version, strict=True)
+        except kv.ValidationError as exc:
+            problems.append(f"(Kubernetes {version}) {'.'.join(map(str, exc.path))}: {exc.message}")
+        except kv.SchemaNotFoundError as exc:
+            problems.append(f"(Kubernetes {version}) {exc.message}")
+    return problems
+
+
+def test_the_crd_schemas_are_vendored_with_their_source() -> None:
+    assert set(CRD_VALIDATORS) == {
+        ("monitoring.coreos.com/v1", "PodMonitor"),
+        ("monitoring.coreos.com/v1", "ServiceMonitor"),
+        ("monitoring.coreos.com/v1", "PrometheusRule"),
+    }
+    readme = (CRDS / "README.md").read_text()
+    for path in CRDS.glob("*.json"):
+        crd = json.loads(path.read_text())
+        assert path.name in readme
+        assert f"v{crd['operatorVersion']}" in readme
+
+
+def test_crd_validation_refuses_unknown_fields_and_wrong_types(chart: Any) -> None:
+    """The CRD check can fail: a misspelt field, a field in the wrong place and a wrong type each do."""
+    docs = render(chart, EVERYTHING)
+    monitor = next(d for d in docs if d["kind"] == "PodMonitor")
+    rule = find(docs, "PrometheusRule", "tm-trainmedic")
+    assert crd_errors(monitor) == [] and crd_errors(rule) == []
+    typo = copy.deepcopy(monitor)
+    typo["spec"]["podMetricsEndpoints"][0]["portt"] = "metrics"
+    assert any("portt" in e for e in crd_errors(typo)), crd_errors(typo)
+    misplaced = copy.deepcopy(monitor)
+    misplaced["spec"]["path"] = "/metrics"
+    assert any("path" in e for e in crd_errors(misplaced)), crd_errors(misplaced)
+    wrong = copy.deepcopy(rule)
+    wrong["spec"]["groups"][0]["rules"] = "up == 0"
+    assert crd_errors(wrong)
 
 
 # --- helm lint -------------------------------------------------------------------------------
@@ -132,7 +285,7 @@ def test_the_engine_is_helms_own_go_sdk() -> None:
     assert helm.helm_sdk_version().startswith(("v3.", "v4.")), helm.helm_sdk_version()
 
 
-@pytest.mark.parametrize("case", ["inCluster", "ssh", "autonomous", "ssh-everything"])
+@pytest.mark.parametrize("case", ["local", "ssh", "rest", "autonomous", "ssh-everything"])
 def test_helm_lint_strict_passes(case: str) -> None:
     report = helm.lint(CHART, CASES[case], strict=True, namespace="trainmedic")
     assert report["total_charts_linted"] == 1
@@ -145,6 +298,15 @@ def test_helm_lint_reports_a_mode_outside_the_schema() -> None:
     assert any("mode" in p for p in problems), problems
 
 
+def test_chart_version_and_app_version_agree() -> None:
+    meta = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    from trainmedic import __version__
+
+    # The default image tag is appVersion: the release whose commands and settings the chart names.
+    assert meta["appVersion"] == __version__
+    assert re.fullmatch(r"[0-9]+\.[0-9]+\.[0-9]+", meta["version"]), meta["version"]
+
+
 # --- values.schema.json ----------------------------------------------------------------------
 
 
@@ -152,14 +314,36 @@ def test_helm_lint_reports_a_mode_outside_the_schema() -> None:
     ("values", "offending"),
     [
         ({"mode": "sometimes"}, "mode"),
+        ({"cluster": "West_1"}, "cluster"),
         ({"slurm": {"access": "nfs"}}, "access"),
+        ({"slurm": {"access": "inCluster"}}, "access"),
         ({"slurm": {"access": "ssh", "ssh": {"host": "login1"}}}, "existingSecret"),
         ({"slurm": {"access": "ssh", "ssh": {"existingSecret": "tm-ssh"}}}, "host"),
+        (
+            {"slurm": {"access": "rest", "rest": {"existingSecret": "tm-jwt"}}, "slurmProducer": {"enabled": False}},
+            "url",
+        ),
+        ({"slurm": {"access": "ssh", "ssh": {"host": "login1", "existingSecret": "tm-ssh"}}}, "enabled"),
         ({"kafka": {"bootstrap": "kafka"}}, "bootstrap"),
+        ({"kafka": {"securityProtocol": "tls"}}, "securityProtocol"),
+        ({"kafka": {"securityProtocol": "sasl_ssl"}}, "mechanism"),
+        ({"kafka": {"securityProtocol": "ssl", "tls": {"existingSecret": "x", "certificateKey": "c"}}}, "keyKey"),
+        ({"clickhouse": {"url": "http://ch:8123"}}, "url"),
+        ({"clickhouse": {"existingSecret": ""}}, "existingSecret"),
+        ({"api": {"tls": {"existingSecret": ""}}}, "insecure"),
+        ({"api": {"token": {"existingSecret": ""}}}, "existingSecret"),
+        ({"ingest": {"enabled": True}}, "insecure"),
+        ({"streams": {"replicas": 2}}, "replicas"),
+        ({"executor": {"replicas": 2}}, "replicas"),
+        ({"nodeProducers": {"nodeName": {"from": "hostname"}}}, "hostNetwork"),
+        ({"nodeProducers": {"gpu": {"source": "rocm"}}}, "source"),
+        ({"nodeProducers": {"kernel": {"source": "journald"}}}, "source"),
+        ({"nodeProducers": {"gpu": {"metricsPort": 0}}}, "metricsPort"),
         ({"policy": {"mode": "autonomous"}}, "mode"),
         ({"policy": {"actions": {"gpu_hardware": "reboot"}}}, "gpu_hardware"),
         ({"policy": {"min_confidence": 1.5}}, "min_confidence"),
-        ({"nodeProducers": {"kernel": {"source": "journald"}}}, "source"),
+        ({"topics": {"retentionHours": 2}}, "retentionHours"),
+        ({"streams": {"command": ["python", "-m", "x"]}}, "command"),
         ({"modee": "monitor"}, "modee"),
     ],
 )
@@ -177,22 +361,36 @@ def test_values_schema_accepts(chart: Any, case: str) -> None:
     chart.validate_schema(chart.merge_values(CASES[case]))
 
 
-# --- helm template + Kubernetes schemas --------------------------------------------------------
+def test_api_on_loopback_needs_neither_tls_nor_insecure(chart: Any) -> None:
+    chart.validate_schema(chart.merge_values({"api": {"host": "127.0.0.1", "tls": {"existingSecret": ""}}}))
+
+
+# --- helm template + schemas -----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_rendered_manifests_validate_against_kubernetes_schemas(chart: Any, case: str) -> None:
+def test_rendered_manifests_validate_against_their_schemas(chart: Any, case: str) -> None:
     docs = render(chart, CASES[case])
-    assert {d["kind"] for d in docs} >= {"ConfigMap", "Deployment", "DaemonSet", "ServiceAccount"}
-    for version in KUBE_VERSIONS:
-        for doc in docs:
-            where = f"{doc['kind']}/{doc['metadata']['name']} (Kubernetes {version})"
-            try:
-                kv.validate(doc, version, strict=True)
-            except kv.ValidationError as exc:
-                pytest.fail(f"{where}: {'.'.join(map(str, exc.path))}: {exc.message}")
-            except kv.SchemaNotFoundError as exc:
-                pytest.fail(f"{where}: {exc.message}")
+    assert {d["kind"] for d in docs} >= {"ConfigMap", "Deployment", "Job", "ServiceAccount"}
+    problems = [f"{d['kind']}/{d['metadata']['name']} {p}" for d in docs for p in validate(d)]
+    assert problems == []
+
+
+def test_everything_renders_every_kind(chart: Any) -> None:
+    kinds = {d["kind"] for d in render(chart, EVERYTHING)}
+    assert kinds == {
+        "ConfigMap",
+        "DaemonSet",
+        "Deployment",
+        "Ingress",
+        "Job",
+        "NetworkPolicy",
+        "PodDisruptionBudget",
+        "PodMonitor",
+        "PrometheusRule",
+        "Service",
+        "ServiceAccount",
+    }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -202,21 +400,102 @@ def test_rendered_objects_are_well_formed(chart: Any, case: str) -> None:
     assert len(names) == len(set(names)), names
     for w in workloads(docs):
         spec = pod_spec(w)
-        assert w["spec"]["selector"]["matchLabels"].items() <= w["spec"]["template"]["metadata"]["labels"].items()
+        if w["kind"] != "Job":
+            assert w["spec"]["selector"]["matchLabels"].items() <= w["spec"]["template"]["metadata"]["labels"].items()
         volumes = {v["name"] for v in spec["volumes"]}
+        assert len(volumes) == len(spec["volumes"]), f"{w['metadata']['name']}: a volume name twice"
         for c in spec["containers"]:
             mounts = {m["name"] for m in c.get("volumeMounts", [])}
             assert mounts <= volumes, f"{w['metadata']['name']}/{c['name']} mounts {mounts - volumes}, not volumes"
-            assert c["image"] == "ghcr.io/trainmedic/trainmedic:0.1.0"
+            image = "trainmedic-node" if w["kind"] == "DaemonSet" else "trainmedic"
+            assert c["image"] == f"ghcr.io/trainmedic/{image}:{APP_VERSION}"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_container_runs_a_contract_command(chart: Any, case: str) -> None:
+    for w, c in containers(render(chart, CASES[case])):
+        argv = c["command"] + c.get("args", [])
+        if c["name"] == "gpu":
+            assert argv[:3] in (["trainmedic", "produce", "gpu"], ["trainmedic", "produce", "dcgm"]), argv
+        else:
+            assert argv[: len(COMMANDS[c["name"]])] == COMMANDS[c["name"]], f"{w['metadata']['name']}: {argv}"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_trainmedic_variable_is_a_setting(chart: Any, case: str) -> None:
+    """A TRAINMEDIC_* variable the settings model does not know is a typo or a removed setting."""
+    for w, c in containers(render(chart, CASES[case])):
+        env = env_of(c)
+        assert unknown_env({k: "" for k in env}) == [], f"{w['metadata']['name']}/{c['name']}"
+        for name in env:
+            field = name.removeprefix("TRAINMEDIC_").lower()
+            if name.startswith("TRAINMEDIC_") and field not in Settings.model_fields:
+                secret = Settings.model_fields[field.removesuffix("_file")]
+                assert "SecretStr" in str(secret.annotation), f"{name}: not a secret setting's file"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_probes_and_metrics_ports(chart: Any, case: str) -> None:
+    """Each long-running container serves its probe listener on all addresses, on a port of its own
+    within the pod, and its probes ask that port: liveness /healthz, readiness /readyz."""
+    for w in workloads(render(chart, CASES[case])):
+        ports: list[int] = []
+        for c in pod_spec(w)["containers"]:
+            env = env_of(c)
+            if w["kind"] == "Job":
+                assert "TRAINMEDIC_METRICS_PORT" not in env and "livenessProbe" not in c
+                continue
+            port = int(env["TRAINMEDIC_METRICS_PORT"])
+            assert env["TRAINMEDIC_METRICS_HOST"] == "0.0.0.0"
+            (named,) = [p for p in c["ports"] if p["containerPort"] == port]
+            assert named["name"].startswith("metrics") and len(named["name"]) <= 15
+            assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": named["name"]}
+            assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": named["name"]}
+            assert c["startupProbe"]["httpGet"]["port"] == named["name"]
+            ports += [p["containerPort"] for p in c["ports"]]
+        assert len(ports) == len(set(ports)), f"{w['metadata']['name']}: ports {ports}"
 
 
 # --- what the chart means ----------------------------------------------------------------------
 
 
-def test_defaults_are_monitor_mode_and_in_cluster_slurm(chart: Any) -> None:
+def test_defaults_are_monitor_mode_and_local_slurm(chart: Any) -> None:
     values = chart.values
     assert values["mode"] == "monitor"
-    assert values["slurm"]["access"] == "inCluster"
+    assert values["slurm"]["access"] == "local"
+    docs = render(chart)
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Deployment"] == [
+        "tm-trainmedic-api",
+        "tm-trainmedic-audit-sink",
+        "tm-trainmedic-executor",
+        "tm-trainmedic-slurm-producer",
+        "tm-trainmedic-streams",
+    ]
+    assert not [d for d in docs if d["kind"] in ("Ingress", "NetworkPolicy", "PodMonitor", "PrometheusRule")]
+
+
+def test_singletons_are_recreated_never_doubled(chart: Any) -> None:
+    docs = render(chart, EVERYTHING)
+    for suffix in ("-streams", "-executor", "-slurm-producer"):
+        d = find(docs, "Deployment", suffix)
+        assert d["spec"]["replicas"] == 1 and d["spec"]["strategy"] == {"type": "Recreate"}, suffix
+
+
+def test_hook_jobs_create_the_topics_then_migrate(chart: Any) -> None:
+    docs = render(chart)
+    topics, migrate = find(docs, "Job", "-topics"), find(docs, "Job", "-audit-migrate")
+    for job in (topics, migrate):
+        assert job["metadata"]["annotations"]["helm.sh/hook"] == "pre-install,pre-upgrade"
+        # Hooks run before the release's ServiceAccount exists.
+        assert "serviceAccountName" not in pod_spec(job)
+        assert pod_spec(job)["restartPolicy"] == "Never"
+    weight = {
+        j["metadata"]["name"]: int(j["metadata"]["annotations"]["helm.sh/hook-weight"]) for j in (topics, migrate)
+    }
+    assert weight["tm-trainmedic-topics"] < weight["tm-trainmedic-audit-migrate"]
+    assert container(topics, "topics")["args"] == ["topics", "create"]
+    no_audit = render(chart, {"api": {"enabled": False}, "auditSink": {"enabled": False}})
+    assert not [d for d in no_audit if d["metadata"]["name"].endswith("-audit-migrate")]
 
 
 def test_daemonset_runs_the_node_producers_on_gpu_nodes(chart: Any) -> None:
@@ -226,48 +505,73 @@ def test_daemonset_runs_the_node_producers_on_gpu_nodes(chart: Any) -> None:
     assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
     assert spec["runtimeClassName"] == "nvidia"
+    assert "hostNetwork" not in spec
     gpu = container(ds, "gpu")
-    assert gpu["command"] == ["trainmedic", "produce", "gpu"]
+    assert gpu["command"] + gpu["args"] == ["trainmedic", "produce", "gpu"]
     assert env_of(gpu)["NVIDIA_VISIBLE_DEVICES"] == "all"
     assert env_of(gpu)["TRAINMEDIC_NODE"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
     # Monitoring must not take GPUs away from training jobs.
     assert "nvidia.com/gpu" not in str(gpu["resources"])
     assert gpu["securityContext"]["readOnlyRootFilesystem"] is True
     kernel = container(ds, "kernel")
-    assert kernel["args"] == ["--path", "/host/var/log/kern.log"]
+    assert kernel["args"] == ["produce", "kernel", "--file", "/host/var/log/kern.log"]
     assert kernel["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["DAC_READ_SEARCH"]}
     assert "privileged" not in kernel["securityContext"]
     assert {"name": "host-log", "hostPath": {"path": "/var/log", "type": "Directory"}} in spec["volumes"]
 
 
-def test_kernel_from_kmsg_is_privileged_and_gpu_from_dcgm(chart: Any) -> None:
+def test_kernel_from_kmsg_gpu_from_dcgm_logs_from_the_bus(chart: Any) -> None:
     ds = find(render(chart, EVERYTHING), "DaemonSet", "-node-producers")
+    spec = pod_spec(ds)
     kernel = container(ds, "kernel")
-    assert kernel["args"] == ["--path", "/dev/kmsg"]
+    assert kernel["args"] == ["produce", "kernel", "--kmsg"]
     assert kernel["securityContext"]["privileged"] is True
-    assert {"name": "kmsg", "hostPath": {"path": "/dev/kmsg", "type": "CharDevice"}} in pod_spec(ds)["volumes"]
-    assert container(ds, "gpu")["command"][:3] == ["trainmedic", "produce", "dcgm"]
-    assert container(ds, "logs")["args"] == ["--glob", "/shared/slurm-logs/*.out"]
+    assert {"name": "kmsg", "hostPath": {"path": "/dev/kmsg", "type": "CharDevice"}} in spec["volumes"]
+    assert container(ds, "gpu")["args"] == ["produce", "dcgm", "--url", "http://$(HOST_IP):9400/metrics"]
+    assert container(ds, "logs")["args"] == ["produce", "logs", "--discover", "--placements", "bus"]
+    # hostname: the node's own name, which needs the host's network namespace.
+    assert spec["hostNetwork"] is True and spec["dnsPolicy"] == "ClusterFirstWithHostNet"
+    for c in spec["containers"]:
+        assert "TRAINMEDIC_NODE" not in env_of(c)
 
 
 def test_only_the_kernel_reader_runs_as_root(chart: Any) -> None:
     for w in workloads(render(chart, EVERYTHING)):
         assert pod_spec(w)["securityContext"]["runAsNonRoot"] is True
+        assert pod_spec(w)["securityContext"]["runAsUser"] == 10001
         for c in pod_spec(w)["containers"]:
+            assert c["securityContext"]["readOnlyRootFilesystem"] is True, c["name"]
             if c["name"] == "kernel":
                 continue
             assert "runAsUser" not in c["securityContext"], c["name"]
             assert c["securityContext"]["allowPrivilegeEscalation"] is False, c["name"]
 
 
+def test_what_the_processes_write_is_on_writable_volumes(chart: Any) -> None:
+    """readOnlyRootFilesystem: the working directory (producer positions), the Faust data dir and the
+    API's modes file are under emptyDir (or claim) mounts."""
+    for w, c in containers(render(chart, EVERYTHING)):
+        volumes = {v["name"]: v for v in pod_spec(w)["volumes"]}
+        writable = [
+            m["mountPath"]
+            for m in c["volumeMounts"]
+            if not m.get("readOnly") and ({"emptyDir", "persistentVolumeClaim"} & set(volumes[m["name"]]))
+        ]
+        env = env_of(c)
+        for path in (c["workingDir"], env.get("TRAINMEDIC_STREAMS_DATA_DIR"), env.get("TRAINMEDIC_MODES_FILE")):
+            if path is not None:
+                assert any(path == p or path.startswith(p + "/") for p in writable), (c["name"], path)
+
+
 def _slurm_workloads(docs: list[Manifest]) -> list[Manifest]:
-    return [find(docs, "Deployment", "-executor"), find(docs, "Deployment", "-slurm-producer")]
+    suffixes = ("-executor", "-api", "-slurm-producer")
+    return [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith(suffixes)]
 
 
 def test_ssh_access_mounts_the_secret_and_sets_the_login_node(chart: Any) -> None:
     for w in _slurm_workloads(render(chart, SSH)):
         spec = pod_spec(w)
-        (ssh,) = [v for v in spec["volumes"] if "secret" in v]
+        (ssh,) = [v for v in spec["volumes"] if v["name"] == "ssh"]
         assert ssh["secret"]["secretName"] == "tm-ssh"
         assert {i["key"] for i in ssh["secret"]["items"]} == {"id_ed25519", "known_hosts"}
         assert not [v for v in spec["volumes"] if "hostPath" in v], "ssh mode must not need the host's munge"
@@ -280,15 +584,24 @@ def test_ssh_access_mounts_the_secret_and_sets_the_login_node(chart: Any) -> Non
         assert "SLURM_CONF" not in env
 
 
-def test_in_cluster_access_mounts_munge_and_slurm_conf_and_no_secret(chart: Any) -> None:
-    docs = render(chart)
-    assert not [v for w in workloads(docs) for v in pod_spec(w)["volumes"] if "secret" in v]
-    for w in _slurm_workloads(docs):
+def test_rest_access_reads_the_token_from_a_secret_file(chart: Any) -> None:
+    for w in _slurm_workloads(render(chart, REST)):
+        (c,) = pod_spec(w)["containers"]
+        env = env_of(c)
+        assert env["TRAINMEDIC_SLURM_ACCESS"] == "rest"
+        assert env["TRAINMEDIC_SLURMRESTD_URL"] == "https://slurmrestd.example.org:6820"
+        assert "TRAINMEDIC_SLURMRESTD_TOKEN" not in env
+        (vol,) = [v for v in pod_spec(w)["volumes"] if v["name"] == "slurmrestd"]
+        assert vol["secret"]["secretName"] == "tm-jwt"
+
+
+def test_local_access_mounts_munge_and_slurm_conf(chart: Any) -> None:
+    for w in _slurm_workloads(render(chart)):
         spec = pod_spec(w)
         host_paths = {v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
         assert host_paths == {"/run/munge", "/etc/slurm"}
         env = env_of(spec["containers"][0])
-        assert env["TRAINMEDIC_SLURM_ACCESS"] == "inCluster"
+        assert env["TRAINMEDIC_SLURM_ACCESS"] == "local"
         assert env["SLURM_CONF"] == "/etc/slurm/slurm.conf"
         assert not [k for k in env if k.startswith("TRAINMEDIC_SLURM_SSH")]
 
@@ -302,8 +615,8 @@ def test_mode_reaches_the_policy_the_worker_loads(chart: Any, mode: str, tmp_pat
     policy = load_policy(path)  # the streams worker's own loader and validation
     assert policy.mode == mode
     assert policy.mode_for("canary") == "autonomous"
-    # The streams worker and the executor read the file where the ConfigMap is mounted.
-    for suffix in ("-streams", "-executor"):
+    # The streams worker, the executor and the API read the file where the ConfigMap is mounted.
+    for suffix in ("-streams", "-executor", "-api"):
         w = find(docs, "Deployment", suffix)
         (c,) = pod_spec(w)["containers"]
         assert env_of(c)["TRAINMEDIC_POLICY"] == "/etc/trainmedic/policy/policy.yaml"
@@ -313,7 +626,7 @@ def test_mode_reaches_the_policy_the_worker_loads(chart: Any, mode: str, tmp_pat
         assert vol["configMap"]["name"] == find(docs, "ConfigMap", "-policy")["metadata"]["name"]
 
 
-def test_default_policy_values_mirror_infra_policies_default_yaml(chart: Any, tmp_path: Path) -> None:
+def test_default_policy_values_mirror_the_packaged_default(chart: Any, tmp_path: Path) -> None:
     """Read by the worker's and the executor's own parsers, the default ConfigMap says what the file says."""
     text = find(render(chart), "ConfigMap", "-policy")["data"]["policy.yaml"]
     path = tmp_path / "policy.yaml"
@@ -324,49 +637,115 @@ def test_default_policy_values_mirror_infra_policies_default_yaml(chart: Any, tm
     assert parse_guardrails(text, "chart") == parse_guardrails(DEFAULT_POLICY.read_text(), str(DEFAULT_POLICY))
 
 
-def test_clickhouse_credentials_come_from_the_existing_secret(chart: Any) -> None:
-    audit = container(find(render(chart, EVERYTHING), "Deployment", "-audit"), "audit")
-    env = env_of(audit)
-    assert env["TRAINMEDIC_CLICKHOUSE_URL"] == "https://ch.example.org:8443"
-    assert env["TRAINMEDIC_CLICKHOUSE_PASSWORD"] == {"secretKeyRef": {"name": "tm-clickhouse", "key": "password"}}
-    assert not [d for d in render(chart, EVERYTHING) if d["kind"] == "Secret"], "the chart must not hold secrets"
-
-
-def test_console_service_selects_the_console_pods(chart: Any) -> None:
+def test_secrets_come_from_existing_secrets_never_from_values(chart: Any) -> None:
     docs = render(chart, EVERYTHING)
-    svc = find(docs, "Service", "-console")
-    pods = find(docs, "Deployment", "-console")["spec"]["template"]["metadata"]["labels"]
-    assert svc["spec"]["selector"].items() <= pods.items()
-    assert not [d for d in render(chart) if d["metadata"]["name"].endswith("-console")], "console is off by default"
+    assert not [d for d in docs if d["kind"] == "Secret"], "the chart must not hold secrets"
+    for suffix in ("-audit-sink", "-api", "-audit-migrate"):
+        w = next(d for d in workloads(docs) if d["metadata"]["name"].endswith(suffix))
+        (c,) = pod_spec(w)["containers"]
+        env = env_of(c)
+        assert "TRAINMEDIC_CLICKHOUSE_URL" not in env
+        assert env["TRAINMEDIC_CLICKHOUSE_URL_FILE"] == "/etc/trainmedic/clickhouse/url"
+        assert env["TRAINMEDIC_CLICKHOUSE_USER"] == {"secretKeyRef": {"name": "tm-clickhouse", "key": "user"}}
+        (vol,) = [v for v in pod_spec(w)["volumes"] if v["name"] == "clickhouse"]
+        assert vol["secret"]["secretName"] == "tm-clickhouse"
+        assert {i["key"] for i in vol["secret"]["items"]} == {"url", "password"}
+    # No secret setting is ever a plain value.
+    secret_envs = {
+        f"TRAINMEDIC_{n.upper()}" for n, f in Settings.model_fields.items() if "SecretStr" in str(f.annotation)
+    }
+    for _w, c in containers(docs):
+        assert not secret_envs & {e["name"] for e in c["env"] if "value" in e}, c["name"]
 
 
-# --- the Kafka probe, run for real --------------------------------------------------------------
+def test_kafka_security_maps_onto_the_client_settings(chart: Any) -> None:
+    for _w, c in containers(render(chart, KAFKA_SASL_MTLS)):
+        env = env_of(c)
+        assert env["TRAINMEDIC_KAFKA_SECURITY_PROTOCOL"] == "sasl_ssl"
+        assert env["TRAINMEDIC_KAFKA_SASL_MECHANISM"] == "SCRAM-SHA-512"
+        assert env["TRAINMEDIC_KAFKA_SASL_USERNAME"] == "trainmedic"
+        assert env["TRAINMEDIC_KAFKA_SASL_PASSWORD_FILE"] == "/etc/trainmedic/kafka-sasl/password"
+        files = {
+            env[k] for k in ("TRAINMEDIC_KAFKA_SSL_CA", "TRAINMEDIC_KAFKA_SSL_CERTIFICATE", "TRAINMEDIC_KAFKA_SSL_KEY")
+        }
+        assert files == {"/etc/trainmedic/kafka-tls/" + f for f in ("ca.crt", "client.crt", "client.key")}
+        mounts = {m["mountPath"] for m in c["volumeMounts"]}
+        assert {"/etc/trainmedic/kafka-sasl", "/etc/trainmedic/kafka-tls"} <= mounts, c["name"]
+    plain = [env_of(c) for _, c in containers(render(chart))]
+    assert all(e["TRAINMEDIC_KAFKA_SECURITY_PROTOCOL"] == "plaintext" for e in plain)
+    assert not [k for e in plain for k in e if k.startswith(("TRAINMEDIC_KAFKA_SASL", "TRAINMEDIC_KAFKA_SSL"))]
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the probe reads Linux's /proc/net/tcp")
-def test_kafka_probe_is_ready_only_while_connected_to_the_broker_port(chart: Any) -> None:
-    with contextlib.closing(socket.socket()) as server:
-        server.bind(("127.0.0.1", 0))
-        server.listen()
-        port = server.getsockname()[1]
-        streams = find(render(chart, {"kafka": {"bootstrap": f"127.0.0.1:{port}"}}), "Deployment", "-streams")
-        (c,) = pod_spec(streams)["containers"]
-        assert c["livenessProbe"]["exec"] == c["readinessProbe"]["exec"] == c["startupProbe"]["exec"]
-        probe = c["readinessProbe"]["exec"]["command"]
-
-        def probe_ok() -> bool:
-            return subprocess.run(probe, check=False, timeout=10).returncode == 0
-
-        assert not probe_ok(), "no connection yet, the probe must fail"
-        with socket.create_connection(("127.0.0.1", port)) as client:
-            peer, _ = server.accept()
-            with peer:
-                assert probe_ok(), f"connected to {port}, the probe must pass: {probe}"
-            client.close()
-        assert not probe_ok(), "connection closed, the probe must fail"
+def test_api_serves_tls_from_the_secret_or_insecure_only_when_asked(chart: Any) -> None:
+    api = container(find(render(chart), "Deployment", "-api"), "api")
+    env = env_of(api)
+    assert env["TRAINMEDIC_API_LISTEN"] == "0.0.0.0:8477"
+    assert (env["TRAINMEDIC_API_TLS_CERT"], env["TRAINMEDIC_API_TLS_KEY"]) == (
+        "/etc/trainmedic/api-tls/tls.crt",
+        "/etc/trainmedic/api-tls/tls.key",
+    )
+    assert "TRAINMEDIC_API_INSECURE" not in env
+    assert env["TRAINMEDIC_TOKEN_FILE"] == "/etc/trainmedic/api-token/token"
+    insecure = env_of(container(find(render(chart, CASES["api-insecure"]), "Deployment", "-api"), "api"))
+    assert insecure["TRAINMEDIC_API_INSECURE"] == "true"
+    assert "TRAINMEDIC_API_TLS_CERT" not in insecure
 
 
-def test_probe_port_follows_broker_port_override(chart: Any) -> None:
-    docs = render(chart, {"kafka": {"bootstrap": "b1:9094,b2:9094", "brokerPort": 9092}})
-    (c,) = pod_spec(find(docs, "Deployment", "-executor"))["containers"]
-    assert ":2384 01 " in c["livenessProbe"]["exec"]["command"][-1]  # 9092 == 0x2384
+def test_services_and_ingress_select_their_pods(chart: Any) -> None:
+    docs = render(chart, EVERYTHING)
+    for suffix, port in (("-api", "api"), ("-ingest", "ingest")):
+        svc = find(docs, "Service", suffix)
+        w = find(docs, "Deployment", suffix)
+        assert svc["spec"]["selector"].items() <= w["spec"]["template"]["metadata"]["labels"].items()
+        assert svc["spec"]["ports"][0]["targetPort"] == port
+        assert port in {p["name"] for p in pod_spec(w)["containers"][0]["ports"]}
+    backend = find(docs, "Ingress", "-api")["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
+    assert backend == {"name": "tm-trainmedic-api", "port": {"name": "api"}}
+
+
+def test_pod_monitors_scrape_every_metrics_port(chart: Any) -> None:
+    docs = render(chart, EVERYTHING)
+    monitors = {d["metadata"]["name"]: d for d in docs if d["kind"] == "PodMonitor"}
+    long_running = [w for w in workloads(docs) if w["kind"] != "Job"]
+    assert set(monitors) == {w["metadata"]["name"] for w in long_running}
+    for w in long_running:
+        m = monitors[w["metadata"]["name"]]
+        assert m["spec"]["selector"]["matchLabels"].items() <= w["spec"]["template"]["metadata"]["labels"].items()
+        ports = {p["name"] for c in pod_spec(w)["containers"] for p in c["ports"] if p["name"].startswith("metrics")}
+        assert {e["port"] for e in m["spec"]["podMetricsEndpoints"]} == ports
+
+
+def test_prometheus_rule_carries_the_alerts_file(chart: Any) -> None:
+    rule = find(render(chart, EVERYTHING), "PrometheusRule", "tm-trainmedic")
+    alerts = yaml.safe_load((CHART / "files" / "alerts.yaml").read_text())
+    assert rule["spec"]["groups"] == alerts["groups"]
+
+
+def test_disruption_budgets_only_for_multi_replica_workloads(chart: Any) -> None:
+    assert not [d for d in render(chart) if d["kind"] == "PodDisruptionBudget"]
+    docs = render(chart, EVERYTHING)
+    pdbs = {d["metadata"]["name"] for d in docs if d["kind"] == "PodDisruptionBudget"}
+    assert pdbs == {"tm-trainmedic-api", "tm-trainmedic-audit-sink"}
+
+
+def test_network_policies_admit_the_services_and_metrics_and_egress_only_to_dependencies(chart: Any) -> None:
+    docs = render(chart, EVERYTHING)
+    base = find(docs, "NetworkPolicy", "tm-trainmedic")
+    assert base["spec"]["policyTypes"] == ["Ingress", "Egress"]
+    ingress_ports = {p["port"] for p in base["spec"]["ingress"][0]["ports"]}
+    metric_ports = {
+        p["name"] for _, c in containers(docs) for p in c.get("ports", []) if p["name"].startswith("metrics")
+    }
+    assert metric_ports <= ingress_ports
+    assert base["spec"]["ingress"][0]["from"] == EVERYTHING["networkPolicy"]["metricsFrom"]
+    egress = [p["port"] for rule in base["spec"]["egress"] for p in rule["ports"]]
+    assert 53 in egress and 9093 in egress and 8123 in egress and 6817 in egress
+    assert base["spec"]["egress"][1]["to"] == [{"ipBlock": {"cidr": "10.0.0.0/8"}}]
+    for suffix in ("-api", "-ingest"):
+        np = find(docs, "NetworkPolicy", suffix)
+        assert np["spec"]["ingress"][0]["ports"] == [{"port": suffix[1:], "protocol": "TCP"}]
+
+
+def test_node_producers_sharing_a_metrics_port_are_refused(chart: Any) -> None:
+    with pytest.raises(helm.HelmError, match="metricsPort must differ"):
+        render(chart, {"nodeProducers": {"logs": {"enabled": True, "metricsPort": 9481}}})

@@ -54,8 +54,13 @@ app.kubernetes.io/component: {{ . }}
 {{- end }}
 {{- end }}
 
+{{/* The server image and the node image; both tagged with the chart's appVersion by default. */}}
 {{- define "trainmedic.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{- define "trainmedic.nodeImage" -}}
+{{- printf "%s:%s" .Values.nodeImage.repository (default .Chart.AppVersion .Values.nodeImage.tag) }}
 {{- end }}
 
 {{- define "trainmedic.policyConfigMap" -}}
@@ -63,7 +68,7 @@ app.kubernetes.io/component: {{ . }}
 {{- end }}
 
 {{/*
-Pod metadata and spec fields every component shares. Call with (dict "root" $ "component" "streams").
+Pod metadata every component shares. Call with (dict "root" $ "component" "streams").
 */}}
 {{- define "trainmedic.podMetadata" -}}
 labels:
@@ -79,6 +84,14 @@ annotations:
 
 {{- define "trainmedic.podCommon" -}}
 serviceAccountName: {{ include "trainmedic.serviceAccountName" . }}
+{{ include "trainmedic.podCommonNoAccount" . }}
+{{- end }}
+
+{{/*
+The hook Jobs run before the release's own objects exist, the ServiceAccount included: they use
+the namespace's default account (no token mounted either way).
+*/}}
+{{- define "trainmedic.podCommonNoAccount" -}}
 automountServiceAccountToken: {{ .Values.serviceAccount.automount }}
 securityContext:
   {{- toYaml .Values.podSecurityContext | nindent 2 }}
@@ -101,18 +114,104 @@ Callers wrap it in a with, so that nothing is written when it is empty.
 {{- end }}
 
 {{/*
-Environment every component gets.
+Environment every process gets: Kafka (bootstrap and client security), the cluster's name.
 */}}
 {{- define "trainmedic.commonEnv" -}}
 - name: TRAINMEDIC_BOOTSTRAP
   value: {{ .Values.kafka.bootstrap | quote }}
+- name: TRAINMEDIC_CLUSTER
+  value: {{ .Values.cluster | quote }}
+- name: TRAINMEDIC_KAFKA_SECURITY_PROTOCOL
+  value: {{ .Values.kafka.securityProtocol | quote }}
+{{- if hasPrefix "sasl_" .Values.kafka.securityProtocol }}
+- name: TRAINMEDIC_KAFKA_SASL_MECHANISM
+  value: {{ .Values.kafka.sasl.mechanism | quote }}
+- name: TRAINMEDIC_KAFKA_SASL_USERNAME
+  value: {{ .Values.kafka.sasl.username | quote }}
+- name: TRAINMEDIC_KAFKA_SASL_PASSWORD_FILE
+  value: /etc/trainmedic/kafka-sasl/password
+{{- end }}
+{{- if and (hasSuffix "ssl" .Values.kafka.securityProtocol) .Values.kafka.tls.existingSecret }}
+- name: TRAINMEDIC_KAFKA_SSL_CA
+  value: /etc/trainmedic/kafka-tls/ca.crt
+{{- if .Values.kafka.tls.certificateKey }}
+- name: TRAINMEDIC_KAFKA_SSL_CERTIFICATE
+  value: /etc/trainmedic/kafka-tls/client.crt
+- name: TRAINMEDIC_KAFKA_SSL_KEY
+  value: /etc/trainmedic/kafka-tls/client.key
+{{- end }}
+{{- end }}
 - name: PYTHONUNBUFFERED
   value: "1"
 {{- end }}
 
+{{- define "trainmedic.kafkaMounts" -}}
+{{- if hasPrefix "sasl_" .Values.kafka.securityProtocol }}
+- name: kafka-sasl
+  mountPath: /etc/trainmedic/kafka-sasl
+  readOnly: true
+{{- end }}
+{{- if and (hasSuffix "ssl" .Values.kafka.securityProtocol) .Values.kafka.tls.existingSecret }}
+- name: kafka-tls
+  mountPath: /etc/trainmedic/kafka-tls
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "trainmedic.kafkaVolumes" -}}
+{{- if hasPrefix "sasl_" .Values.kafka.securityProtocol }}
+- name: kafka-sasl
+  secret:
+    secretName: {{ .Values.kafka.sasl.existingSecret }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.kafka.sasl.passwordKey }}
+        path: password
+{{- end }}
+{{- with .Values.kafka.tls }}
+{{- if and (hasSuffix "ssl" $.Values.kafka.securityProtocol) .existingSecret }}
+- name: kafka-tls
+  secret:
+    secretName: {{ .existingSecret }}
+    defaultMode: 0440
+    items:
+      - key: {{ .caKey }}
+        path: ca.crt
+      {{- if .certificateKey }}
+      - key: {{ .certificateKey }}
+        path: client.crt
+      - key: {{ .keyKey }}
+        path: client.key
+      {{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{/*
-The processes write relative paths (Faust's data dir, producer state under var/): their working
-directory is a writable emptyDir, as is /tmp, so the root filesystem can stay read-only.
+The probe listener of one container: its env (dict "port" 9479), its probes on the named
+port (dict "root" $ "portName" "metrics").
+*/}}
+{{- define "trainmedic.metricsEnv" -}}
+- name: TRAINMEDIC_METRICS_HOST
+  value: "0.0.0.0"
+- name: TRAINMEDIC_METRICS_PORT
+  value: {{ .port | quote }}
+{{- end }}
+
+{{- define "trainmedic.probes" -}}
+{{- $probes := .root.Values.probes -}}
+startupProbe:
+  {{- toYaml (merge (dict "httpGet" (dict "path" "/healthz" "port" .portName)) $probes.startup) | nindent 2 }}
+readinessProbe:
+  {{- toYaml (merge (dict "httpGet" (dict "path" "/readyz" "port" .portName)) $probes.readiness) | nindent 2 }}
+livenessProbe:
+  {{- toYaml (merge (dict "httpGet" (dict "path" "/healthz" "port" .portName)) $probes.liveness) | nindent 2 }}
+{{- end }}
+
+{{/*
+What the processes write: their working directory /var/lib/trainmedic (producer positions under
+var/, the streams worker's table store, the API's modes file) and /tmp are emptyDirs, so the
+root filesystem stays read-only.
 */}}
 {{- define "trainmedic.scratchMounts" -}}
 - name: work
@@ -147,57 +246,108 @@ directory is a writable emptyDir, as is /tmp, so the root filesystem can stay re
 {{- end }}
 
 {{/*
-Slurm access (executor, Slurm producer): environment, mounts and volumes for slurm.access.
+ClickHouse (audit sink, migration, API): the URL from the Secret, as a file.
+*/}}
+{{- define "trainmedic.clickhouseEnv" -}}
+- name: TRAINMEDIC_CLICKHOUSE_URL_FILE
+  value: /etc/trainmedic/clickhouse/url
+{{- with .Values.clickhouse.userKey }}
+- name: TRAINMEDIC_CLICKHOUSE_USER
+  valueFrom:
+    secretKeyRef:
+      name: {{ $.Values.clickhouse.existingSecret }}
+      key: {{ . }}
+{{- end }}
+{{- if .Values.clickhouse.passwordKey }}
+- name: TRAINMEDIC_CLICKHOUSE_PASSWORD_FILE
+  value: /etc/trainmedic/clickhouse/password
+{{- end }}
+{{- end }}
+
+{{- define "trainmedic.clickhouseMount" -}}
+- name: clickhouse
+  mountPath: /etc/trainmedic/clickhouse
+  readOnly: true
+{{- end }}
+
+{{- define "trainmedic.clickhouseVolume" -}}
+- name: clickhouse
+  secret:
+    secretName: {{ .Values.clickhouse.existingSecret }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.clickhouse.urlKey }}
+        path: url
+      {{- with .Values.clickhouse.passwordKey }}
+      - key: {{ . }}
+        path: password
+      {{- end }}
+{{- end }}
+
+{{/*
+Slurm access (executor, API, Slurm producer): environment, mounts and volumes for slurm.access.
 */}}
 {{- define "trainmedic.slurmEnv" -}}
 - name: TRAINMEDIC_SLURM_ACCESS
   value: {{ .Values.slurm.access }}
 {{- if eq .Values.slurm.access "ssh" }}
+{{- with .Values.slurm.ssh }}
 - name: TRAINMEDIC_SLURM_SSH_HOST
-  value: {{ .Values.slurm.ssh.host | quote }}
+  value: {{ .host | quote }}
 - name: TRAINMEDIC_SLURM_SSH_PORT
-  value: {{ .Values.slurm.ssh.port | quote }}
+  value: {{ .port | quote }}
 - name: TRAINMEDIC_SLURM_SSH_USER
-  value: {{ .Values.slurm.ssh.user | quote }}
+  value: {{ .user | quote }}
 - name: TRAINMEDIC_SLURM_SSH_KEY
   value: /etc/trainmedic/ssh/id
 - name: TRAINMEDIC_SLURM_SSH_KNOWN_HOSTS
   value: /etc/trainmedic/ssh/known_hosts
-{{- with .Values.slurm.ssh.passphraseKey }}
-- name: TRAINMEDIC_SLURM_SSH_PASSPHRASE
-  valueFrom:
-    secretKeyRef:
-      name: {{ $.Values.slurm.ssh.existingSecret }}
-      key: {{ . }}
+{{- if .passphraseKey }}
+- name: TRAINMEDIC_SLURM_SSH_PASSPHRASE_FILE
+  value: /etc/trainmedic/ssh/passphrase
 {{- end }}
-{{- with .Values.slurm.ssh.slurmConf }}
+{{- with .slurmConf }}
 - name: TRAINMEDIC_SLURM_SSH_SLURM_CONF
   value: {{ . | quote }}
 {{- end }}
+{{- end }}
+{{- else if eq .Values.slurm.access "rest" }}
+- name: TRAINMEDIC_SLURMRESTD_URL
+  value: {{ .Values.slurm.rest.url | quote }}
+{{- with .Values.slurm.rest.user }}
+- name: TRAINMEDIC_SLURMRESTD_USER
+  value: {{ . | quote }}
+{{- end }}
+- name: TRAINMEDIC_SLURMRESTD_TOKEN_FILE
+  value: /etc/trainmedic/slurmrestd/token
 {{- else }}
 - name: SLURM_CONF
-  value: {{ .Values.slurm.inCluster.slurmConf | quote }}
+  value: {{ .Values.slurm.local.slurmConf | quote }}
 {{- end }}
 {{- end }}
 
 {{- define "trainmedic.slurmMounts" -}}
-{{- if eq .Values.slurm.access "ssh" -}}
+{{- if eq .Values.slurm.access "ssh" }}
 - name: ssh
   mountPath: /etc/trainmedic/ssh
   readOnly: true
+{{- else if eq .Values.slurm.access "rest" }}
+- name: slurmrestd
+  mountPath: /etc/trainmedic/slurmrestd
+  readOnly: true
 {{- else }}
-{{- with .Values.slurm.inCluster.volumeMounts }}
-{{- toYaml . }}
+{{- with .Values.slurm.local.volumeMounts }}
+{{ toYaml . }}
 {{- end }}
 {{- end }}
 {{- end }}
 
 {{/*
-The key is mounted 0440 and owned by root:fsGroup: readable by the pod's user, and OpenSSH
+The SSH key is mounted 0440 and owned by root:fsGroup: readable by the pod's user, and OpenSSH
 accepts it because the file is not owned by that user.
 */}}
 {{- define "trainmedic.slurmVolumes" -}}
-{{- if eq .Values.slurm.access "ssh" -}}
+{{- if eq .Values.slurm.access "ssh" }}
 - name: ssh
   secret:
     secretName: {{ .Values.slurm.ssh.existingSecret }}
@@ -207,49 +357,101 @@ accepts it because the file is not owned by that user.
         path: id
       - key: {{ .Values.slurm.ssh.knownHostsKey }}
         path: known_hosts
+      {{- with .Values.slurm.ssh.passphraseKey }}
+      - key: {{ . }}
+        path: passphrase
+      {{- end }}
+{{- else if eq .Values.slurm.access "rest" }}
+- name: slurmrestd
+  secret:
+    secretName: {{ .Values.slurm.rest.existingSecret }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.slurm.rest.tokenKey }}
+        path: token
 {{- else }}
-{{- with .Values.slurm.inCluster.volumes }}
-{{- toYaml . }}
+{{- with .Values.slurm.local.volumes }}
+{{ toYaml . }}
 {{- end }}
 {{- end }}
 {{- end }}
 
 {{/*
-Port of the Kafka brokers as the probes see it: kafka.brokerPort, else the first bootstrap entry's.
+A kubernetes.io/tls Secret mounted as files (API, ingest). Call with (dict "name" "api-tls" "tls" .Values.api.tls).
 */}}
-{{- define "trainmedic.kafkaPort" -}}
-{{- if .Values.kafka.brokerPort }}
-{{- .Values.kafka.brokerPort }}
-{{- else }}
-{{- splitList "," .Values.kafka.bootstrap | first | trim | splitList ":" | last }}
-{{- end }}
-{{- end }}
-
-{{/*
-Startup, readiness and liveness probes of a Kafka client (see kafkaProbes in values.yaml): an
-ESTABLISHED (state 01) connection whose remote port is the broker port, in /proc/net/tcp{,6}.
-*/}}
-{{- define "trainmedic.kafkaProbes" -}}
-{{- $port := include "trainmedic.kafkaPort" . | atoi }}
-{{- $exec := dict "exec" (dict "command" (list "sh" "-c" (printf "grep -qs ':%04X 01 ' /proc/net/tcp /proc/net/tcp6" $port))) -}}
-startupProbe:
-  {{- toYaml (merge (deepCopy $exec) .Values.kafkaProbes.startup) | nindent 2 }}
-readinessProbe:
-  {{- toYaml (merge (deepCopy $exec) .Values.kafkaProbes.readiness) | nindent 2 }}
-livenessProbe:
-  {{- toYaml (merge (deepCopy $exec) .Values.kafkaProbes.liveness) | nindent 2 }}
+{{- define "trainmedic.tlsVolume" -}}
+- name: {{ .name }}
+  secret:
+    secretName: {{ .tls.existingSecret }}
+    defaultMode: 0440
+    items:
+      - key: {{ .tls.certKey }}
+        path: tls.crt
+      - key: {{ .tls.keyKey }}
+        path: tls.key
 {{- end }}
 
 {{/*
-Environment of the node producers: the Kubernetes node's name (the producers' node key) and IP.
+The Slurm node name of the node producers (nodeProducers.nodeName.from): the Kubernetes node's
+name from the downward API, or nothing (the process takes the host's name). HOST_IP is the node's
+IP for $(HOST_IP) in the dcgm-exporter URL.
 */}}
 {{- define "trainmedic.nodeEnv" -}}
+{{- if eq .Values.nodeProducers.nodeName.from "kubernetes" }}
 - name: TRAINMEDIC_NODE
   valueFrom:
     fieldRef:
       fieldPath: spec.nodeName
+{{- end }}
 - name: HOST_IP
   valueFrom:
     fieldRef:
       fieldPath: status.hostIP
+{{- end }}
+
+{{/* Extra values env and args of a component, appended (nothing when empty). */}}
+{{- define "trainmedic.extraEnv" -}}
+{{- with .env }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Whether the audit schema is needed (audit sink or API): "true" or "". */}}
+{{- define "trainmedic.needsAudit" -}}
+{{- if or .Values.auditSink.enabled .Values.api.enabled }}true{{ end }}
+{{- end }}
+
+{{/*
+The long-running workloads and their metrics port names, as YAML (component: [port names]):
+what the PodMonitors scrape, the NetworkPolicies admit and the PodDisruptionBudgets cover.
+*/}}
+{{- define "trainmedic.workloads" -}}
+streams: [metrics]
+executor: [metrics]
+{{- if .Values.auditSink.enabled }}
+audit-sink: [metrics]
+{{- end }}
+{{- if .Values.api.enabled }}
+api: [metrics]
+{{- end }}
+{{- if .Values.ingest.enabled }}
+ingest: [metrics]
+{{- end }}
+{{- if .Values.slurmProducer.enabled }}
+slurm-producer: [metrics]
+{{- end }}
+{{- with .Values.nodeProducers }}
+{{- if and .enabled (or .gpu.enabled .kernel.enabled .logs.enabled) }}
+node-producers:
+  {{- if .gpu.enabled }}
+  - metrics-gpu
+  {{- end }}
+  {{- if .kernel.enabled }}
+  - metrics-kernel
+  {{- end }}
+  {{- if .logs.enabled }}
+  - metrics-logs
+  {{- end }}
+{{- end }}
+{{- end }}
 {{- end }}

@@ -1,0 +1,519 @@
+"""Start what the Helm chart starts: every container of every rendered Deployment, DaemonSet and
+Job, run as its pod would run it, until its readiness endpoint answers (Jobs: until exit 0).
+
+The chart is rendered by Helm's own engine (as in test_helm.py) with the default values plus
+the options that enable every workload (ingest with TLS, the logs producer; the dcgm variant of
+the GPU producer in its own render). For each container the harness takes the rendered command
+and args, and the rendered env with Kubernetes' own rules ($(VAR) expansion, valueFrom
+fieldRef / secretKeyRef / configMapKeyRef); it materialises every volume the container mounts
+(Secrets from test values, the rendered ConfigMaps, emptyDirs, hostPaths the test provides)
+under tmp_path and rewrites the paths the env and args name inside those mounts. Only what the
+test machine forces is overridden, each said where it happens: the bootstrap (the test's
+broker), the metrics address (127.0.0.1 and a free port: the chart's 0.0.0.0 and fixed ports are
+checked first), the service ports (free ports), the ClickHouse URL (a chDB folder per component:
+one process owns a chDB folder). `trainmedic` is this venv's entry point, as in the image.
+
+A chart that names a missing command, option or setting fails here: the process exits (usage
+error) or never gets ready, and a TRAINMEDIC_* variable that no setting has fails before start
+(the settings model ignores unknown variables; `trainmedic config show` lists them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import http.server
+import os
+import re
+import shutil
+import ssl
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import yaml
+
+from schemas.codec import decode
+from schemas.events import KernelEvent
+from tests.conftest import FIXTURES, Cluster, read_topic
+from tests.launch import probe, start, stop, wait_ready
+from trainmedic.broker import EmbeddedBroker, free_port
+from trainmedic.settings import unknown_env
+
+helm = pytest.importorskip(
+    "helm_python", reason="helm-python-sdk (Helm's Go SDK for Python) is not installed: pip install helm-python-sdk"
+)
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "infra" / "helm" / "trainmedic"
+TRAINMEDIC = Path(sys.executable).with_name("trainmedic")  # the image's entrypoint
+DCGM_EXPOSITION = FIXTURES / "dcgm" / "dcgm_exporter_metrics.prom"
+NODE = "gpu01"  # spec.nodeName: a node of the local Slurm cluster (infra/slurm)
+READY_TIMEOUT = 180.0
+XID_LINE = (
+    "Dec  2 05:00:01 gpu01 kernel: [ 5012.345678] NVRM: Xid (PCI:0000:18:00): 79, pid=0, GPU has fallen off the bus."
+)
+
+# Default values plus what turns on every workload.
+VALUES: dict[str, Any] = {
+    "ingest": {"enabled": True, "tls": {"existingSecret": "trainmedic-ingest-tls"}},
+    "nodeProducers": {"logs": {"enabled": True}},
+}
+# The components whose start needs Slurm (slurm.access=local, against the local cluster).
+NEEDS_SLURM = {"slurm-producer/slurm-producer", "node-producers/logs", "executor/executor", "api/api"}
+
+Manifest = dict[str, Any]
+
+
+def render(values: dict[str, Any]) -> list[Manifest]:
+    with helm.Chart.load(CHART) as chart:
+        files: dict[str, str] = chart.render(values, name="tm", namespace="trainmedic")
+    return [d for name, text in sorted(files.items()) if name.endswith(".yaml") for d in yaml.safe_load_all(text) if d]
+
+
+@dataclass(frozen=True)
+class Target:
+    """One container of one rendered workload."""
+
+    kind: str
+    workload: str  # component label
+    container: dict[str, Any]
+    volumes: dict[str, dict[str, Any]]
+    docs: list[Manifest] = field(repr=False)
+
+    @property
+    def id(self) -> str:
+        return f"{self.workload}/{self.container['name']}"
+
+
+def targets(docs: list[Manifest]) -> dict[str, Target]:
+    out: dict[str, Target] = {}
+    for d in docs:
+        if d["kind"] not in ("Deployment", "DaemonSet", "Job"):
+            continue
+        spec = d["spec"]["template"]["spec"]
+        component = d["metadata"]["labels"]["app.kubernetes.io/component"]
+        for c in spec["containers"]:
+            t = Target(d["kind"], component, c, {v["name"]: v for v in spec.get("volumes", [])}, docs)
+            out[t.id] = t
+    return out
+
+
+DOCS = render(VALUES)
+TARGETS = targets(DOCS)
+
+
+# --- test values for what the chart takes from outside -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """A self-signed certificate for 127.0.0.1 (the API's and ingest's TLS Secrets)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a test certificate")
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = folder / "tls.crt", folder / "tls.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert)]
+        + ["-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+        check=True,
+        capture_output=True,
+    )
+    return cert.read_text(), key.read_text()
+
+
+OPERATOR_TOKEN = "o" * 32
+INGEST_TOKEN = "i" * 32
+
+
+@dataclass
+class Pod:
+    """What the test lends a container: Secret values, hostPaths, the node's identity."""
+
+    tmp: Path
+    certificate: tuple[str, str]
+    chdb: Path  # this component's chDB folder
+    host_paths: dict[str, Path] = field(default_factory=dict)
+
+    def secret(self, name: str, key: str) -> str:
+        table = {
+            ("trainmedic-clickhouse", "url"): f"chdb://{self.chdb}",
+            ("trainmedic-api-token", "token"): OPERATOR_TOKEN,
+            ("trainmedic-ingest-token", "token"): INGEST_TOKEN,
+            ("trainmedic-api-tls", "tls.crt"): self.certificate[0],
+            ("trainmedic-api-tls", "tls.key"): self.certificate[1],
+            ("trainmedic-ingest-tls", "tls.crt"): self.certificate[0],
+            ("trainmedic-ingest-tls", "tls.key"): self.certificate[1],
+        }
+        if (name, key) not in table:
+            pytest.fail(f"the chart reads Secret {name} key {key}: the test has no value for it (a new Secret?)")
+        return table[(name, key)]
+
+
+FIELD_REFS = {"spec.nodeName": NODE, "status.hostIP": "127.0.0.1", "metadata.namespace": "trainmedic"}
+_VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion in command, args and env values: defined names only, $$ escapes."""
+    return _VAR.sub(lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), text)
+
+
+def _configmap(docs: list[Manifest], name: str) -> dict[str, str]:
+    found = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == name]
+    if not found:
+        pytest.fail(f"the chart mounts ConfigMap {name}, which it does not render")
+    data: dict[str, str] = found[0]["data"]
+    return data
+
+
+@dataclass
+class Prepared:
+    argv: list[str]
+    env: dict[str, str]
+    cwd: Path
+    ready_url: str
+    ports: dict[str, int]  # service port name -> the free port given instead
+    mounts: dict[str, Path]
+
+
+def prepare(t: Target, pod: Pod, bootstrap: str) -> Prepared:
+    """The container's argv, env and working directory on this machine (see the module docstring)."""
+    c = t.container
+    mounts: dict[str, Path] = {}
+    for m in c.get("volumeMounts", []):
+        vol = t.volumes[m["name"]]
+        local = pod.tmp / "mounts" / m["name"]
+        if "emptyDir" in vol or "persistentVolumeClaim" in vol:
+            local.mkdir(parents=True, exist_ok=True)
+        elif "secret" in vol:
+            name = vol["secret"]["secretName"]
+            assert vol["secret"].get("items"), f"{t.id}: Secret {name} mounted whole: name the keys it needs"
+            for item in vol["secret"]["items"]:
+                (local / item["path"]).parent.mkdir(parents=True, exist_ok=True)
+                (local / item["path"]).write_text(pod.secret(name, item["key"]) + "\n")
+        elif "configMap" in vol:
+            local.mkdir(parents=True, exist_ok=True)
+            for key, text in _configmap(t.docs, vol["configMap"]["name"]).items():
+                (local / key).write_text(text)
+        elif "hostPath" in vol:
+            path = vol["hostPath"]["path"]
+            if path not in pod.host_paths:
+                pytest.fail(f"{t.id} mounts the host's {path}: the test provides no stand-in for it")
+            local = pod.host_paths[path]
+        else:
+            pytest.fail(f"{t.id}: volume {m['name']} of a kind the harness does not know: {vol}")
+        mounts[m["mountPath"]] = local
+
+    def localise(value: str) -> str:
+        for mount_path in sorted(mounts, key=len, reverse=True):
+            if value == mount_path or value.startswith(mount_path.rstrip("/") + "/"):
+                return str(mounts[mount_path]) + value[len(mount_path) :]
+        return value
+
+    env: dict[str, str] = {}
+    for e in c.get("env", []):
+        if "value" in e:
+            value = expand(str(e["value"]), env)
+        else:
+            ref = e["valueFrom"]
+            if "fieldRef" in ref:
+                value = FIELD_REFS[ref["fieldRef"]["fieldPath"]]
+            elif "secretKeyRef" in ref:
+                value = pod.secret(ref["secretKeyRef"]["name"], ref["secretKeyRef"]["key"])
+            elif "configMapKeyRef" in ref:
+                value = _configmap(t.docs, ref["configMapKeyRef"]["name"])[ref["configMapKeyRef"]["key"]]
+            else:
+                pytest.fail(f"{t.id}: env {e['name']} from {ref}: not a source the harness resolves")
+        env[e["name"]] = localise(value)
+    unknown = unknown_env(env)
+    assert not unknown, f"{t.id}: the chart sets TRAINMEDIC_* variables no setting has: {unknown}"
+
+    argv = [expand(a, env) for a in c["command"] + c.get("args", [])]
+    assert argv[0] == "trainmedic", f"{t.id}: the image's entrypoint is trainmedic, not {argv[0]}"
+    argv = [str(TRAINMEDIC)] + [localise(a) for a in argv[1:]]
+
+    # The machine's overrides.
+    ports: dict[str, int] = {}
+    ready_url = ""
+    if "TRAINMEDIC_METRICS_PORT" in env:
+        assert env["TRAINMEDIC_METRICS_HOST"] == "0.0.0.0", f"{t.id}: probes must listen on the pod's address"
+        (metrics,) = [p for p in c["ports"] if p["containerPort"] == int(env["TRAINMEDIC_METRICS_PORT"])]
+        assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": metrics["name"]}
+        port = free_port()
+        env["TRAINMEDIC_METRICS_HOST"], env["TRAINMEDIC_METRICS_PORT"] = "127.0.0.1", str(port)
+        ready_url = f"http://127.0.0.1:{port}/readyz"
+    for p in c.get("ports", []):
+        if p["name"].startswith("metrics"):
+            continue
+        ports[p["name"]] = free_port()
+        if env.get("TRAINMEDIC_API_LISTEN", "").endswith(f":{p['containerPort']}"):
+            env["TRAINMEDIC_API_LISTEN"] = env["TRAINMEDIC_API_LISTEN"].rsplit(":", 1)[0] + f":{ports[p['name']]}"
+        elif "--port" in argv and argv[argv.index("--port") + 1] == str(p["containerPort"]):
+            argv[argv.index("--port") + 1] = str(ports[p["name"]])
+        else:
+            pytest.fail(f"{t.id}: port {p['name']} ({p['containerPort']}) is not what the process is told to serve")
+    assert env["TRAINMEDIC_BOOTSTRAP"] == "kafka:9092"
+    env["TRAINMEDIC_BOOTSTRAP"] = bootstrap
+    (pod.tmp / "home").mkdir(parents=True, exist_ok=True)
+    env.update(
+        PATH=os.environ.get("PATH", "/usr/bin:/bin"),
+        HOME=str(pod.tmp / "home"),
+        LC_ALL="C.UTF-8",
+        TMPDIR=str(mounts.get("/tmp", pod.tmp)),
+    )
+    cwd = Path(localise(c["workingDir"]))
+    assert cwd != Path(c["workingDir"]), f"{t.id}: its working directory {c['workingDir']} is not a mounted volume"
+    return Prepared(argv, env, cwd, ready_url, ports, mounts)
+
+
+def run_job(p: Prepared, log: Path, timeout: float = 180.0) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(p.argv, env=p.env, cwd=p.cwd, capture_output=True, text=True, timeout=timeout)
+    log.write_text(proc.stdout + proc.stderr)
+    return proc
+
+
+@contextlib.contextmanager
+def running(p: Prepared, log: Path) -> Iterator[dict[str, object]]:
+    """Started, ready (its own /readyz says 200) for the body, then stopped with SIGTERM: exit 0."""
+    launched = start(p.argv, p.env, log, cwd=p.cwd)
+    try:
+        ready = wait_ready(launched, p.ready_url, READY_TIMEOUT)
+        status, live = probe(p.ready_url.replace("/readyz", "/healthz"))
+        assert status == 200 and live and live["live"], f"ready but not live: {live}"
+        with urllib.request.urlopen(p.ready_url.replace("/readyz", "/metrics"), timeout=10) as resp:
+            assert "trainmedic_build_info{" in resp.read().decode()  # what the PodMonitor scrapes
+        yield ready
+    finally:
+        code = stop(launched)
+    assert code == 0, f"{' '.join(p.argv)} exited {code} on SIGTERM:\n{launched.output()}"
+
+
+# --- fixtures ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def pod(tmp_path: Path, certificate: tuple[str, str]) -> Pod:
+    logs = tmp_path / "job-logs"
+    logs.mkdir()
+    host_log = tmp_path / "host-var-log"
+    host_log.mkdir()
+    (host_log / "kern.log").write_text(XID_LINE + "\n")
+    empty = tmp_path / "host-empty"
+    empty.mkdir()
+    return Pod(
+        tmp_path,
+        certificate,
+        chdb=tmp_path / "chdb",
+        host_paths={"/var/log": host_log, "/shared/slurm-logs": logs, "/run/munge": empty, "/etc/slurm": empty},
+    )
+
+
+def _slurm(request: pytest.FixtureRequest, pod: Pod) -> None:
+    """The host's /etc/slurm is the local cluster's configuration folder (its munge socket is in it)."""
+    cluster: Cluster = request.getfixturevalue("slurm_cluster")
+    conf = Path(cluster.slurm_conf)
+    assert conf.name == "slurm.conf"
+    pod.host_paths["/etc/slurm"] = conf.parent
+
+
+def _migrated(pod: Pod, bootstrap: str, component: str) -> None:
+    """The audit migration Job, as rendered, on this component's chDB folder (the hook runs first)."""
+    pod.chdb = pod.tmp / "chdb" / component
+    job = prepare(TARGETS["audit-migrate/audit-migrate"], _subpod(pod, "migrate"), bootstrap)
+    done = run_job(job, pod.tmp / "migrate.log")
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def _subpod(pod: Pod, name: str) -> Pod:
+    return Pod(pod.tmp / name, pod.certificate, pod.chdb, pod.host_paths)
+
+
+# --- the tests -------------------------------------------------------------------------------------------
+
+LONG_RUNNING = sorted(i for i, t in TARGETS.items() if t.kind != "Job" and i != "node-producers/gpu")
+# Marked, so `-m "not slurm"` leaves them out where no local Slurm cluster can run.
+LONG_RUNNING_PARAMS = [pytest.param(i, marks=[pytest.mark.slurm] if i in NEEDS_SLURM else []) for i in LONG_RUNNING]
+
+
+def test_every_rendered_container_is_started_here() -> None:
+    """Every workload the chart can render is in this file: a new one must be started too."""
+    assert set(TARGETS) == {
+        "topics/topics",
+        "audit-migrate/audit-migrate",
+        "streams/streams",
+        "executor/executor",
+        "audit-sink/audit-sink",
+        "api/api",
+        "ingest/ingest",
+        "slurm-producer/slurm-producer",
+        "node-producers/gpu",
+        "node-producers/kernel",
+        "node-producers/logs",
+    }
+    assert set(LONG_RUNNING) >= NEEDS_SLURM
+
+
+def test_topics_job_creates_every_topic_mode_changes_included(pod: Pod) -> None:
+    bare = EmbeddedBroker().start()  # no topics: the Job makes them
+    try:
+        p = prepare(TARGETS["topics/topics"], pod, bare.bootstrap)
+        done = run_job(p, pod.tmp / "topics.log")
+        assert done.returncode == 0, done.stdout + done.stderr
+        from confluent_kafka.admin import AdminClient
+
+        from schemas.topics import ALL_TOPICS
+
+        topics = AdminClient({"bootstrap.servers": bare.bootstrap}).list_topics(timeout=10).topics
+        assert "mode.changes" in topics, "without mode.changes every worker stays in monitor mode"
+        assert {t.name for t in ALL_TOPICS} <= set(topics)
+        again = run_job(p, pod.tmp / "topics-again.log")  # pre-upgrade runs it again
+        assert again.returncode == 0, again.stdout + again.stderr
+    finally:
+        bare.stop()
+
+
+def test_audit_migrate_job_exits_zero_and_again(pod: Pod, broker: EmbeddedBroker) -> None:
+    for _ in range(2):  # pre-install, then pre-upgrade
+        _migrated(pod, broker.bootstrap, "audit")
+    assert (pod.tmp / "chdb" / "audit").is_dir()
+
+
+@pytest.mark.parametrize("target", LONG_RUNNING_PARAMS)
+def test_workload_starts_until_ready(
+    target: str, pod: Pod, broker: EmbeddedBroker, request: pytest.FixtureRequest
+) -> None:
+    t = TARGETS[target]
+    if target in NEEDS_SLURM:
+        _slurm(request, pod)
+    if target in ("audit-sink/audit-sink", "api/api"):
+        _migrated(pod, broker.bootstrap, t.workload)
+    p = prepare(t, pod, broker.bootstrap)
+    log = pod.tmp / f"{t.workload}-{t.container['name']}.log"
+    with running(p, log) as ready:
+        assert ready["ready"] is True
+        if target == "api/api":
+            _api_answers_over_tls(p, pod)
+        elif target == "ingest/ingest":
+            _ingest_answers_over_tls(p, pod)
+        elif target == "node-producers/kernel":
+            _kernel_line_published(broker.bootstrap)
+
+
+def _tls(pod: Pod) -> ssl.SSLContext:
+    ca = pod.tmp / "ca.pem"
+    ca.write_text(pod.certificate[0])
+    return ssl.create_default_context(cafile=str(ca))
+
+
+def _api_answers_over_tls(p: Prepared, pod: Pod) -> None:
+    req = urllib.request.Request(
+        f"https://127.0.0.1:{p.ports['api']}/api/recommendations", headers={"Authorization": f"Bearer {OPERATOR_TOKEN}"}
+    )
+    with urllib.request.urlopen(req, context=_tls(pod), timeout=10) as resp:
+        assert resp.status == 200
+
+
+def _ingest_answers_over_tls(p: Prepared, pod: Pod) -> None:
+    with urllib.request.urlopen(f"https://127.0.0.1:{p.ports['ingest']}/healthz", context=_tls(pod), timeout=10) as r:
+        assert r.status == 200
+
+
+def _kernel_line_published(bootstrap: str) -> None:
+    """The file from the hostPath was read, and the event names the node the downward API gave."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        events = [decode(KernelEvent, v) for v in read_topic(bootstrap, "node.kernel", seconds=2.0)]
+        if events:
+            assert {e.node for e in events} == {NODE}, events
+            assert [e.xid for e in events] == [79], events
+            return
+    pytest.fail("the kernel producer published nothing from kern.log within 60 s")
+
+
+def test_gpu_producer_without_a_gpu_exits_naming_nvml(pod: Pod, broker: EmbeddedBroker) -> None:
+    """No GPU here: `produce gpu` must stop with NVML's reason, not a usage error of the chart's
+    command line (a missing option or command would say `No such option` / `Usage:`)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - any NVML failure means: no GPU to read here
+        pass
+    else:
+        pynvml.nvmlShutdown()
+        p = prepare(TARGETS["node-producers/gpu"], pod, broker.bootstrap)
+        with running(p, pod.tmp / "gpu.log"):
+            return
+    p = prepare(TARGETS["node-producers/gpu"], pod, broker.bootstrap)
+    assert p.argv[1:] == ["produce", "gpu"]
+    done = run_job(p, pod.tmp / "gpu.log", timeout=120)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out
+    assert "NVML" in out, out
+    assert "No such option" not in out and "Usage:" not in out and "No such command" not in out, out
+
+
+class _Exporter(http.server.BaseHTTPRequestHandler):
+    body = DCGM_EXPOSITION.read_bytes()
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self.send_response(200 if self.path == "/metrics" else 404)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's name
+        pass
+
+
+@pytest.fixture
+def dcgm_exporter() -> Iterator[int]:
+    """A stand-in dcgm-exporter on 127.0.0.1 (the node's IP in the test) serving a captured exposition."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Exporter)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield int(server.server_address[1])
+    server.shutdown()
+    server.server_close()
+
+
+def test_dcgm_variant_scrapes_the_nodes_exporter_until_ready(
+    pod: Pod, broker: EmbeddedBroker, dcgm_exporter: int
+) -> None:
+    values = copy.deepcopy(VALUES)
+    # The chart's default URL with the stand-in's port: $(HOST_IP) is still expanded from the downward API.
+    values["nodeProducers"]["gpu"] = {"source": "dcgm", "dcgm": {"url": f"http://$(HOST_IP):{dcgm_exporter}/metrics"}}
+    t = targets(render(values))["node-producers/gpu"]
+    p = prepare(t, pod, broker.bootstrap)
+    assert p.argv[1:] == ["produce", "dcgm", "--url", f"http://127.0.0.1:{dcgm_exporter}/metrics"]
+    with running(p, pod.tmp / "dcgm.log") as ready:
+        assert ready["ready"] is True
+
+
+def test_the_harness_refuses_a_variable_no_setting_has(pod: Pod, broker: EmbeddedBroker) -> None:
+    """The processes ignore an unknown TRAINMEDIC_* variable (`config show` lists it): this file
+    must fail on one instead of starting the container."""
+    values = copy.deepcopy(VALUES)
+    values["streams"] = {"env": [{"name": "TRAINMEDIC_STREAMS_DATADIR", "value": "/var/lib/trainmedic/x"}]}
+    t = targets(render(values))["streams/streams"]
+    with pytest.raises(AssertionError, match="TRAINMEDIC_STREAMS_DATADIR"):
+        prepare(t, pod, broker.bootstrap)
+    shown = subprocess.run(
+        [str(TRAINMEDIC), "config", "show", "--json"],
+        env={"PATH": os.environ.get("PATH", ""), "HOME": str(pod.tmp), "TRAINMEDIC_STREAMS_DATADIR": "x"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert "TRAINMEDIC_STREAMS_DATADIR" in orjson.loads(shown.stdout)["unknown_env"]
