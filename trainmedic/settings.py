@@ -24,6 +24,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import SettingsError as PydanticSettingsError
 
 from bus.config import KafkaSecurity, configure_security
 from schemas.errors import ConfigError
@@ -54,7 +55,16 @@ class Settings(BaseSettings):
         default=DEFAULT_CLUSTER,
         description="name of the Slurm cluster this process serves; in every event, id and audit row",
     )
-    node: str | None = Field(default=None, description="this host's Slurm node name (node producers)")
+    node: str | None = Field(
+        default=None, description="this host's node name (node producers); unset: the host name; mapped as below"
+    )
+    node_map: dict[str, str] = Field(
+        default_factory=dict,
+        description="host or Kubernetes node name -> Slurm NodeName, where they differ (JSON in the env)",
+    )
+    node_strip_domain: bool = Field(
+        default=False, description="report gpu01 for gpu01.example.org (Slurm NodeNames are short host names)"
+    )
 
     # -- Kafka --------------------------------------------------------------------------
     bootstrap: str | None = Field(
@@ -164,8 +174,20 @@ class Settings(BaseSettings):
             return cls(**given)
         except ValidationError as exc:
             raise SettingsError(_describe(exc)) from None
+        except PydanticSettingsError as exc:  # a complex value (node_map) that is not JSON in the env
+            raise SettingsError(f'{exc} (a mapping is JSON in the environment: \'{{"k8s-name": "gpu01"}}\')') from None
         finally:
             _config_file.reset(token)
+
+    def slurm_node(self, name: str | None = None) -> str:
+        """The Slurm NodeName this process reports for: `name`, else the node setting, else the
+        host name; then node_map, else node_strip_domain."""
+        import socket
+
+        found = name or self.node or socket.gethostname()
+        if found in self.node_map:
+            return self.node_map[found]
+        return found.split(".", 1)[0] if self.node_strip_domain else found
 
     def secret(self, name: str) -> str | None:
         value = getattr(self, name)

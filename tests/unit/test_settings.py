@@ -189,3 +189,17 @@ def test_the_streams_worker_reads_the_settings_without_importing_sinks() -> None
     probe = "import sys, streams.app; print(sorted(m for m in sys.modules if m.split('.')[0] == 'sinks'))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_node_names_map_onto_slurm_node_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text("node_map:\n  k8s-worker-a.example.org: gpu07\nnode_strip_domain: true\n")
+    s = Settings.load(cfg)
+    assert s.slurm_node("k8s-worker-a.example.org") == "gpu07"  # the map first
+    assert s.slurm_node("gpu02.example.org") == "gpu02"
+    assert Settings.load().slurm_node("gpu02.example.org") == "gpu02.example.org"  # nothing stripped by default
+    monkeypatch.setenv("TRAINMEDIC_NODE", "k8s-worker-a.example.org")
+    assert Settings.load(cfg).slurm_node() == "gpu07"
+    monkeypatch.setenv("TRAINMEDIC_NODE_MAP", "gpu01=gpu02")
+    with pytest.raises(SettingsError, match="node_map.*JSON"):
+        Settings.load()
