@@ -13,7 +13,9 @@ from pathlib import Path
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
+from prometheus_client import Counter as PromCounter
 
+from bus import metrics
 from bus.config import admin_config, producer_config
 from bus.deadletter import make_dead_letter
 from bus.fit import fit_event
@@ -129,6 +131,11 @@ class Publisher:
         )
         self._poller.start()
 
+    def _count(self, counts: Counter[str], metric: PromCounter, topic: str) -> None:
+        """One more in the publisher's own count and in its Prometheus counter (under the lock)."""
+        counts[topic] += 1
+        metric.labels(self._client_id, topic).inc()
+
     def _make_producer(self, bootstrap: str) -> Producer:
         return Producer({**producer_config(bootstrap, self._client_id), **self._overrides})
 
@@ -140,12 +147,12 @@ class Publisher:
             topic = msg.topic() or "?"
             with self._lock:
                 if err is None:
-                    self.delivered[topic] += 1
+                    self._count(self.delivered, metrics.DELIVERED, topic)
                 elif err.code() in _PURGED:
                     # Purged on a switch to a new broker: sent again there, not lost.
                     self._resend.append((topic, msg.key(), msg.value(), event_id))
                 else:
-                    self.dropped[topic] += 1
+                    self._count(self.dropped, metrics.DROPPED, topic)
                     log.error("dropped %s event %s: %s", topic, event_id, err)
 
         return on_delivery
@@ -154,7 +161,7 @@ class Publisher:
         records, unfit = prepare(topic, event, self.limit(topic.name))
         if len(records) > 1:
             with self._lock:
-                self.split[topic.name] += 1
+                self._count(self.split, metrics.SPLIT, topic.name)
             log.warning("%s event %s over the size limit: sent in %d parts", topic.name, event.event_id, len(records))
         for key, payload, event_id in records:
             self._produce(topic.name, payload, key, event_id, fixed_partition(topic))
@@ -185,7 +192,7 @@ class Publisher:
                     on_delivery=on_delivery,
                     partition=_partition(fixed_partition(topic)),
                 )
-                self.sent[topic.name] += 1
+                self._count(self.sent, metrics.SENT, topic.name)
         except (BufferError, KafkaException) as exc:
             raise NotDelivered(f"{topic.name} event {event_id} not queued: {exc}") from None
         self._producer.flush(timeout_s)
@@ -216,7 +223,7 @@ class Publisher:
                     self._producer.poll(0.5)
                     continue
                 with self._lock:
-                    self.dropped[topic] += 1
+                    self._count(self.dropped, metrics.DROPPED, topic)
                 log.error("producer buffer full; dropped %s event %s (broker away?)", topic, event_id)
                 return
             except KafkaException as exc:
@@ -228,7 +235,7 @@ class Publisher:
                 self._dead_letter_raw(topic, payload, event_id, f"refused by the client as too large: {exc}")
                 return
         with self._lock:
-            self.sent[topic] += 1
+            self._count(self.sent, metrics.SENT, topic)
         self._producer.poll(0)
 
     def _dead_letter(self, topic: str, event: Event, reason: str) -> None:
@@ -238,7 +245,7 @@ class Publisher:
 
     def _dead_letter_raw(self, topic: str, payload: bytes, event_id: str, reason: str) -> None:
         with self._lock:
-            self.dead_lettered[topic] += 1
+            self._count(self.dead_lettered, metrics.DEAD_LETTERED, topic)
         log.error("dead-lettered %s event %s: %s", topic, event_id, reason)
         limit = self.limit(DEADLETTER.name)
         # The letter must fit where the event did not: keep as much of the payload as the
@@ -254,7 +261,7 @@ class Publisher:
             self._produce(DEADLETTER.name, data, key, letter_id)
         if unfit:
             with self._lock:
-                self.dropped[topic] += 1
+                self._count(self.dropped, metrics.DROPPED, topic)
             log.error("dropped %s event %s: not even its dead letter fits %d bytes", topic, event_id, limit)
 
     def publish_raw(self, topic_name: str, payload: bytes, key: bytes | None = None) -> None:

@@ -35,6 +35,11 @@ class FileFollower:
     _partial: bytes = b""
     _pending: list[str] = field(default_factory=list)
 
+    @property
+    def is_open(self) -> bool:
+        """The file is open and being followed (a producer's readiness: its source opened)."""
+        return self._fh is not None
+
     def position(self) -> FilePosition | None:
         """Up to the last complete line handed out (a partial line is read again after a restart)."""
         if self._fh is None or self._inode is None:

@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bus.publish import Publisher
 from producers.gpu_nvml import decode_throttle_reasons
+from producers.metrics import SCRAPE_FAILURES, ProducerHealth
 from schemas.errors import Unavailable
 from schemas.events import GpuMetrics, GpuSample
 from schemas.ids import stable_id
@@ -287,6 +288,7 @@ class DcgmProducer:
         except Exception as exc:  # one bad scrape must not end the producer
             self.errors += 1
             self._failing += 1
+            SCRAPE_FAILURES.labels("dcgm").inc()
             self.last_error = str(exc) if isinstance(exc, ScrapeError) else f"{type(exc).__name__}: {exc}"
             if self._failing % self.LOG_EVERY == 1:
                 log.warning("dcgm-exporter scrape failed (%d in a row): %s", self._failing, self.last_error)
@@ -300,13 +302,21 @@ class DcgmProducer:
 
     def run(self, stop_event: threading.Event) -> None:
         next_at = time.monotonic()
+        # Ready once the exporter answered a scrape with GPU series; a round may take the timeout.
+        liveness = ProducerHealth("dcgm", self.interval_s, self.scraper.timeout_s)
         try:
             while not stop_event.is_set():
-                self.poll_once()
+                errors = self.errors
+                published = self.poll_once()
+                if self.errors > errors:
+                    liveness.failed(f"dcgm-exporter scrape failed: {self.last_error}")
+                else:
+                    liveness.ok(published, f"scraping {self.scraper.url}")
                 next_at += self.interval_s
                 now = time.monotonic()
                 if next_at < now:
                     next_at = now
                 stop_event.wait(next_at - now)
         finally:
+            liveness.stop()
             self.publisher.flush(5.0)

@@ -22,6 +22,7 @@ from typing import Any
 import pynvml
 
 from bus.publish import Publisher
+from producers.metrics import POLL_FAILURES, ProducerHealth
 from schemas.errors import Unavailable
 from schemas.events import GpuMetrics, GpuSample
 from schemas.ids import stable_id
@@ -463,6 +464,7 @@ class NvmlProducer:
         except Exception as exc:  # a producer that dies on one bad interval sees nothing afterwards
             self.errors += 1
             self.last_error = f"{type(exc).__name__}: {exc}"
+            POLL_FAILURES.labels("gpu", "sample").inc()
             log.exception("GPU sample on %s failed", self.node)
             return None
         self.samples += 1
@@ -472,15 +474,21 @@ class NvmlProducer:
     def run(self, stop_event: threading.Event) -> None:
         """Sample at a fixed rate until stop_event is set; a slow interval skips ahead, it does not bunch up."""
         next_at = time.monotonic()
+        # Ready once NVML is open (it is, or the collector would not exist) and a sample was read.
+        liveness = ProducerHealth("gpu", self.interval_s)
         try:
             while not stop_event.is_set():
-                self.poll_once()
+                if self.poll_once() is None:
+                    liveness.failed(f"GPU sample failed: {self.last_error}")
+                else:
+                    liveness.ok(1, "NVML open, sampling")
                 next_at += self.interval_s
                 now = time.monotonic()
                 if next_at < now:
                     next_at = now
                 stop_event.wait(next_at - now)
         finally:
+            liveness.stop()
             self.publisher.flush(5.0)
 
     def close(self) -> None:

@@ -58,10 +58,14 @@ from typing import Annotated, Any, Literal
 
 import orjson
 from aiohttp import web
+from confluent_kafka import KafkaException
+from confluent_kafka.admin import AdminClient
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic.alias_generators import to_camel
 
+from bus.config import admin_config
 from bus.publish import Publisher
+from producers.metrics import INGEST_ACCEPTED, INGEST_REJECTED, POLL_FAILURES, MirroredCounter, ProducerHealth
 from schemas.errors import ConfigError, UsageError
 from schemas.events import MAX_EVENT_TIME, HealthEvent
 from schemas.ids import stable_id
@@ -452,8 +456,9 @@ def parse_nvrx(body: bytes, received_at: float) -> list[HealthEvent]:
 class IngestStats:
     """Counters: accepted events by origin, rejected requests by reason."""
 
-    accepted: Counter[str] = field(default_factory=Counter)
-    rejected: Counter[str] = field(default_factory=Counter)
+    # Mirrored to Prometheus (trainmedic_producer_ingest_*) for the probe listener's /metrics.
+    accepted: Counter[str] = field(default_factory=lambda: MirroredCounter(INGEST_ACCEPTED, "ingest"))
+    rejected: Counter[str] = field(default_factory=lambda: MirroredCounter(INGEST_REJECTED, "ingest"))
     requests: int = 0
 
     def prometheus(self) -> str:
@@ -783,10 +788,39 @@ def run_ingest(
     if on_ready is not None:
         on_ready(server)
     stop = stop_event or threading.Event()
+    liveness = ProducerHealth("ingest", 1.0, KAFKA_CHECK_TIMEOUT_S)
+    kafka = AdminClient(admin_config(publisher.bootstrap))
+    next_check = 0.0
     try:
-        while not stop.wait(1.0):
-            pass
+        while True:
+            # Ready while listening (it is, from here on) and Kafka answers a metadata request.
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + KAFKA_CHECK_EVERY_S
+                why = _kafka_unreachable(kafka)
+                if why is None:
+                    liveness.ok(0, f"listening on {server.url}, Kafka reachable")
+                else:
+                    POLL_FAILURES.labels("ingest", "kafka").inc()
+                    liveness.failed(why)
+            else:
+                liveness.idle()
+            if stop.wait(1.0):
+                break
     finally:
+        liveness.stop()
         server.stop()
         publisher.flush(10.0)
     return app[STATS_KEY]
+
+
+KAFKA_CHECK_EVERY_S = 10.0
+KAFKA_CHECK_TIMEOUT_S = 5.0
+
+
+def _kafka_unreachable(kafka: AdminClient) -> str | None:
+    """None when the brokers answer a metadata request, else why not."""
+    try:
+        kafka.list_topics(timeout=KAFKA_CHECK_TIMEOUT_S)
+    except KafkaException as exc:
+        return f"Kafka does not answer: {exc}"
+    return None

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from bus.publish import Publisher
 from producers.joblogs import JobLayout, JobLogProducer
+from producers.metrics import POLL_FAILURES
 from producers.position import FilePosition, PositionStore
 from slurmio.hostlist import expand_hostlist
 from slurmio.runners import LocalRunner, Runner, SlurmCommandError
@@ -61,6 +62,8 @@ class JobDiscovery:
         self.timeout_s = timeout_s
         self.tailers: dict[tuple[str, int], JobLogProducer] = {}
         self.errors = 0
+        self.list_errors = 0  # of them, listings of the running jobs (the loop's readiness)
+        self.last_error: str | None = None
         self.tailer_errors = 0
         self.positions = positions
         self._factory = tailer_factory or self._tailer
@@ -135,6 +138,9 @@ class JobDiscovery:
             running = self.running()
         except (SlurmCommandError, ValueError) as exc:  # SlurmFormatError is both
             self.errors += 1
+            self.list_errors += 1
+            self.last_error = f"listing running jobs failed: {exc}"
+            POLL_FAILURES.labels("logs", "list").inc()
             log.warning("job discovery: listing running jobs failed: %s", exc)
             running = {jid: r for (jid, r) in self.tailers}  # keep following what we have
         for key in [k for k in self.tailers if running.get(k[0]) != k[1]]:
@@ -149,6 +155,7 @@ class JobDiscovery:
                 job = self.describe(job_id, restarts)
             except (SlurmCommandError, ValueError) as exc:
                 self.errors += 1
+                POLL_FAILURES.labels("logs", "describe").inc()
                 log.warning("job discovery: cannot describe job %s: %s", job_id, exc)
                 continue
             if not job.paths:
@@ -163,6 +170,7 @@ class JobDiscovery:
             return tailer.poll_once()
         except Exception:  # noqa: BLE001 - isolate any one job's bad input
             self.tailer_errors += 1
+            POLL_FAILURES.labels("logs", "tailer").inc()
             log.exception("job discovery: following job %s (restart %d) failed; other jobs go on", *key)
             return 0
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from bus.publish import Publisher
 from producers.follow import FileFollower
+from producers.metrics import LINES_READ
 from producers.position import FilePosition
 from producers.progress import ProgressParser
 from producers.tracebacks import TracebackGrouper
@@ -200,6 +201,8 @@ class JobLogProducer:
             self._publish(follower.path, grouped, now)
             count += len(lines)
         self.lines_published += count
+        if count:
+            LINES_READ.labels("logs").inc(count)
         return count
 
     def _publish(self, path: Path, lines: list[LogLine], now: float) -> None:

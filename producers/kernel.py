@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import socket
 import subprocess
 import time
@@ -17,6 +18,7 @@ import orjson
 
 from bus.publish import Publisher
 from producers.follow import FileFollower
+from producers.metrics import LINES_READ
 from producers.position import FilePosition
 from schemas.events import KernelEvent
 from schemas.ids import stable_id
@@ -290,7 +292,10 @@ class KernelLogProducer:
     def poll_once(self) -> int:
         now = time.time()
         count = 0
-        for line in self.follower.poll():
+        lines = self.follower.poll()
+        if lines:
+            LINES_READ.labels("kernel").inc(len(lines))
+        for line in lines:
             parsed = parse_kernel_line(line, self.node)
             if parsed is None:
                 continue
@@ -333,17 +338,22 @@ def uptime_s() -> float:
 
 
 def read_kmsg(
-    path: str = "/dev/kmsg", after_seq: int | None = None, lookback_s: float = 0.0
+    path: str = "/dev/kmsg", after_seq: int | None = None, lookback_s: float = 0.0, idle_s: float | None = None
 ) -> Iterator[tuple[str, int | None]]:
     """(message, sequence number) of kernel records, from the ring buffer on, then as they arrive.
 
     Records up to `after_seq` (the last one handled before a restart, same boot) are skipped;
     without it, only records of the last `lookback_s` seconds of the ring buffer are read.
+    With `idle_s`, ("", None) comes after each `idle_s` without a record, so the caller's loop
+    goes round (its liveness beat, its stop check) on a quiet kernel too.
     """
     oldest_usec = max(0.0, uptime_s() - lookback_s) * 1e6
     fd = os.open(path, os.O_RDONLY)
     try:
         while True:
+            if idle_s is not None and not select.select([fd], [], [], idle_s)[0]:
+                yield "", None
+                continue
             try:
                 raw = os.read(fd, 8192)
             except BrokenPipeError:
@@ -393,12 +403,18 @@ def journal_argv(cursor: str | None, lookback_s: float) -> list[str]:
     return [*argv, "-b", "--since", f"-{max(0, int(lookback_s))}s"]
 
 
-def read_journal(cursor: str | None = None, lookback_s: float = 0.0) -> Iterator[tuple[str, str | None, str | None]]:
-    """(message, hostname, journal cursor) of kernel entries."""
-    proc = subprocess.Popen(journal_argv(cursor, lookback_s), stdout=subprocess.PIPE, text=True)
+def read_journal(
+    cursor: str | None = None, lookback_s: float = 0.0, idle_s: float | None = None
+) -> Iterator[tuple[str, str | None, str | None]]:
+    """(message, hostname, journal cursor) of kernel entries; with `idle_s`, ("", None, None)
+    after each `idle_s` without output (as read_kmsg)."""
+    proc = subprocess.Popen(journal_argv(cursor, lookback_s), stdout=subprocess.PIPE)
     assert proc.stdout is not None
     try:
-        for line in proc.stdout:
+        for line in _lines_of(proc.stdout.fileno(), idle_s):
+            if line is None:
+                yield "", None, None
+                continue
             entry = _journal_entry(line)
             parsed = None if entry is None else _entry_message(entry)
             if entry is not None and parsed is not None:
@@ -406,6 +422,24 @@ def read_journal(cursor: str | None = None, lookback_s: float = 0.0) -> Iterator
                 yield parsed[0], parsed[1], c if isinstance(c, str) else None
     finally:
         proc.terminate()
+
+
+def _lines_of(fd: int, idle_s: float | None) -> Iterator[str | None]:
+    """Lines from a pipe until its end; None after each `idle_s` without data. Read unbuffered
+    by hand: a buffered reader can hold whole lines that select() no longer sees."""
+    partial = b""
+    while True:
+        if idle_s is not None and not select.select([fd], [], [], idle_s)[0]:
+            yield None
+            continue
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            if partial:
+                yield partial.decode("utf-8", errors="replace")
+            return
+        *lines, partial = (partial + chunk).split(b"\n")
+        for raw in lines:
+            yield raw.decode("utf-8", errors="replace") + "\n"
 
 
 class KernelStreamProducer:
@@ -420,6 +454,9 @@ class KernelStreamProducer:
         self.published = 0
 
     def handle(self, message: str, host: str | None = None) -> bool:
+        if not message:
+            return False  # an idle wake-up of the reader (read_kmsg / read_journal idle_s), no line
+        LINES_READ.labels("kernel").inc()
         parsed = parse_kernel_line(message, host or self.node)
         if parsed is None:
             return False

@@ -97,6 +97,7 @@ from pathlib import Path
 from typing import Any
 
 from bus.publish import Publisher
+from producers.metrics import POLL_FAILURES, ProducerHealth
 from schemas.events import SchedEvent
 from schemas.ids import stable_id
 from schemas.topics import SCHED_EVENTS
@@ -466,15 +467,27 @@ class SlurmProducer:
 
     def run(self, stop_event: threading.Event) -> None:
         log.info("slurm producer: polling every %gs, state in %s", self.interval_s, self.state_path)
-        while not stop_event.is_set():
-            try:
-                self.poll_once()
-            except Exception as exc:  # e.g. the publisher raised: count it and keep polling
-                self._fail("unexpected", f"{type(exc).__name__}: {exc}")
-            stop_event.wait(self.interval_s)
+        # Ready once squeue and sinfo answered; a round runs three commands and a flush to their timeouts.
+        liveness = ProducerHealth("slurm", self.interval_s, 3 * self.command_timeout_s + self.flush_timeout_s)
+        try:
+            while not stop_event.is_set():
+                failed = sum(self.failed_polls.values())
+                events: list[SchedEvent] = []
+                try:
+                    events = self.poll_once()
+                except Exception as exc:  # e.g. the publisher raised: count it and keep polling
+                    self._fail("unexpected", f"{type(exc).__name__}: {exc}")
+                if sum(self.failed_polls.values()) > failed:
+                    liveness.failed(f"slurm poll failed: {self.last_error}")
+                else:
+                    liveness.ok(len(events), "squeue and sinfo answer")
+                stop_event.wait(self.interval_s)
+        finally:
+            liveness.stop()
 
     def _fail(self, reason: str, message: str) -> None:
         self.failed_polls[reason] += 1
+        POLL_FAILURES.labels("slurm", reason).inc()
         self.last_error = message
         log.error("slurm poll failed (%s): %s", reason, message)
 

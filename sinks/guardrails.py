@@ -27,6 +27,7 @@ import bisect
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from schemas.errors import ConfigError
 from schemas.events import Action, ActionAttempt, AttemptCall
 from schemas.vocab import Guardrail
 from schemas.yamlsafe import YamlError, load_yaml
+from sinks import metrics
 from sinks.backends.base import SchedulerBackend
 
 log = logging.getLogger("trainmedic.guardrails")
@@ -141,10 +143,24 @@ class GuardrailFile:
 Trip = tuple[Guardrail, str]
 
 
+def _kill_switch_of(settings: GuardrailFile) -> Callable[[], bool]:
+    ref = weakref.ref(settings)  # the gauge must not keep a stopped executor's file alive
+
+    def engaged() -> bool:
+        current = ref()
+        return current is not None and current().kill_switch
+
+    return engaged
+
+
 class Guardrails:
     def __init__(self, settings: Callable[[], GuardrailSettings], backend: SchedulerBackend) -> None:
         self.settings = settings
         self.backend = backend
+        if isinstance(settings, GuardrailFile):
+            # The executor's (a policy file's) guardrails, not a replay's what-if settings: the
+            # kill-switch gauge reads the file at each scrape, so it shows a switch flipped while idle.
+            metrics.watch_kill_switch(_kill_switch_of(settings))
         self._lock = threading.Lock()
         self._drains: list[tuple[float, str]] = []  # (when, node), in time order
         self._node_acted: dict[str, float] = {}

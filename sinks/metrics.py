@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 from prometheus_client import Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.25, 0.5, 1, 2, 3, 5, 10, 20, 30, 60, 120, 300, 600)
@@ -30,3 +33,20 @@ FOREIGN_ACTIONS = Counter(
     "Actions for another cluster the executor passed over without acting",
     ["cluster"],
 )
+KILL_SWITCH = Gauge(
+    "trainmedic_kill_switch",
+    "1 while the guardrails' kill switch is on (the executor takes no scheduler action); read at each scrape",
+)
+
+
+def watch_kill_switch(engaged: Callable[[], bool]) -> None:
+    """The kill-switch gauge follows `engaged` (the executor's guardrail settings), read at scrape time."""
+
+    def value() -> float:
+        try:
+            return 1.0 if engaged() else 0.0
+        except Exception:  # a scrape must answer; the guardrails log their own reload errors
+            logging.getLogger("trainmedic.metrics").exception("kill switch state not readable")
+            return float("nan")
+
+    KILL_SWITCH.set_function(value)

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 from prometheus_client import Counter, Gauge, Histogram
+
+from schemas.vocab import CATEGORIES, MODES, Category
+
+if TYPE_CHECKING:
+    from streams.policy import Policy
 
 LATENCY_BUCKETS = (0.25, 0.5, 1, 2, 3, 5, 10, 20, 30, 60, 120, 300, 600)
 
@@ -29,3 +36,31 @@ MODES_IN_DOUBT = Gauge(
     "trainmedic_modes_in_doubt",
     "1 while this worker has neither the mode state file nor the whole of mode.changes: all in monitor mode",
 )
+MODE = Gauge(
+    "trainmedic_mode",
+    "1 for the mode a partition's decisions are made in (partition '*': the cluster default), 0 for the other: "
+    "policy file and operator changes, monitor while the operators' modes are in doubt",
+    ["partition", "mode"],
+)
+AUTONOMOUS_CATEGORIES = Gauge(
+    "trainmedic_autonomous_categories",
+    "How many fault categories a partition decides autonomously (category overrides included); 0: monitor only",
+    ["partition"],
+)
+DEFAULT_PARTITION = "*"
+_shown: set[str] = set()
+
+
+def show_modes(policy: Policy) -> None:
+    """Set the mode gauges from the policy decisions are made by (after the operators' overlay,
+    or monitor everywhere in doubt). A partition once shown stays, with the mode it has now
+    (the default's when the policy no longer names it): a partition falling back to monitor
+    must show as monitor, not vanish."""
+    _shown.update({DEFAULT_PARTITION, *policy.partitions})
+    for name in sorted(_shown):
+        partition = None if name == DEFAULT_PARTITION else name
+        mode = policy.mode_for(partition)
+        for m in MODES:
+            MODE.labels(name, m).set(1 if m == mode else 0)
+        autonomous = [c for c in CATEGORIES if policy.mode_for(partition, cast("Category", c)) == "autonomous"]
+        AUTONOMOUS_CATEGORIES.labels(name).set(len(autonomous))

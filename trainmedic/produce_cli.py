@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Optional
 
@@ -15,30 +16,75 @@ import typer
 from bus.publish import Publisher
 from schemas.errors import ConfigError, Unavailable, UsageError
 from trainmedic.cli_base import new_app, settings
+from trainmedic.metrics_server import MetricsServer, parse_address
 
 if TYPE_CHECKING:
+    from producers.gpu_nvml import NvmlCollector
     from producers.position import Checkpointer, PositionStore
 
 produce_app = new_app(
-    help="Run a signal producer: gpu (NVML), dcgm, kernel, logs, slurm, ingest. Each publishes to Kafka."
+    help="Run a signal producer: gpu (NVML), dcgm, kernel, logs, slurm. Each publishes to Kafka. "
+    "(HTTP ingest of NVSentinel / NVRx events is `trainmedic run ingest`.)"
 )
 
 BootstrapOpt = Annotated[
     Optional[str], typer.Option(help="Kafka HOST:PORT (default: the running `trainmedic up` in --data-dir).")
 ]
 DataDirOpt = Annotated[Path, typer.Option("--data-dir", help="Where a local `trainmedic up` keeps runtime.json.")]
+MetricsOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--metrics-address",
+        help="HOST:PORT serving /metrics, /healthz and /readyz (unauthenticated, read-only); off: none. "
+        "Default: the settings metrics_host:metrics_port (TRAINMEDIC_METRICS_HOST / _PORT), off when no port is set.",
+    ),
+]
 NodeOpt = Annotated[
     Optional[str], typer.Option(help="Slurm node name to report (default: TRAINMEDIC_NODE, else this host's name).")
 ]
+
+
+@contextlib.contextmanager
+def _probes(flag: str | None) -> Iterator[MetricsServer | None]:
+    """The probe listener for the body (its loops' /healthz and /readyz, /metrics); None when off."""
+    if flag is not None:
+        at = parse_address(flag)
+    else:
+        s = settings()
+        at = (s.metrics_host, s.metrics_port) if s.metrics_port is not None else None
+    server = MetricsServer(*at).start() if at is not None else None
+    if server is not None:
+        typer.echo(f"probes on {server.url} (/healthz, /readyz)")
+    try:
+        yield server
+    finally:
+        if server is not None:
+            server.stop()
 
 
 def _node(flag: str | None) -> str | None:
     return settings(node=flag).node
 
 
-def _publisher(bootstrap: str | None, data_dir: Path, client_id: str) -> Publisher:
-    from trainmedic.runtime import StackError, check_bootstrap
+def _check_bootstrap(bootstrap: str, timeout: float = 10.0) -> None:
+    """Kafka answers at `bootstrap`: a malformed address is a ConfigError, silence Unavailable. Here, not through trainmedic.runtime:
+    that imports the API's web stack, which the node image (producers only) does not have."""
+    from confluent_kafka.admin import AdminClient
 
+    from bus.config import admin_config
+
+    for part in bootstrap.split(","):
+        host, _, port = part.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"--bootstrap {bootstrap!r}: expected HOST:PORT[,HOST:PORT]")
+    try:
+        AdminClient(admin_config(bootstrap)).list_topics(timeout=timeout)
+    except Exception as exc:  # confluent_kafka raises KafkaException; a bad setting, ValueError
+        # Exit 3, as `trainmedic run` says it: restarting (once Kafka is back) may help.
+        raise Unavailable(f"--bootstrap {bootstrap}: Kafka does not answer within {timeout:.0f} s ({exc})") from None
+
+
+def _publisher(bootstrap: str | None, data_dir: Path, client_id: str) -> Publisher:
     runtime_file: Path | None = None
     bootstrap = settings(bootstrap=bootstrap).bootstrap
     if not bootstrap:
@@ -51,10 +97,7 @@ def _publisher(bootstrap: str | None, data_dir: Path, client_id: str) -> Publish
                 f"running `trainmedic up` found in {data_dir}"
             ) from None
     assert bootstrap
-    try:
-        check_bootstrap(bootstrap)
-    except StackError as exc:
-        raise ConfigError(str(exc)) from None
+    _check_bootstrap(bootstrap)
     # A local `up` may be restarted with its broker elsewhere: follow runtime.json then.
     return Publisher(bootstrap, client_id, bootstrap_file=runtime_file)
 
@@ -115,26 +158,57 @@ def _logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+class NvmlMissing(Unavailable):
+    """`produce gpu` on a host where NVML cannot be used."""
+
+
+NVML_HINT = (
+    "`trainmedic produce gpu` needs the NVIDIA driver's libnvidia-ml.so.1 (in a container: the NVIDIA "
+    "container runtime); where dcgm-exporter runs, use `trainmedic produce dcgm --url http://HOST:9400/metrics`"
+)
+
+
+def _nvml_collector() -> NvmlCollector:
+    """NVML opened, or NvmlMissing saying why (no bindings, no library, no driver, no permission)."""
+    try:
+        from producers.gpu_nvml import NvmlCollector, NvmlUnavailable
+    except ImportError as exc:
+        raise NvmlMissing(
+            f"NVML is not available on this host: its Python bindings (package nvidia-ml-py, module pynvml) "
+            f"cannot be imported ({exc}). {NVML_HINT}"
+        ) from None
+    try:
+        return NvmlCollector()
+    except NvmlUnavailable as exc:
+        reason = str(exc).removeprefix("NVML unavailable: ")
+        raise NvmlMissing(f"NVML is not available on this host: {reason}. {NVML_HINT}") from None
+
+
 @produce_app.command()
 def gpu(
     bootstrap: BootstrapOpt = None,
     data_dir: DataDirOpt = Path("var"),
     node: NodeOpt = None,
     interval: Annotated[float, typer.Option(help="Seconds between samples.")] = 1.0,
+    metrics_address: MetricsOpt = None,
 ) -> None:
     """GPU metrics and Xid events through NVML: one record per node per interval, all GPUs in it."""
-    from producers.gpu_nvml import NvmlProducer, NvmlUnavailable
-
+    if interval <= 0:
+        raise UsageError("--interval must be > 0")
     _logging()
-    pub = _publisher(bootstrap, data_dir, "trainmedic-gpu")
+    # NVML first: a host without it is told so, not about Kafka.
+    collector = _nvml_collector()
+    from producers.gpu_nvml import NvmlProducer
+
     try:
-        producer = NvmlProducer(pub, node=_node(node), interval_s=interval)
-    except NvmlUnavailable as exc:
-        raise UsageError(str(exc)) from None
-    stop = _stop_event()
-    typer.echo(f"producing GPU samples every {interval:g} s")
-    with producer:
-        _run_loop("gpu", producer.run, stop)
+        with _probes(metrics_address):
+            pub = _publisher(bootstrap, data_dir, "trainmedic-gpu")
+            producer = NvmlProducer(pub, node=_node(node), interval_s=interval, collector=collector)
+            stop = _stop_event()
+            typer.echo(f"producing GPU samples every {interval:g} s")
+            _run_loop("gpu", producer.run, stop)
+    finally:
+        collector.close()
     _finish(pub, {"samples": producer.samples, "errors": producer.errors})
 
 
@@ -146,34 +220,39 @@ def dcgm(
     node: NodeOpt = None,
     interval: Annotated[float, typer.Option(help="Seconds between scrapes.")] = 5.0,
     timeout: Annotated[float, typer.Option(help="HTTP timeout in seconds.")] = 5.0,
+    metrics_address: MetricsOpt = None,
 ) -> None:
     """Scrape dcgm-exporter and publish the same per-node GPU records as `gpu`."""
     from producers.gpu_dcgm import DcgmProducer
 
     _logging()
-    pub = _publisher(bootstrap, data_dir, "trainmedic-dcgm")
-    try:
-        producer = DcgmProducer(pub, url, interval_s=interval, timeout_s=timeout, node=_node(node))
-    except ValueError as exc:
-        raise UsageError(f"--url: {exc}") from None
-    _run_loop("dcgm", producer.run)
+    with _probes(metrics_address):
+        pub = _publisher(bootstrap, data_dir, "trainmedic-dcgm")
+        try:
+            producer = DcgmProducer(pub, url, interval_s=interval, timeout_s=timeout, node=_node(node))
+        except ValueError as exc:
+            raise UsageError(f"--url: {exc}") from None
+        _run_loop("dcgm", producer.run)
     _finish(pub, {"scrapes": producer.scrapes, "samples": producer.samples, "errors": producer.errors})
 
 
 def _nvml_gpu_index() -> Any:
     """PCI bus id -> GPU index from NVML where it answers; without it Xid events carry no index."""
-    from producers.gpu_nvml import NvmlCollector, NvmlUnavailable
     from producers.kernel import nvml_gpu_index
 
     try:
-        collector = NvmlCollector()
-    except NvmlUnavailable as exc:
+        collector = _nvml_collector()
+    except NvmlMissing as exc:
         logging.getLogger("trainmedic.kernel").warning("%s: Xid events will carry no GPU index", exc)
         return None
     try:
         return nvml_gpu_index(collector)
     finally:
         collector.close()
+
+
+#: A quiet kernel stream still wakes its loop this often (liveness beat, stop check).
+STREAM_IDLE_S = 5.0
 
 
 @produce_app.command()
@@ -188,14 +267,29 @@ def kernel(
     journal: Annotated[bool, typer.Option(help="Read `journalctl -k -f -o json`.")] = False,
     state_dir: StateDirOpt = None,
     lookback: LookbackOpt = 600.0,
+    metrics_address: MetricsOpt = None,
 ) -> None:
     """NVRM Xid / SXid / fallen-off-the-bus lines from the kernel log, resuming where it stopped."""
-    from producers.kernel import KernelLogProducer, KernelStreamProducer, boot_id, read_journal, read_kmsg
-    from producers.position import Checkpointer
-
     if sum((file is not None, kmsg, journal)) != 1:
         raise UsageError("give exactly one of --file PATH, --kmsg, --journal")
     _logging()
+    with _probes(metrics_address):
+        _kernel(bootstrap, data_dir, node, file, kmsg, state_dir, lookback)
+
+
+def _kernel(
+    bootstrap: str | None,
+    data_dir: Path,
+    node: str | None,
+    file: Path | None,
+    kmsg: bool,
+    state_dir: Path | None,
+    lookback: float,
+) -> None:
+    from producers.kernel import KernelLogProducer, KernelStreamProducer, boot_id, read_journal, read_kmsg
+    from producers.metrics import ProducerHealth
+    from producers.position import Checkpointer
+
     pub = _publisher(bootstrap, data_dir, "trainmedic-kernel")
     stop = _stop_event()
     gpu_index_of = _nvml_gpu_index()
@@ -211,22 +305,32 @@ def kernel(
             lookback_bytes=FILE_LOOKBACK_BYTES,
         )
         checkpoint = Checkpointer(store, follower.positions, _flushed(pub))
+        liveness = ProducerHealth("kernel", 0.5)
         while not stop.wait(0.5):
-            follower.poll_once()
+            published = follower.poll_once()
             checkpoint.maybe_save()
+            # Ready once the file is open (it may appear after the producer starts).
+            if follower.follower.is_open:
+                liveness.ok(published, f"following {file}")
+            else:
+                liveness.failed(f"{file} cannot be opened (not there yet, or no permission)")
+        liveness.stop()
         _finish(pub, {"published": follower.published}, checkpoint)
         return
     stream = KernelStreamProducer(pub, node=_node(node), gpu_index_of=gpu_index_of)
     # The stream's position: the journal cursor, or the kmsg sequence number within this boot.
     last: dict[str, Any] = {}
     checkpoint = Checkpointer(store, lambda: dict(last), _flushed(pub))
+    source = "/dev/kmsg" if kmsg else "journalctl -k"
+    # Ready at the stream's first record or idle wake-up: the source is open then.
+    liveness = ProducerHealth("kernel", STREAM_IDLE_S)
     try:
         if kmsg:
             saved = store.get("kmsg")
             same_boot = isinstance(saved, dict) and saved.get("boot_id") == boot_id()
             after = int(saved["seq"]) if same_boot and isinstance(saved.get("seq"), int) else None
-            for message, seq in read_kmsg(after_seq=after, lookback_s=lookback):
-                stream.handle(message)
+            for message, seq in read_kmsg(after_seq=after, lookback_s=lookback, idle_s=STREAM_IDLE_S):
+                liveness.ok(1 if stream.handle(message) else 0, f"reading {source}")
                 if seq is not None:
                     last["kmsg"] = {"boot_id": boot_id(), "seq": seq}
                 checkpoint.maybe_save()
@@ -235,9 +339,9 @@ def kernel(
         else:
             cursor = store.get("journal")
             for message, host, entry_cursor in read_journal(
-                cursor if isinstance(cursor, str) else None, lookback_s=lookback
+                cursor if isinstance(cursor, str) else None, lookback_s=lookback, idle_s=STREAM_IDLE_S
             ):
-                stream.handle(message, host)
+                liveness.ok(1 if stream.handle(message, host) else 0, f"reading {source}")
                 if entry_cursor:
                     last["journal"] = entry_cursor
                 checkpoint.maybe_save()
@@ -245,7 +349,12 @@ def kernel(
                     break
     except OSError as exc:
         raise UsageError(f"cannot read the kernel log: {exc}") from None
+    finally:
+        liveness.stop()
     _finish(pub, {"published": stream.published}, checkpoint)
+    if not stop.is_set():
+        # journalctl exited (or kmsg closed): a lone producer exits non-zero to be restarted.
+        raise Unavailable(f"the kernel log stream ({source}) ended without being asked to stop")
 
 
 @produce_app.command()
@@ -271,12 +380,9 @@ def logs(
     ] = "slurm",
     resync: Annotated[float, typer.Option(help="With --placements bus: seconds between Slurm resyncs.")] = 300.0,
     state_dir: StateDirOpt = None,
+    metrics_address: MetricsOpt = None,
 ) -> None:
     """Follow training logs (rotation, truncation, srun/torchrun rank prefixes) and publish them."""
-    from producers.jobdiscovery import JobDiscovery
-    from producers.joblogs import JobLayout, JobLogProducer
-    from producers.position import Checkpointer
-
     if discover == bool(job):
         raise UsageError("give either --discover or --job ID --path FILE")
     if interval <= 0:
@@ -289,44 +395,91 @@ def logs(
         raise UsageError("--placements bus needs --only-node NODE (the node whose jobs to follow)")
     if resync <= 0:
         raise UsageError("--resync must be > 0")
+    if not discover and not path:
+        raise UsageError("--job needs at least one --path")
     _logging()
+    with _probes(metrics_address):
+        if discover:
+            _discover_logs(bootstrap, data_dir, only_node, interval, placements, resync, state_dir)
+        else:
+            assert job and path
+            _job_logs(bootstrap, data_dir, job, path, nodes, ranks_per_node, state_dir)
+
+
+def _discover_logs(
+    bootstrap: str | None,
+    data_dir: Path,
+    only_node: str | None,
+    interval: float,
+    placements: str,
+    resync: float,
+    state_dir: Path | None,
+) -> None:
+    from producers.jobdiscovery import JobDiscovery
+    from producers.metrics import ProducerHealth
+    from producers.placements import BusPlacements
+    from producers.position import Checkpointer
+
     pub = _publisher(bootstrap, data_dir, "trainmedic-logs")
     stop = _stop_event()
-    if discover:
-        from producers.placements import BusPlacements
+    store = _positions(state_dir, data_dir, f"logs-discover-{only_node or 'all'}")
+    finder = JobDiscovery(pub, only_node=only_node, positions=store)
+    if placements == "bus":
+        assert only_node
+        try:
+            finder.follow_placements(
+                BusPlacements(pub.bootstrap, only_node, resync=finder.running_jobs, resync_s=resync)
+            )
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    checkpoint = Checkpointer(store, finder.current_positions, _flushed(pub))
+    # A round lists the running jobs and may describe new ones, each call up to the runner's timeout.
+    liveness = ProducerHealth("logs", interval, 2 * finder.timeout_s)
+    while not stop.is_set():
+        list_errors = finder.list_errors
+        published = finder.poll_once()
+        checkpoint.maybe_save()
+        if finder.list_errors > list_errors:
+            liveness.failed(finder.last_error or "listing the running jobs failed")
+        else:
+            liveness.ok(published, f"discovery running: following {len(finder.tailers)} job(s)")
+        stop.wait(interval)
+    liveness.stop()
+    for t in finder.tailers.values():
+        t.drain()
+    _finish(pub, {"jobs": len(finder.tailers), "errors": finder.errors}, checkpoint)
+    for t in finder.tailers.values():
+        t.close()
 
-        store = _positions(state_dir, data_dir, f"logs-discover-{only_node or 'all'}")
-        finder = JobDiscovery(pub, only_node=only_node, positions=store)
-        if placements == "bus":
-            assert only_node
-            try:
-                finder.follow_placements(
-                    BusPlacements(pub.bootstrap, only_node, resync=finder.running_jobs, resync_s=resync)
-                )
-            except ValueError as exc:
-                raise UsageError(str(exc)) from None
-        checkpoint = Checkpointer(store, finder.current_positions, _flushed(pub))
-        while not stop.is_set():
-            finder.poll_once()
-            checkpoint.maybe_save()
-            stop.wait(interval)
-        for t in finder.tailers.values():
-            t.drain()
-        _finish(pub, {"jobs": len(finder.tailers), "errors": finder.errors}, checkpoint)
-        for t in finder.tailers.values():
-            t.close()
-        return
-    if not path:
-        raise UsageError("--job needs at least one --path")
-    assert job and path
+
+def _job_logs(
+    bootstrap: str | None,
+    data_dir: Path,
+    job: str,
+    path: list[Path],
+    nodes: str | None,
+    ranks_per_node: int | None,
+    state_dir: Path | None,
+) -> None:
+    from producers.joblogs import JobLayout, JobLogProducer
+    from producers.metrics import ProducerHealth
+    from producers.position import Checkpointer
+
+    pub = _publisher(bootstrap, data_dir, "trainmedic-logs")
+    stop = _stop_event()
     layout = JobLayout(tuple(n for n in (nodes or "").split(",") if n), ranks_per_node)
     store = _positions(state_dir, data_dir, f"logs-job-{job}")
     resume = {p: pos for p in path if (pos := store.file(f"job:{job}:{p}")) is not None}
     tailer = JobLogProducer(pub, job, path, layout, resume=resume)
     checkpoint = Checkpointer(store, tailer.positions, _flushed(pub))
+    # A job's files may appear only once it starts: following them is the work, open or not yet.
+    liveness = ProducerHealth("logs", 0.2)
     while not stop.wait(0.2):
-        tailer.poll_once()
+        published = tailer.poll_once()
         checkpoint.maybe_save()
+        opened = sum(1 for f in tailer.followers if f.is_open)
+        liveness.ok(published, f"following job {job}: {opened} of {len(tailer.followers)} file(s) open")
+    liveness.stop()
     tailer.drain()
     _finish(pub, {"lines": tailer.lines_published}, checkpoint)
 
@@ -338,54 +491,16 @@ def slurm(
     slurm_conf: Annotated[Optional[str], typer.Option(help="slurm.conf (default: $SLURM_CONF).")] = None,
     interval: Annotated[float, typer.Option(help="Seconds between polls (one squeue + one sinfo each).")] = 5.0,
     state_file: Annotated[Optional[Path], typer.Option(help="Last-seen state (default DATA_DIR/producers/).")] = None,
+    metrics_address: MetricsOpt = None,
 ) -> None:
     """Job state transitions and node state/flag changes from Slurm, as change events only."""
     from producers.slurm import SlurmProducer, default_state_path
 
     _logging()
-    pub = _publisher(bootstrap, data_dir, "trainmedic-slurm-producer")
-    producer = SlurmProducer(
-        pub, slurm_conf=slurm_conf, interval_s=interval, state_path=state_file or default_state_path(data_dir)
-    )
-    _run_loop("slurm", producer.run)
-    _finish(pub, {"polls_failed": producer.failed_polls})
-
-
-@produce_app.command()
-def ingest(
-    bootstrap: BootstrapOpt = None,
-    data_dir: DataDirOpt = Path("var"),
-    host: Annotated[str, typer.Option(help="Bind address; loopback unless TLS or --insecure.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port.")] = 8470,
-    token_file: Annotated[
-        Optional[Path],
-        typer.Option(help="File holding the token (else the setting ingest_token: TRAINMEDIC_INGEST_TOKEN[_FILE])."),
-    ] = None,
-    tls_cert: Annotated[Optional[Path], typer.Option(help="TLS certificate (PEM).")] = None,
-    tls_key: Annotated[Optional[Path], typer.Option(help="TLS private key (PEM).")] = None,
-    insecure: Annotated[bool, typer.Option(help="Allow plaintext on a non-loopback address.")] = False,
-) -> None:
-    """HTTP endpoint for NVSentinel health events and NVRx reports (token required). See docs/ingest.md."""
-    from producers.ingest import TOKEN_ENV, IngestConfigError, load_token, run_ingest
-
-    _logging()
-    try:
-        # The token as the settings have it (TRAINMEDIC_INGEST_TOKEN, _FILE or the config file).
-        token = load_token(token_file, {TOKEN_ENV: settings().secret("ingest_token") or ""})
-    except IngestConfigError as exc:
-        raise UsageError(str(exc)) from None
-    pub = _publisher(bootstrap, data_dir, "trainmedic-ingest")
-    try:
-        stats = run_ingest(
-            pub,
-            host,
-            port,
-            token,
-            tls_cert=tls_cert,
-            tls_key=tls_key,
-            allow_insecure=insecure,
-            stop_event=_stop_event(),
+    with _probes(metrics_address):
+        pub = _publisher(bootstrap, data_dir, "trainmedic-slurm-producer")
+        producer = SlurmProducer(
+            pub, slurm_conf=slurm_conf, interval_s=interval, state_path=state_file or default_state_path(data_dir)
         )
-    except IngestConfigError as exc:
-        raise UsageError(str(exc)) from None
-    _finish(pub, {"stats": str(stats)})
+        _run_loop("slurm", producer.run)
+    _finish(pub, {"polls_failed": producer.failed_polls})

@@ -1,10 +1,16 @@
-"""Every Grafana panel query runs on chDB against the migrated audit schema.
+"""The dashboards: every ClickHouse panel query runs on chDB against the migrated audit schema,
+no URL parameter can reach its SQL, and every metric the Prometheus dashboard reads is one
+trainmedic exports.
 
 Grafana does not run here; its two rewriting steps are reproduced instead:
 
-1. Grafana (frontend) interpolates dashboard variables: `${database}` and
-   `$database` become the variable's value. The dashboard's `database` is a
-   textbox variable (one value), which Grafana inserts as it is.
+1. Grafana (frontend) interpolates the dashboard's declared variables: `$name`, `${name}`,
+   `${name:format}` and `[[name]]` become the variable's value, which a textbox, custom or
+   query variable takes from the URL (`?var-name=...`). The ClickHouse plugin formats a
+   single value as it is (no quoting: CHDatasource.format), so a variable in SQL is an
+   injection. The audit dashboard therefore declares only its data source variable
+   (`DS_CLICKHOUSE`) and names no database in its SQL: the plugin's connection uses the data
+   source's default database (provisioned, TRAINMEDIC_CH_DATABASE), as `USE db` does here.
 2. The plugin (backend, pkg/macros/macros.go of grafana/clickhouse-datasource)
    expands its macros with the panel's time range and interval:
      $__timeFilter(c)    c >= toDateTime(FROM_S) AND c <= toDateTime(TO_S)
@@ -24,8 +30,10 @@ import json
 import re
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import promql_parser
 import pytest
 import yaml
 
@@ -33,11 +41,26 @@ from schemas.events import Event
 from sinks.audit import AuditStore
 from tests.conftest import REPO
 from tests.integration.test_audit import incident_events, insert_events, operator_events
+from tests.unit.test_alert_rules import PROMETHEUS_OWN, SCRAPE_TIME_COLLECTORS, exported_metrics, metric_names
 
 GRAFANA = REPO / "infra" / "grafana"
 DASHBOARDS = sorted((GRAFANA / "dashboards").glob("*.json"))
 PLUGIN = "grafana-clickhouse-datasource"
 DATASOURCE_UID = "trainmedic-clickhouse"
+CH_VARIABLE = "DS_CLICKHOUSE"
+PROM_VARIABLE = "DS_PROMETHEUS"
+CH_DATASOURCE = {"type": PLUGIN, "uid": "${" + CH_VARIABLE + "}"}
+PROM_DATASOURCE = {"type": "prometheus", "uid": "${" + PROM_VARIABLE + "}"}
+SERVICE_DASHBOARD = GRAFANA / "dashboards" / "trainmedic-service.json"
+HOSTILE = "trainmedic.incidents WHERE 1=0 UNION ALL SELECT name FROM system.users --"
+
+
+def _variables(path: Path) -> dict[str, dict[str, Any]]:
+    return {v["name"]: v for v in json.loads(path.read_text())["templating"]["list"]}
+
+
+CH_DASHBOARDS = [p for p in DASHBOARDS if CH_VARIABLE in _variables(p)]
+PROM_DASHBOARDS = [p for p in DASHBOARDS if PROM_VARIABLE in _variables(p)]
 
 # Panel title -> the columns its query must return, in order.
 EXPECTED_COLUMNS: dict[str, list[str]] = {
@@ -103,9 +126,27 @@ def expand_grafana(sql: str, variables: dict[str, str], frm: float, to: float, i
     return _MACRO.sub(macro, sql)
 
 
-def panels() -> list[tuple[str, dict[str, Any]]]:
+_VARIABLE_REF = re.compile(r"\$\{(\w+)(?::\w+)?\}|\[\[(\w+)\]\]|\$(\w+)")
+
+
+def interpolate(sql: str, declared: dict[str, dict[str, Any]], url: dict[str, str]) -> str:
+    """What Grafana's frontend makes of a panel's SQL: each reference to a declared variable
+    becomes its value, a URL `var-NAME` value first (a datasource variable is resolved to a data
+    source, not text, and never lands in SQL). Undeclared names and `$__` macros are left alone."""
+
+    def value(m: re.Match[str]) -> str:
+        name = next(g for g in m.groups() if g)
+        var = declared.get(name)
+        if name.startswith("__") or var is None or var["type"] == "datasource":
+            return m.group(0)
+        return url.get(f"var-{name}", str(var.get("current", {}).get("value", "")))
+
+    return _VARIABLE_REF.sub(value, sql)
+
+
+def panels(dashboards: list[Path] = CH_DASHBOARDS) -> list[tuple[str, dict[str, Any]]]:
     out: list[tuple[str, dict[str, Any]]] = []
-    for path in DASHBOARDS:
+    for path in dashboards:
         dash = json.loads(path.read_text())
         stack = list(dash["panels"])
         while stack:
@@ -117,23 +158,44 @@ def panels() -> list[tuple[str, dict[str, Any]]]:
 
 
 def test_dashboards_use_the_clickhouse_plugin_in_its_query_shape() -> None:
-    assert DASHBOARDS, "no dashboards in infra/grafana/dashboards"
+    assert CH_DASHBOARDS, "no ClickHouse dashboards in infra/grafana/dashboards"
+    assert set(CH_DASHBOARDS) | set(PROM_DASHBOARDS) == set(DASHBOARDS), "a dashboard on neither data source variable"
     titles = []
     for name, p in panels():
         titles.append(p["title"])
-        assert p["datasource"] == {"type": PLUGIN, "uid": DATASOURCE_UID}, (name, p["title"])
+        assert p["datasource"] == CH_DATASOURCE, (name, p["title"])
         for t in p["targets"]:
-            assert t["datasource"] == {"type": PLUGIN, "uid": DATASOURCE_UID}
+            assert t["datasource"] == CH_DATASOURCE
             assert t["editorType"] == "sql" and t["rawSql"].strip()
             # the plugin's Format enum: 0 time series, 1 table; queryType says the same in words
             assert (t["format"], t["queryType"]) in ((0, "timeseries"), (1, "table")), (p["title"], t)
             if p["type"] == "timeseries":
                 assert t["format"] == 0, p["title"]
     assert sorted(titles) == sorted(EXPECTED_COLUMNS)
-    for path in DASHBOARDS:
-        dash = json.loads(path.read_text())
-        variables = {v["name"]: v for v in dash["templating"]["list"]}
-        assert variables["database"]["type"] == "textbox" and variables["database"]["query"] == "trainmedic"
+    for path in CH_DASHBOARDS:
+        # The data source variable offers the plugin's data sources, the provisioned one first.
+        (variable,) = _variables(path).values()
+        assert (variable["name"], variable["type"], variable["query"]) == (CH_VARIABLE, "datasource", PLUGIN)
+        assert variable["current"]["value"] == DATASOURCE_UID
+
+
+def test_no_url_parameter_reaches_a_panels_sql() -> None:
+    # The old shape (a textbox `database` pasted into FROM) let `?var-database=` rewrite the
+    # query; the interpolation below is the one that shows it.
+    textbox = {"database": {"name": "database", "type": "textbox", "current": {"value": "trainmedic"}}}
+    assert HOSTILE in interpolate("SELECT 1 FROM ${database}.x", textbox, {"var-database": HOSTILE})
+    for path in CH_DASHBOARDS:
+        declared = _variables(path)
+        # Every variable a URL could set, and the old one, set to a hostile value.
+        url = {f"var-{name}": HOSTILE for name in [*declared, "database"]}
+        assert [v["type"] for v in declared.values()] == ["datasource"], "a variable whose value lands in SQL"
+        for _, p in panels([path]):
+            for t in p["targets"]:
+                sql = t["rawSql"]
+                assert interpolate(sql, declared, url) == sql, p["title"]
+                # No variable reference at all (only the plugin's $__ macros): nothing to inject into.
+                refs = {next(g for g in m.groups() if g) for m in _VARIABLE_REF.finditer(sql)}
+                assert {r for r in refs if not r.startswith("__")} == set(), (p["title"], refs)
 
 
 def test_provisioning_points_at_the_plugin_and_the_dashboards() -> None:
@@ -171,17 +233,84 @@ def audited(chdb_url: str, database: str) -> Iterator[AuditStore]:
     try:
         yield store
     finally:
+        store.client.command("USE default")  # the chDB session outlives the store
         store.close()
 
 
 @pytest.mark.parametrize("panel", [p for _, p in panels()], ids=lambda p: p["title"])
 def test_panel_query_runs_on_the_audit_schema(audited: AuditStore, panel: dict[str, Any]) -> None:
     now = time.time()
+    # The plugin's connection is to the data source's default database: tables go unqualified.
+    audited.client.command(f"USE {audited.database}")
     for target in panel["targets"]:
-        sql = expand_grafana(target["rawSql"], {"database": audited.database}, now - 6 * 3600, now + 60, 60)
+        sql = expand_grafana(target["rawSql"], {}, now - 6 * 3600, now + 60, 60)
         result = audited.client.query(sql)
         assert list(result.column_names) == EXPECTED_COLUMNS[panel["title"]], sql
         assert result.result_rows, f"{panel['title']}: no rows for data inside the time range\n{sql}"
         if target["format"] == 0:
             assert result.column_names[0] == "time"
             assert result.result_rows == sorted(result.result_rows, key=lambda r: r[0])
+
+
+# --- the service dashboard (Prometheus) ---------------------------------------------------------
+
+# What Grafana puts for its own interval variables before Prometheus sees the query.
+_GRAFANA_INTERVALS = {"$__rate_interval": "5m", "$__interval": "1m", "$__range": "6h"}
+# The service dashboard shows each of these (issue 16: what an SRE looks at first).
+SERVICE_MUST_SHOW = {
+    "trainmedic_loop_last_beat_timestamp_seconds",
+    "trainmedic_consumer_last_processed_timestamp_seconds",
+    "trainmedic_loop_ready",
+    "trainmedic_stream_events_total",
+    "trainmedic_producer_events_delivered_total",
+    "trainmedic_incidents_total",
+    "trainmedic_decisions_total",
+    "trainmedic_actions_total",
+    "trainmedic_guardrail_trips_total",
+    "trainmedic_dead_letters_total",
+    "trainmedic_audit_insert_failures_total",
+    "trainmedic_mode",
+    "trainmedic_kill_switch",
+    "trainmedic_recommendations_pending",
+    "trainmedic_build_info",
+}
+
+
+def promql(expr: str) -> str:
+    for name, value in _GRAFANA_INTERVALS.items():
+        expr = expr.replace(name, value)
+    assert "$" not in expr, f"a Grafana variable this test does not know in {expr!r}"
+    return expr
+
+
+def test_service_dashboard_reads_only_metrics_trainmedic_exports() -> None:
+    assert PROM_DASHBOARDS == [SERVICE_DASHBOARD]
+    (variable,) = _variables(SERVICE_DASHBOARD).values()
+    assert (variable["name"], variable["type"], variable["query"]) == (PROM_VARIABLE, "datasource", "prometheus")
+    exported = exported_metrics()
+    shown: set[str] = set()
+    for _, p in panels(PROM_DASHBOARDS):
+        assert p["datasource"] == PROM_DATASOURCE, p["title"]
+        assert p["targets"], p["title"]
+        for t in p["targets"]:
+            assert t["datasource"] == PROM_DATASOURCE, p["title"]
+            names = metric_names(promql(t["expr"]))  # parses it: a syntax error fails here
+            assert names, (p["title"], t["expr"])
+            for name in names - PROMETHEUS_OWN:
+                if name in SCRAPE_TIME_COLLECTORS:
+                    assert f'"{name}"' in SCRAPE_TIME_COLLECTORS[name].read_text(), name
+                else:
+                    assert name in exported, f"{p['title']}: {name} is not a metric trainmedic exports"
+            shown |= names
+    assert SERVICE_MUST_SHOW - shown == set(), "the service dashboard does not show these"
+    # Histogram quantiles read the buckets (the only series a quantile can be taken from).
+    assert {"trainmedic_detection_latency_seconds_bucket", "trainmedic_action_latency_seconds_bucket"} <= shown
+
+
+def test_service_dashboard_check_refuses_a_metric_nobody_exports() -> None:
+    assert metric_names(promql("rate(trainmedic_no_such_thing_total[$__rate_interval])")) == {
+        "trainmedic_no_such_thing_total"
+    }
+    assert "trainmedic_no_such_thing_total" not in exported_metrics()
+    with pytest.raises(ValueError):
+        promql_parser.parse(promql("sum(rate(x[$__rate_interval])"))
