@@ -26,6 +26,7 @@ import http.server
 import os
 import re
 import shutil
+import socket
 import ssl
 import subprocess
 import sys
@@ -152,6 +153,11 @@ class Pod:
             ("trainmedic-api-tls", "tls.key"): self.certificate[1],
             ("trainmedic-ingest-tls", "tls.crt"): self.certificate[0],
             ("trainmedic-ingest-tls", "tls.key"): self.certificate[1],
+            # KAFKA_SASL_MTLS below.
+            ("tm-kafka-user", "password"): "kafka-password",
+            ("tm-kafka-tls", "ca.crt"): self.certificate[0],
+            ("tm-kafka-tls", "tls.crt"): self.certificate[0],
+            ("tm-kafka-tls", "tls.key"): self.certificate[1],
         }
         if (name, key) not in table:
             pytest.fail(f"the chart reads Secret {name} key {key}: the test has no value for it (a new Secret?)")
@@ -263,10 +269,10 @@ def prepare(t: Target, pod: Pod, bootstrap: str) -> Prepared:
             pytest.fail(f"{t.id}: port {p['name']} ({p['containerPort']}) is not what the process is told to serve")
     assert env["TRAINMEDIC_BOOTSTRAP"] == "kafka:9092"
     env["TRAINMEDIC_BOOTSTRAP"] = bootstrap
-    (pod.tmp / "home").mkdir(parents=True, exist_ok=True)
     env.update(
         PATH=os.environ.get("PATH", "/usr/bin:/bin"),
-        HOME=str(pod.tmp / "home"),
+        # The image's user has its home in the working directory (Containerfile: useradd --home-dir).
+        HOME=localise("/var/lib/trainmedic"),
         LC_ALL="C.UTF-8",
         TMPDIR=str(mounts.get("/tmp", pod.tmp)),
     )
@@ -427,16 +433,27 @@ def _ingest_answers_over_tls(p: Prepared, pod: Pod) -> None:
         assert r.status == 200
 
 
-def _kernel_line_published(bootstrap: str) -> None:
+def _kernel_line_published(bootstrap: str, node: str = NODE) -> None:
     """The file from the hostPath was read, and the event names the node the downward API gave."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         events = [decode(KernelEvent, v) for v in read_topic(bootstrap, "node.kernel", seconds=2.0)]
         if events:
-            assert {e.node for e in events} == {NODE}, events
+            assert {e.node for e in events} == {node}, events
             assert [e.xid for e in events] == [79], events
             return
     pytest.fail("the kernel producer published nothing from kern.log within 60 s")
+
+
+def test_node_name_from_the_hosts_own_name(pod: Pod, broker: EmbeddedBroker) -> None:
+    """nodeName.from=hostname (with hostNetwork): no TRAINMEDIC_NODE, the producer names the host."""
+    values = copy.deepcopy(VALUES)
+    values["nodeProducers"] |= {"hostNetwork": True, "nodeName": {"from": "hostname"}}
+    t = targets(render(values))["node-producers/kernel"]
+    p = prepare(t, pod, broker.bootstrap)
+    assert "TRAINMEDIC_NODE" not in p.env
+    with running(p, pod.tmp / "kernel.log"):
+        _kernel_line_published(broker.bootstrap, node=socket.gethostname())
 
 
 def test_gpu_producer_without_a_gpu_exits_naming_nvml(pod: Pod, broker: EmbeddedBroker) -> None:
@@ -517,3 +534,31 @@ def test_the_harness_refuses_a_variable_no_setting_has(pod: Pod, broker: Embedde
     )
     assert shown.returncode == 0, shown.stderr
     assert "TRAINMEDIC_STREAMS_DATADIR" in orjson.loads(shown.stdout)["unknown_env"]
+
+
+KAFKA_SASL_MTLS: dict[str, Any] = {
+    "kafka": {
+        "securityProtocol": "sasl_ssl",
+        "sasl": {"mechanism": "SCRAM-SHA-512", "username": "trainmedic", "existingSecret": "tm-kafka-user"},
+        "tls": {"existingSecret": "tm-kafka-tls", "certificateKey": "tls.crt", "keyKey": "tls.key"},
+    }
+}
+SASL_TARGETS = targets(render({**copy.deepcopy(VALUES), **KAFKA_SASL_MTLS}))
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
+def test_kafka_sasl_and_mtls_reach_each_process_settings(target: str, pod: Pod) -> None:
+    """No broker here speaks SASL/TLS: each container's rendered Kafka security env, with its
+    Secret files, is loaded and applied by the settings model as the process would
+    (`trainmedic config show` builds the client security and refuses an incomplete one)."""
+    p = prepare(SASL_TARGETS[target], pod, "kafka.example.org:9093")
+    shown = subprocess.run(
+        [str(TRAINMEDIC), "config", "show", "--json"], env=p.env, cwd=p.cwd, capture_output=True, text=True, timeout=60
+    )
+    assert shown.returncode == 0, shown.stderr
+    settings = {s["name"]: s for s in orjson.loads(shown.stdout)["settings"]}
+    assert settings["kafka_security_protocol"]["value"] == "sasl_ssl"
+    assert settings["kafka_sasl_mechanism"]["value"] == "SCRAM-SHA-512"
+    assert settings["kafka_sasl_password"]["origin"].startswith("file named by TRAINMEDIC_KAFKA_SASL_PASSWORD_FILE")
+    for name in ("kafka_ssl_ca", "kafka_ssl_certificate", "kafka_ssl_key"):
+        assert Path(settings[name]["value"]).is_file(), (name, settings[name])
