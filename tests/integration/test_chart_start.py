@@ -456,6 +456,23 @@ def test_node_name_from_the_hosts_own_name(pod: Pod, broker: EmbeddedBroker) -> 
         _kernel_line_published(broker.bootstrap, node=socket.gethostname())
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="the producers do not apply node_map yet: trainmedic/produce_cli.py _node() returns settings.node, "
+    "not Settings.slurm_node() (strict: passes once they do, then drop this mark)",
+)
+def test_node_name_mapped_onto_the_slurm_name(pod: Pod, broker: EmbeddedBroker) -> None:
+    """nodeName.map (the node-map ConfigMap -> TRAINMEDIC_NODE_MAP): the Kubernetes name gpu01
+    is reported as the Slurm NodeName the map gives."""
+    values = copy.deepcopy(VALUES)
+    values["nodeProducers"] |= {"nodeName": {"from": "kubernetes", "map": {NODE: "gpu04"}}}
+    t = targets(render(values))["node-producers/kernel"]
+    p = prepare(t, pod, broker.bootstrap)
+    assert p.env["TRAINMEDIC_NODE"] == NODE and p.env["TRAINMEDIC_NODE_MAP"] == '{"gpu01":"gpu04"}'
+    with running(p, pod.tmp / "kernel.log"):
+        _kernel_line_published(broker.bootstrap, node="gpu04")
+
+
 def test_gpu_producer_without_a_gpu_exits_naming_nvml(pod: Pod, broker: EmbeddedBroker) -> None:
     """No GPU here: `produce gpu` must stop with NVML's reason, not a usage error of the chart's
     command line (a missing option or command would say `No such option` / `Usage:`)."""

@@ -84,7 +84,7 @@ EVERYTHING: dict[str, Any] = {
         "kernel": {"source": "kmsg"},
         "logs": {"enabled": True},
         "hostNetwork": True,
-        "nodeName": {"from": "hostname"},
+        "nodeName": {"from": "hostname", "map": {"ip-10-0-3-17.ec2.internal": "gpu017"}, "stripDomain": True},
     },
     "streams": {"env": [{"name": "TRAINMEDIC_SETTLE_S", "value": "2"}], "nodeSelector": {"role": "infra"}},
     **KAFKA_SASL_MTLS,
@@ -337,6 +337,7 @@ def test_chart_version_and_app_version_agree() -> None:
         ({"executor": {"replicas": 2}}, "replicas"),
         ({"nodeProducers": {"nodeName": {"from": "hostname"}}}, "hostNetwork"),
         ({"nodeProducers": {"gpu": {"source": "rocm"}}}, "source"),
+        ({"nodeProducers": {"nodeName": {"map": {"a": ""}}}}, "map"),
         ({"nodeProducers": {"kernel": {"source": "journald"}}}, "source"),
         ({"nodeProducers": {"gpu": {"metricsPort": 0}}}, "metricsPort"),
         ({"policy": {"mode": "autonomous"}}, "mode"),
@@ -531,8 +532,16 @@ def test_kernel_from_kmsg_gpu_from_dcgm_logs_from_the_bus(chart: Any) -> None:
     assert container(ds, "logs")["args"] == ["produce", "logs", "--discover", "--placements", "bus"]
     # hostname: the node's own name, which needs the host's network namespace.
     assert spec["hostNetwork"] is True and spec["dnsPolicy"] == "ClusterFirstWithHostNet"
+    node_map = find(render(chart, EVERYTHING), "ConfigMap", "-node-map")
+    assert json.loads(node_map["data"]["node-map.json"]) == {"ip-10-0-3-17.ec2.internal": "gpu017"}
     for c in spec["containers"]:
-        assert "TRAINMEDIC_NODE" not in env_of(c)
+        env = env_of(c)
+        assert "TRAINMEDIC_NODE" not in env
+        assert env["TRAINMEDIC_NODE_MAP"] == {
+            "configMapKeyRef": {"name": node_map["metadata"]["name"], "key": "node-map.json"}
+        }
+        assert env["TRAINMEDIC_NODE_STRIP_DOMAIN"] == "true"
+    assert not [d for d in render(chart) if d["metadata"]["name"].endswith("-node-map")]
 
 
 def test_only_the_kernel_reader_runs_as_root(chart: Any) -> None:

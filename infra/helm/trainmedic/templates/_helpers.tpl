@@ -63,6 +63,10 @@ app.kubernetes.io/component: {{ . }}
 {{- printf "%s:%s" .Values.nodeImage.repository (default .Chart.AppVersion .Values.nodeImage.tag) }}
 {{- end }}
 
+{{- define "trainmedic.nodeMapConfigMap" -}}
+{{- printf "%s-node-map" (include "trainmedic.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
 {{- define "trainmedic.policyConfigMap" -}}
 {{- printf "%s-policy" (include "trainmedic.fullname" .) | trunc 63 | trimSuffix "-" }}
 {{- end }}
@@ -392,16 +396,30 @@ A kubernetes.io/tls Secret mounted as files (API, ingest). Call with (dict "name
 {{- end }}
 
 {{/*
-The Slurm node name of the node producers (nodeProducers.nodeName.from): the Kubernetes node's
-name from the downward API, or nothing (the process takes the host's name). HOST_IP is the node's
-IP for $(HOST_IP) in the dcgm-exporter URL.
+The Slurm node name of the node producers (nodeProducers.nodeName): the Kubernetes node's name
+from the downward API, or nothing (the process takes the host's name); then the settings'
+node_map (from the node-map ConfigMap) and node_strip_domain. HOST_IP is the node's IP for
+$(HOST_IP) in the dcgm-exporter URL.
 */}}
 {{- define "trainmedic.nodeEnv" -}}
-{{- if eq .Values.nodeProducers.nodeName.from "kubernetes" }}
+{{- with .Values.nodeProducers.nodeName }}
+{{- if eq .from "kubernetes" }}
 - name: TRAINMEDIC_NODE
   valueFrom:
     fieldRef:
       fieldPath: spec.nodeName
+{{- end }}
+{{- if .map }}
+- name: TRAINMEDIC_NODE_MAP
+  valueFrom:
+    configMapKeyRef:
+      name: {{ include "trainmedic.nodeMapConfigMap" $ }}
+      key: node-map.json
+{{- end }}
+{{- if .stripDomain }}
+- name: TRAINMEDIC_NODE_STRIP_DOMAIN
+  value: "true"
+{{- end }}
 {{- end }}
 - name: HOST_IP
   valueFrom:
