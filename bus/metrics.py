@@ -1,8 +1,9 @@
 """Prometheus counters of every `bus.publish.Publisher`: what each Kafka producer sent and lost.
 
 The Publisher keeps the same counts in plain Counters (its callers print them on stop); these
-make them visible to Prometheus, labelled by the publisher's client id (`producer`:
-trainmedic-gpu, trainmedic-slurm-producer, the executor's, the API's ...) and the topic.
+make them visible to Prometheus, labelled by the publisher's client id less its `trainmedic-`
+(`producer`: gpu, dcgm, kernel, logs, slurm, ingest, api, executor, ...: the same names as the
+producers' own metrics, producers/metrics.py) and the topic.
 Alert on `dropped` (an event lost: the buffer was full or the broker away past
 message.timeout.ms) and `dead_lettered` (an event that could not fit any record).
 """

@@ -134,7 +134,7 @@ class Publisher:
     def _count(self, counts: Counter[str], metric: PromCounter, topic: str) -> None:
         """One more in the publisher's own count and in its Prometheus counter (under the lock)."""
         counts[topic] += 1
-        metric.labels(self._client_id, topic).inc()
+        metric.labels(self._client_id.removeprefix("trainmedic-"), topic).inc()
 
     def _make_producer(self, bootstrap: str) -> Producer:
         return Producer({**producer_config(bootstrap, self._client_id), **self._overrides})

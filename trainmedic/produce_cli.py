@@ -498,7 +498,7 @@ def slurm(
 
     _logging()
     with _probes(metrics_address):
-        pub = _publisher(bootstrap, data_dir, "trainmedic-slurm-producer")
+        pub = _publisher(bootstrap, data_dir, "trainmedic-slurm")
         producer = SlurmProducer(
             pub, slurm_conf=slurm_conf, interval_s=interval, state_path=state_file or default_state_path(data_dir)
         )

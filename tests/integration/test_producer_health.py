@@ -96,7 +96,7 @@ def test_produce_dcgm_is_ready_while_the_exporter_answers_and_not_while_it_fails
             "delivered GPU samples on /metrics",
             lambda: (
                 (p := _get(f"{base}/metrics"))
-                and (_metric(p, "trainmedic_producer_events_delivered_total", producer="trainmedic-dcgm") or 0) > 0
+                and (_metric(p, "trainmedic_producer_events_delivered_total", producer="dcgm") or 0) > 0
                 and p
             ),
         )
