@@ -201,18 +201,6 @@ def test_the_node_set_serves_the_cli_help(node_bin: Path, outside: tuple[Path, d
         assert "Traceback" not in proc.stderr
 
 
-# trainmedic/produce_cli.py's _publisher imports check_bootstrap from trainmedic.runtime, which imports the
-# API (uvicorn, fastapi): every producer then fails in the node image. Strict: passing while the import is
-# still there fails too, and once it is gone the test is an ordinary one.
-_PRODUCERS_IMPORT_RUNTIME = "from trainmedic.runtime import" in (REPO / "trainmedic" / "produce_cli.py").read_text()
-
-
-@pytest.mark.xfail(
-    _PRODUCERS_IMPORT_RUNTIME,
-    reason="produce_cli imports trainmedic.runtime (API, uvicorn) to check the broker",
-    strict=True,
-    raises=launch.NotReady,
-)
 def test_the_node_set_runs_the_kernel_producer(
     broker: EmbeddedBroker, node_bin: Path, outside: tuple[Path, dict[str, str]]
 ) -> None:
