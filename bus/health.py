@@ -11,6 +11,7 @@ gauges cannot: they keep their last value when nothing is processed any more.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -58,9 +59,13 @@ class Loop:
         READY.labels(self.name).set(1 if ready else 0)
 
     def stop(self) -> None:
-        """A loop that ended on request: no longer counted (a clean stop is no failure)."""
+        """A loop that ended on request: no longer counted (a clean stop is no failure), and its
+        series go, so that no alert fires on a loop that is meant to be over."""
         self.stopped = True
-        self.set_ready(False, "stopped")
+        self.ready, self.why = False, "stopped"
+        for gauge in (LAST_BEAT, LAST_PROCESSED, READY):
+            with contextlib.suppress(KeyError):
+                gauge.remove(self.name)
 
     @property
     def alive(self) -> bool:

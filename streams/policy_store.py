@@ -10,6 +10,7 @@ from pathlib import Path
 
 from schemas.events import Action, Decision, Incident
 from schemas.vocab import MODES, Mode
+from streams import metrics
 from streams.modes import ModeState
 from streams.policy import DEFAULT_POLICY, RESTARTS, Policy, PolicyError, decide, load_policy
 
@@ -38,6 +39,7 @@ class PolicyStore:
             )
         self._mtimes = self._stat()
         self._policy = self._load()
+        metrics.show_modes(self._policy)
         # Restarts policy ordered per job: the restart budget (the only one: the executor's
         # guardrails keep cluster-wide caps) counts them. A worker restart takes them back
         # from the actions topic (`restore`).
@@ -69,6 +71,7 @@ class PolicyStore:
             self._mtimes = mtimes
             try:
                 self._policy = self._load()
+                metrics.show_modes(self._policy)
                 doubt = self.modes is not None and self.modes.in_doubt
                 log.info("policy reloaded from %s%s", self.path, " (operator modes in doubt: monitor)" if doubt else "")
             except PolicyError as exc:

@@ -93,6 +93,8 @@ def test_streams_executor_and_audit_sink_start_alone_until_ready(broker: Embedde
         with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
             text = resp.read().decode()
         assert 'trainmedic_loop_ready{loop="streams"} 1.0' in text and "trainmedic_build_info{" in text
+        # The default policy's mode, as the worker decides by it (the operators' modes read whole).
+        assert 'trainmedic_mode{mode="monitor",partition="*"} 1.0' in text
     assert (tmp_path / "streams").is_dir()  # Faust's tables live where the setting says
 
     env, url = _probes(base)
