@@ -62,8 +62,13 @@ def _probes(flag: str | None) -> Iterator[MetricsServer | None]:
             server.stop()
 
 
-def _node(flag: str | None) -> str | None:
-    return settings(node=flag).node
+def _node(flag: str | None, host_default: bool = True) -> str | None:
+    """The Slurm NodeName to report: the flag, else the node setting, else (host_default) this
+    host's name - each through node_map / node_strip_domain. None: the producer's own default."""
+    s = settings(node=flag)
+    if flag or s.node or host_default:
+        return s.slurm_node()
+    return None
 
 
 def _check_bootstrap(bootstrap: str, timeout: float = 10.0) -> None:
@@ -229,7 +234,9 @@ def dcgm(
     with _probes(metrics_address):
         pub = _publisher(bootstrap, data_dir, "trainmedic-dcgm")
         try:
-            producer = DcgmProducer(pub, url, interval_s=interval, timeout_s=timeout, node=_node(node))
+            producer = DcgmProducer(
+                pub, url, interval_s=interval, timeout_s=timeout, node=_node(node, host_default=False)
+            )
         except ValueError as exc:
             raise UsageError(f"--url: {exc}") from None
         _run_loop("dcgm", producer.run)
@@ -390,7 +397,7 @@ def logs(
     if placements not in ("slurm", "bus"):
         raise UsageError(f"--placements {placements!r}: expected 'slurm' or 'bus'")
     # On a node (TRAINMEDIC_NODE set, as the chart's DaemonSet does) discovery follows that node's jobs.
-    only_node = _node(only_node) if discover else only_node
+    only_node = _node(only_node, host_default=False) if discover else only_node
     if placements == "bus" and not only_node:
         raise UsageError("--placements bus needs --only-node NODE (the node whose jobs to follow)")
     if resync <= 0:

@@ -456,11 +456,6 @@ def test_node_name_from_the_hosts_own_name(pod: Pod, broker: EmbeddedBroker) -> 
         _kernel_line_published(broker.bootstrap, node=socket.gethostname())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the producers do not apply node_map yet: trainmedic/produce_cli.py _node() returns settings.node, "
-    "not Settings.slurm_node() (strict: passes once they do, then drop this mark)",
-)
 def test_node_name_mapped_onto_the_slurm_name(pod: Pod, broker: EmbeddedBroker) -> None:
     """nodeName.map (the node-map ConfigMap -> TRAINMEDIC_NODE_MAP): the Kubernetes name gpu01
     is reported as the Slurm NodeName the map gives."""
