@@ -500,14 +500,34 @@ def slurm(
     state_file: Annotated[Optional[Path], typer.Option(help="Last-seen state (default DATA_DIR/producers/).")] = None,
     metrics_address: MetricsOpt = None,
 ) -> None:
-    """Job state transitions and node state/flag changes from Slurm, as change events only."""
+    """Job state transitions and node state/flag changes from Slurm, as change events only.
+
+    Runs squeue/sinfo here (slurm_access local) or on the login node over SSH (slurm_access ssh,
+    the executor's slurm_ssh_* settings); slurmrestd cannot answer what it reads (refused)."""
     from producers.slurm import SlurmProducer, default_state_path
 
     _logging()
+    access = settings().slurm_access
+    runner = None
+    if access == "rest":
+        raise UsageError(
+            "produce slurm reads squeue/sinfo --json and scontrol show reservation, which slurmrestd does not "
+            "serve alike: run it where the Slurm client works (slurm_access local) or over SSH (slurm_access ssh)"
+        )
+    if access == "ssh":
+        from trainmedic.backend_cli import scheduler_backend
+
+        if slurm_conf is not None:
+            raise UsageError("--slurm-conf is for local access; over SSH the setting slurm_ssh_slurm_conf names it")
+        runner = scheduler_backend("slurm-ssh").runner
     with _probes(metrics_address):
         pub = _publisher(bootstrap, data_dir, "trainmedic-slurm")
         producer = SlurmProducer(
-            pub, slurm_conf=slurm_conf, interval_s=interval, state_path=state_file or default_state_path(data_dir)
+            pub,
+            slurm_conf=slurm_conf if runner is None else None,
+            runner=runner,
+            interval_s=interval,
+            state_path=state_file or default_state_path(data_dir),
         )
         _run_loop("slurm", producer.run)
     _finish(pub, {"polls_failed": producer.failed_polls})

@@ -42,10 +42,9 @@ CRDS = REPO / "tests" / "fixtures" / "crds"
 KUBE_VERSIONS = ("1.25.0", kv.latest_version())
 APP_VERSION = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
 
-# `produce slurm` reaches Slurm only from its own pod: ssh and rest run without the Slurm producer.
+# `produce slurm` reads squeue/sinfo locally or over SSH; slurmrestd cannot serve it (rest runs without it).
 SSH: dict[str, Any] = {
     "slurm": {"access": "ssh", "ssh": {"host": "login1.example.org", "port": 2222, "existingSecret": "tm-ssh"}},
-    "slurmProducer": {"enabled": False},
 }
 REST: dict[str, Any] = {
     "slurm": {"access": "rest", "rest": {"url": "https://slurmrestd.example.org:6820", "existingSecret": "tm-jwt"}},
@@ -323,7 +322,10 @@ def test_chart_version_and_app_version_agree() -> None:
             {"slurm": {"access": "rest", "rest": {"existingSecret": "tm-jwt"}}, "slurmProducer": {"enabled": False}},
             "url",
         ),
-        ({"slurm": {"access": "ssh", "ssh": {"host": "login1", "existingSecret": "tm-ssh"}}}, "enabled"),
+        (
+            {"slurm": {"access": "rest", "rest": {"url": "https://slurmrestd:6820", "existingSecret": "tm-jwt"}}},
+            "enabled",
+        ),
         ({"kafka": {"bootstrap": "kafka"}}, "bootstrap"),
         ({"kafka": {"securityProtocol": "tls"}}, "securityProtocol"),
         ({"kafka": {"securityProtocol": "sasl_ssl"}}, "mechanism"),
@@ -578,7 +580,9 @@ def _slurm_workloads(docs: list[Manifest]) -> list[Manifest]:
 
 
 def test_ssh_access_mounts_the_secret_and_sets_the_login_node(chart: Any) -> None:
-    for w in _slurm_workloads(render(chart, SSH)):
+    workloads = _slurm_workloads(render(chart, SSH))
+    assert len(workloads) == 3  # the Slurm producer too: it polls over SSH
+    for w in workloads:
         spec = pod_spec(w)
         (ssh,) = [v for v in spec["volumes"] if v["name"] == "ssh"]
         assert ssh["secret"]["secretName"] == "tm-ssh"

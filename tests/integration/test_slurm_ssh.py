@@ -24,11 +24,13 @@ from pathlib import Path
 
 import pytest
 
+from schemas.topics import SCHED_EVENTS
 from sinks.backends.base import BackendError, SchedulerBackend
 from sinks.backends.slurm_cli import SlurmCliBackend
 from sinks.backends.slurm_ssh import SlurmSshBackend, SshHostKeyError, SshRunner, slurm_ssh_backend
 from slurmio.runners import SlurmCommandError
-from tests.conftest import Cluster, wait_for
+from tests.conftest import Cluster, read_topic, wait_for
+from trainmedic.broker import EmbeddedBroker
 
 pytestmark = pytest.mark.slurm
 
@@ -465,3 +467,38 @@ def test_remote_command_quotes_every_word(sshd: SshServer) -> None:
     assert no_conf.remote_command(["squeue", "--json"]) == "env LC_ALL=C squeue --json"
     runner.close()
     no_conf.close()
+
+
+def test_the_slurm_producer_polls_over_ssh_as_the_settings_say(
+    sshd: SshServer, slurm_cluster: Cluster, broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    """`produce slurm` with slurm_access ssh (the chart's ssh mode): squeue/sinfo run on the login
+    node, the producer gets ready and publishes; slurmrestd access is refused naming the setting."""
+    import sys
+
+    from tests.launch import running
+    from trainmedic.broker import free_port
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINMEDIC_") and k != "SLURM_CONF"}
+    env |= {
+        "TRAINMEDIC_BOOTSTRAP": broker.bootstrap,
+        "TRAINMEDIC_SLURM_ACCESS": "ssh",
+        "TRAINMEDIC_SLURM_SSH_HOST": sshd.host,
+        "TRAINMEDIC_SLURM_SSH_PORT": str(sshd.port),
+        "TRAINMEDIC_SLURM_SSH_USER": sshd.user,
+        "TRAINMEDIC_SLURM_SSH_KEY": str(sshd.user_key),
+        "TRAINMEDIC_SLURM_SSH_KNOWN_HOSTS": str(sshd.known_hosts),
+        "TRAINMEDIC_SLURM_SSH_SLURM_CONF": slurm_cluster.slurm_conf,
+        "TRAINMEDIC_METRICS_HOST": "127.0.0.1",
+        "TRAINMEDIC_METRICS_PORT": str(port := free_port()),
+    }
+    tm = str(Path(sys.executable).with_name("trainmedic"))
+    argv = [tm, "produce", "slurm", "--interval", "1", "--state-file", str(tmp_path / "state.json")]
+    before = sshd.logins()
+    with running(argv, env, tmp_path / "slurm.log", f"http://127.0.0.1:{port}/readyz", timeout=90):
+        wait_for("a snapshot marker on sched.events", lambda: read_topic(broker.bootstrap, SCHED_EVENTS.name, 2.0))
+    assert sshd.logins() > before  # the polls went over SSH
+    refused = subprocess.run(
+        [tm, "produce", "slurm"], env=env | {"TRAINMEDIC_SLURM_ACCESS": "rest"}, capture_output=True, text=True
+    )
+    assert refused.returncode == 2 and "slurm_access" in refused.stderr
