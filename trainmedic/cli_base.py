@@ -24,7 +24,7 @@ import typer
 from typer.core import TyperArgument, TyperGroup, TyperOption
 
 from schemas.errors import TrainmedicError, UsageError
-from trainmedic.settings import CONFIG_ENV, Settings
+from trainmedic.settings import CONFIG_ENV, Settings, unknown_env
 from trainmedic.settings import apply as apply_settings
 
 # Typer's labels (without <>) -> the metavar help shows; an unknown annotation shows as VALUE.
@@ -139,6 +139,13 @@ def use_config(path: Path | None) -> None:
     global _config
     _config = path
     apply_settings(Settings.load(path))
+    if stray := unknown_env():
+        # A misspelt variable would otherwise leave its setting at the default without a word.
+        typer.echo(
+            f"warning: {', '.join(stray)} {'names' if len(stray) == 1 else 'name'} no setting, ignored "
+            "(`trainmedic config show` lists the settings)",
+            err=True,
+        )
     if path is not None:
         # What this process starts (the streams worker under `up`) reads the same file.
         os.environ[CONFIG_ENV] = str(path.resolve())

@@ -157,11 +157,11 @@ def test_config_show_masks_secrets_and_names_origins(tmp_path: Path, monkeypatch
     result = CliRunner().invoke(app, ["--config", str(cfg), "config", "show", "--json"])
     assert result.exit_code == 0, result.output
     assert "s3cret-token" not in result.output
-    shown = {row["name"]: row for row in json.loads(result.output)["settings"]}
+    shown = {row["name"]: row for row in json.loads(result.stdout)["settings"]}
     assert shown["token"]["value"] == "********"
     assert shown["bootstrap"] == {"name": "bootstrap", "value": "kafka-1:9092", "origin": f"config file {cfg}"}
     assert shown["cluster"]["origin"] == "env TRAINMEDIC_CLUSTER"
-    assert json.loads(result.output)["unknown_env"] == ["TRAINMEDIC_BOOTSTRAPP"]
+    assert json.loads(result.stdout)["unknown_env"] == ["TRAINMEDIC_BOOTSTRAPP"]
     bad = CliRunner().invoke(app, ["--config", str(tmp_path / "missing.yaml"), "config", "show"])
     assert bad.exit_code == 2 and "missing.yaml" in bad.stderr
 
@@ -203,3 +203,16 @@ def test_node_names_map_onto_slurm_node_names(tmp_path: Path, monkeypatch: pytes
     monkeypatch.setenv("TRAINMEDIC_NODE_MAP", "gpu01=gpu02")
     with pytest.raises(SettingsError, match="node_map.*JSON"):
         Settings.load()
+
+
+def test_a_misspelt_variable_is_named_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from trainmedic.cli import app
+
+    monkeypatch.setenv("TRAINMEDIC_BOOTSTRAPP", "kafka:9092")
+    result = CliRunner().invoke(app, ["config", "show", "--json"])
+    assert result.exit_code == 0
+    assert "TRAINMEDIC_BOOTSTRAPP names no setting" in result.stderr
+    monkeypatch.delenv("TRAINMEDIC_BOOTSTRAPP")
+    assert "no setting" not in CliRunner().invoke(app, ["config", "show", "--json"]).stderr
