@@ -35,6 +35,21 @@ class TopicsReport:
     mismatched: dict[str, int] = field(default_factory=dict)  # name -> its partition count
 
 
+def check_bootstrap(bootstrap: str, timeout: float = 10.0) -> None:
+    """Kafka answers at `bootstrap`: a malformed address is a ConfigError (exit 2), silence is
+    Unavailable (exit 3: restarting once Kafka is back may help)."""
+    for part in bootstrap.split(","):
+        host, _, port = part.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"bootstrap {bootstrap!r}: expected HOST:PORT[,HOST:PORT]")
+    try:
+        AdminClient(admin_config(bootstrap)).list_topics(timeout=timeout)
+    except Exception as exc:  # confluent_kafka raises KafkaException with a cause
+        raise TopicsUnavailable(
+            f"bootstrap {bootstrap}: Kafka does not answer within {timeout:.0f} s ({exc})"
+        ) from None
+
+
 def topic_configs(retention_hours: float | None) -> dict[str, dict[str, str]]:
     if retention_hours is None:
         return {}

@@ -143,4 +143,3 @@ class EmbeddedBroker:
 
     def exit_status(self) -> str:
         return describe_returncode(self._proc.poll()) if self._proc is not None else "not started"
-

@@ -55,7 +55,9 @@ def up(
     clickhouse: Annotated[
         Optional[str], typer.Option(help="ClickHouse URL (http://user:pw@host:8123) instead of embedded chDB.")
     ] = None,
-    policy: Annotated[Optional[Path], typer.Option(help="Policy YAML (default: the packaged streams/policies/default.yaml).")] = None,
+    policy: Annotated[
+        Optional[Path], typer.Option(help="Policy YAML (default: the packaged streams/policies/default.yaml).")
+    ] = None,
     mode: Annotated[
         Optional[str], typer.Option(help="Override the policy's mode everywhere: monitor|autonomous.")
     ] = None,

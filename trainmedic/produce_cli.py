@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
+from bus.admin import check_bootstrap
 from bus.publish import Publisher
 from schemas.errors import ConfigError, Unavailable, UsageError
 from trainmedic.cli_base import new_app, settings
@@ -71,24 +72,6 @@ def _node(flag: str | None, host_default: bool = True) -> str | None:
     return None
 
 
-def _check_bootstrap(bootstrap: str, timeout: float = 10.0) -> None:
-    """Kafka answers at `bootstrap`: a malformed address is a ConfigError, silence Unavailable. Here, not through trainmedic.runtime:
-    that imports the API's web stack, which the node image (producers only) does not have."""
-    from confluent_kafka.admin import AdminClient
-
-    from bus.config import admin_config
-
-    for part in bootstrap.split(","):
-        host, _, port = part.rpartition(":")
-        if not host or not port.isdigit():
-            raise ConfigError(f"--bootstrap {bootstrap!r}: expected HOST:PORT[,HOST:PORT]")
-    try:
-        AdminClient(admin_config(bootstrap)).list_topics(timeout=timeout)
-    except Exception as exc:  # confluent_kafka raises KafkaException; a bad setting, ValueError
-        # Exit 3, as `trainmedic run` says it: restarting (once Kafka is back) may help.
-        raise Unavailable(f"--bootstrap {bootstrap}: Kafka does not answer within {timeout:.0f} s ({exc})") from None
-
-
 def _publisher(bootstrap: str | None, data_dir: Path, client_id: str) -> Publisher:
     runtime_file: Path | None = None
     bootstrap = settings(bootstrap=bootstrap).bootstrap
@@ -102,7 +85,7 @@ def _publisher(bootstrap: str | None, data_dir: Path, client_id: str) -> Publish
                 f"running `trainmedic up` found in {data_dir}"
             ) from None
     assert bootstrap
-    _check_bootstrap(bootstrap)
+    check_bootstrap(bootstrap)
     # A local `up` may be restarted with its broker elsewhere: follow runtime.json then.
     return Publisher(bootstrap, client_id, bootstrap_file=runtime_file)
 

@@ -66,15 +66,12 @@ def _logging() -> None:
 
 
 def _bootstrap(flag: str | None, what: str) -> str:
-    from trainmedic.runtime import StackError, check_bootstrap
+    from bus.admin import check_bootstrap
 
     bootstrap = settings(bootstrap=flag).bootstrap
     if not bootstrap:
         raise UsageError(f"{what} needs Kafka: --bootstrap HOST:PORT, TRAINMEDIC_BOOTSTRAP or `bootstrap` in --config")
-    try:
-        check_bootstrap(bootstrap)
-    except StackError as exc:
-        raise Unavailable(str(exc)) from None
+    check_bootstrap(bootstrap)
     return bootstrap
 
 
@@ -134,11 +131,19 @@ def _wait_for_schema(store: AuditStore, stop: threading.Event) -> bool:
     while not stop.is_set():
         waiting.beat()
         try:
-            pending = [m["name"] for m in store.migration_status() if m["state"] != "applied"]
+            status = store.migration_status()
         except Exception as exc:  # ClickHouse away: keep waiting, say so
             why = f"ClickHouse does not answer: {type(exc).__name__}: {exc}"
         else:
+            pending = [m["name"] for m in status if m["state"] == "pending"]
             if not pending:
+                if newer := [f"{m['version']:03d}_{m['name']}" for m in status if m["state"] != "applied"]:
+                    # A rollback: the schema is ahead of this version; its inserts name their columns.
+                    log.warning(
+                        "the audit schema has migration(s) newer than this trainmedic (%s): running on it, "
+                        "as after a rollback (docs/deploy-bare-metal.md, 'Roll back')",
+                        ", ".join(newer),
+                    )
                 waiting.stop()
                 return True
             why = (

@@ -16,10 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka.admin import AdminClient
-
-from bus.admin import ensure_topics
-from bus.config import admin_config
+from bus.admin import check_bootstrap, ensure_topics
 from bus.publish import Publisher
 from schemas.errors import TrainmedicError
 from sinks.audit import AuditSink, AuditStore
@@ -75,17 +72,6 @@ class StackConfig:
     def viewer_token_file(self) -> Path:
         """A read-only token: the console and the GET endpoints, no approvals or changes."""
         return self.data_dir / "api-viewer-token"
-
-
-def check_bootstrap(bootstrap: str, timeout: float = 10.0) -> None:
-    for part in bootstrap.split(","):
-        host, _, port = part.rpartition(":")
-        if not host or not port.isdigit():
-            raise StackError(f"--bootstrap {bootstrap!r}: expected HOST:PORT[,HOST:PORT]")
-    try:
-        AdminClient(admin_config(bootstrap)).list_topics(timeout=timeout)
-    except Exception as exc:
-        raise StackError(f"--bootstrap {bootstrap}: Kafka does not answer within {timeout:.0f} s ({exc})") from None
 
 
 @dataclass

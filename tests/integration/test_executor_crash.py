@@ -28,7 +28,17 @@ def _executor(bootstrap: str, cluster: Cluster, log: Path) -> subprocess.Popen[b
     env = dict(os.environ, SLURM_CONF=cluster.slurm_conf)
     with open(log, "ab") as fh:
         return subprocess.Popen(
-            [sys.executable, "-m", "trainmedic.cli", "run", "executor", "--bootstrap", bootstrap, "--group", "crash-test"],
+            [
+                sys.executable,
+                "-m",
+                "trainmedic.cli",
+                "run",
+                "executor",
+                "--bootstrap",
+                bootstrap,
+                "--group",
+                "crash-test",
+            ],
             stdout=fh,
             stderr=subprocess.STDOUT,
             env=env,

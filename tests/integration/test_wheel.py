@@ -199,6 +199,11 @@ def test_the_node_set_serves_the_cli_help(node_bin: Path, outside: tuple[Path, d
         proc = _run([node_bin / "trainmedic", *command], cwd, env)
         assert proc.returncode == 0, f"{' '.join(command)}: {proc.stdout}{proc.stderr}"
         assert "Traceback" not in proc.stderr
+    # A central service on the node set says which extra it needs, not a traceback.
+    for command in (["run", "api"], ["audit", "db", "migrate", "--clickhouse", "chdb:///nonexistent"]):
+        proc = _run([node_bin / "trainmedic", *command], cwd, env)
+        assert proc.returncode in (2, 3) and "Traceback" not in proc.stderr, f"{command}: {proc.stderr}"
+        assert "pip install 'trainmedic[server]'" in proc.stderr, f"{command}: {proc.stderr}"
 
 
 def test_the_node_set_runs_the_kernel_producer(
