@@ -70,7 +70,7 @@ def up(
     ] = None,
     api_port: Annotated[int, typer.Option(help="Port of the operator API (approvals, modes, nodes).")] = 8477,
     api_host: Annotated[
-        str, typer.Option(help="Address of the operator API; loopback unless --insecure.")
+        str, typer.Option(help="Address of the operator API; loopback unless TLS (api_tls_cert/_key) or --insecure.")
     ] = "127.0.0.1",
     insecure: Annotated[bool, typer.Option(help="Allow the API on a non-loopback address without TLS.")] = False,
     metrics_port: Annotated[int, typer.Option(help="Streams worker's Prometheus port on 127.0.0.1; 0: off.")] = 9478,
@@ -100,10 +100,11 @@ def up(
     from trainmedic.runtime import LOOPBACK, Stack, StackConfig
 
     # Refusals that need no start-up work come first.
-    if api_host not in LOOPBACK and not insecure:
+    api_settings = settings()
+    if api_host not in LOOPBACK and not insecure and api_settings.api_tls_cert is None:
         raise UsageError(
-            f"--api-host {api_host}: the operator API binds loopback only unless --insecure is given "
-            "(TLS termination belongs in front of it)"
+            f"--api-host {api_host}: off loopback the operator API serves TLS (the settings api_tls_cert and "
+            "api_tls_key) or needs --insecure (TLS terminated in front of it)"
         )
     metrics_at = parse_address(metrics_address)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -122,6 +123,8 @@ def up(
         api_port=api_port,
         api_host=api_host,
         api_insecure=insecure,
+        api_tls_cert=api_settings.api_tls_cert,
+        api_tls_key=api_settings.api_tls_key,
         worker_metrics_port=metrics_port or None,
         metrics_host=metrics_at[0] if metrics_at else "127.0.0.1",
         metrics_port=metrics_at[1] if metrics_at else None,

@@ -55,6 +55,8 @@ class StackConfig:
     api_host: str = "127.0.0.1"
     api_port: int | None = None  # None: no operator API
     api_insecure: bool = False  # allow a non-loopback address without TLS
+    api_tls_cert: Path | None = None  # with api_tls_key: the API serves HTTPS (and may leave loopback)
+    api_tls_key: Path | None = None
     worker_metrics_port: int | None = None  # the streams worker's Prometheus endpoint
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # the rest of the stack's Prometheus listener (no token); None: off
@@ -151,10 +153,16 @@ class Stack:
         """Refuse to start, before starting anything, when the settings or the machine say no:
         a non-loopback API without --insecure, another `up` alive on this data dir, a busy port."""
         cfg = self.config
-        if cfg.api_port is not None and cfg.api_host not in LOOPBACK and not cfg.api_insecure:
+        if (cfg.api_tls_cert is None) != (cfg.api_tls_key is None):
+            raise StackError("api_tls_cert and api_tls_key go together: give both (PEM files) or neither")
+        for what, path in (("api_tls_cert", cfg.api_tls_cert), ("api_tls_key", cfg.api_tls_key)):
+            if path is not None and not path.is_file():
+                raise StackError(f"{what} {path}: no such file")
+        tls = cfg.api_tls_cert is not None
+        if cfg.api_port is not None and cfg.api_host not in LOOPBACK and not (cfg.api_insecure or tls):
             raise StackError(
-                f"--api-host {cfg.api_host}: the operator API binds loopback only unless --insecure is given "
-                "(TLS termination belongs in front of it)"
+                f"--api-host {cfg.api_host}: off loopback the operator API serves TLS (api_tls_cert and "
+                "api_tls_key) or needs --insecure (TLS terminated in front of it)"
             )
         if cfg.api_port is not None:
             for token_file in (cfg.token_file, cfg.viewer_token_file):
@@ -294,7 +302,9 @@ class Stack:
     def _restart_api(self) -> None:
         assert self.api is not None
         old = self.api
-        self.api = ApiServer(old.app, old.host, old.port).start()
+        self.api = ApiServer(
+            old.app, old.host, old.port, tls_cert=self.config.api_tls_cert, tls_key=self.config.api_tls_key
+        ).start()
 
     def health(self) -> dict[str, Any]:
         """What /api/health answers: ok, and per component its state, restarts and reason."""
@@ -351,7 +361,9 @@ class Stack:
             viewer_token=viewer_token,
             health=self.health,
         )
-        self.api = ApiServer(api, cfg.api_host, cfg.api_port or free_port())
+        self.api = ApiServer(
+            api, cfg.api_host, cfg.api_port or free_port(), tls_cert=cfg.api_tls_cert, tls_key=cfg.api_tls_key
+        )
         try:
             self.api.start()
         except ApiError as exc:

@@ -1,0 +1,30 @@
+"""`up`'s refusals before it starts anything: the operator API off loopback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sinks.backends.simulated import SimulatedScheduler
+from trainmedic.broker import free_port
+from trainmedic.runtime import Stack, StackConfig, StackError
+
+
+def _stack(tmp_path: Path, **kw: Any) -> Stack:
+    return Stack(StackConfig(data_dir=tmp_path, api_port=free_port(), **kw), SimulatedScheduler([]))
+
+
+def test_the_api_off_loopback_needs_tls_or_insecure(tmp_path: Path) -> None:
+    with pytest.raises(StackError, match="serves TLS"):
+        _stack(tmp_path, api_host="0.0.0.0").preflight()
+    _stack(tmp_path, api_host="0.0.0.0", api_insecure=True).preflight()
+    cert, key = tmp_path / "api.crt", tmp_path / "api.key"
+    with pytest.raises(StackError, match="go together"):
+        _stack(tmp_path, api_host="0.0.0.0", api_tls_cert=cert).preflight()
+    with pytest.raises(StackError, match="api_tls_cert .*no such file"):
+        _stack(tmp_path, api_host="0.0.0.0", api_tls_cert=cert, api_tls_key=key).preflight()
+    cert.write_text("-----BEGIN CERTIFICATE-----\n")
+    key.write_text("-----BEGIN PRIVATE KEY-----\n")
+    _stack(tmp_path, api_host="0.0.0.0", api_tls_cert=cert, api_tls_key=key).preflight()
