@@ -41,12 +41,12 @@ def check_bootstrap(bootstrap: str, timeout: float = 10.0) -> None:
     for part in bootstrap.split(","):
         host, _, port = part.rpartition(":")
         if not host or not port.isdigit():
-            raise ConfigError(f"bootstrap {bootstrap!r}: expected HOST:PORT[,HOST:PORT]")
+            raise ConfigError(f"--bootstrap / TRAINMEDIC_BOOTSTRAP {bootstrap!r}: expected HOST:PORT[,HOST:PORT]")
     try:
         AdminClient(admin_config(bootstrap)).list_topics(timeout=timeout)
     except Exception as exc:  # confluent_kafka raises KafkaException with a cause
         raise TopicsUnavailable(
-            f"bootstrap {bootstrap}: Kafka does not answer within {timeout:.0f} s ({exc})"
+            f"--bootstrap / TRAINMEDIC_BOOTSTRAP {bootstrap}: Kafka does not answer within {timeout:.0f} s ({exc})"
         ) from None
 
 

@@ -152,7 +152,7 @@ def test_up_starts_and_ctrl_c_stops_cleanly(tmp_path: Path) -> None:
     ("args", "needle"),
     [
         (["up", "--mode", "sometimes"], "--mode 'sometimes'"),
-        (["up", "--bootstrap", "nohost"], "--bootstrap 'nohost': expected HOST:PORT"),
+        (["up", "--bootstrap", "nohost"], "TRAINMEDIC_BOOTSTRAP 'nohost': expected HOST:PORT"),
         (["up", "--policy", "/nonexistent.yaml"], "/nonexistent.yaml: cannot read policy file"),
     ],
 )
