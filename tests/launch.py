@@ -35,6 +35,19 @@ class NotReady(AssertionError):
     pass
 
 
+def self_signed_certificate(folder: Path) -> tuple[Path, Path]:
+    """(certificate, key) PEM files for 127.0.0.1 and localhost, valid a day (openssl's command)."""
+    cert, key = folder / "tls.crt", folder / "tls.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert)]
+        + ["-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    return cert, key
+
+
 def probe(url: str, timeout: float = 2.0) -> tuple[int, dict[str, object] | None]:
     """(status, JSON body) of a probe endpoint; (0, None) when nothing answers."""
     try:

@@ -24,6 +24,7 @@ import typer
 from typer.core import TyperArgument, TyperGroup, TyperOption
 
 from schemas.errors import TrainmedicError, UsageError
+from trainmedic.metrics_server import MetricsServer, parse_address
 from trainmedic.settings import CONFIG_ENV, Settings, unknown_env
 from trainmedic.settings import apply as apply_settings
 
@@ -231,3 +232,22 @@ def expect(value: str | None, allowed: tuple[str, ...] | frozenset[str], what: s
     """Refuse a value outside a fixed vocabulary, naming the option and the choices."""
     if value is not None and value not in allowed:
         raise UsageError(f"{what} {value!r}: expected one of {', '.join(allowed)}")
+
+
+MetricsOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--metrics-address",
+        help="HOST:PORT serving /metrics, /healthz and /readyz (unauthenticated, read-only); off: none. "
+        "Default: the settings metrics_host:metrics_port (TRAINMEDIC_METRICS_HOST / _PORT), off when no port is set.",
+    ),
+]
+
+
+def start_probes(flag: str | None) -> MetricsServer | None:
+    """A long-running command's probe listener (/metrics, /healthz, /readyz), started; None when off."""
+    at = parse_address(flag) if flag is not None else None
+    if flag is None:
+        s = settings()
+        at = (s.metrics_host, s.metrics_port) if s.metrics_port else None
+    return MetricsServer(*at).start() if at is not None else None

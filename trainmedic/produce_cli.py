@@ -16,8 +16,8 @@ import typer
 from bus.admin import check_bootstrap
 from bus.publish import Publisher
 from schemas.errors import ConfigError, Unavailable, UsageError
-from trainmedic.cli_base import new_app, settings
-from trainmedic.metrics_server import MetricsServer, parse_address
+from trainmedic.cli_base import MetricsOpt, new_app, settings, start_probes
+from trainmedic.metrics_server import MetricsServer
 
 if TYPE_CHECKING:
     from producers.gpu_nvml import NvmlCollector
@@ -32,14 +32,6 @@ BootstrapOpt = Annotated[
     Optional[str], typer.Option(help="Kafka HOST:PORT (default: the running `trainmedic up` in --data-dir).")
 ]
 DataDirOpt = Annotated[Path, typer.Option("--data-dir", help="Where a local `trainmedic up` keeps runtime.json.")]
-MetricsOpt = Annotated[
-    Optional[str],
-    typer.Option(
-        "--metrics-address",
-        help="HOST:PORT serving /metrics, /healthz and /readyz (unauthenticated, read-only); off: none. "
-        "Default: the settings metrics_host:metrics_port (TRAINMEDIC_METRICS_HOST / _PORT), off when no port is set.",
-    ),
-]
 NodeOpt = Annotated[
     Optional[str], typer.Option(help="Slurm node name to report (default: TRAINMEDIC_NODE, else this host's name).")
 ]
@@ -48,12 +40,7 @@ NodeOpt = Annotated[
 @contextlib.contextmanager
 def _probes(flag: str | None) -> Iterator[MetricsServer | None]:
     """The probe listener for the body (its loops' /healthz and /readyz, /metrics); None when off."""
-    if flag is not None:
-        at = parse_address(flag)
-    else:
-        s = settings()
-        at = (s.metrics_host, s.metrics_port) if s.metrics_port is not None else None
-    server = MetricsServer(*at).start() if at is not None else None
+    server = start_probes(flag)
     if server is not None:
         typer.echo(f"probes on {server.url} (/healthz, /readyz)")
     try:

@@ -32,8 +32,8 @@ from trainmedic.backend_cli import (
     SshOpt,
     scheduler_backend,
 )
-from trainmedic.cli_base import new_app, settings
-from trainmedic.metrics_server import MetricsServer, parse_address
+from trainmedic.cli_base import MetricsOpt, new_app, settings, start_probes
+from trainmedic.metrics_server import parse_address
 
 if TYPE_CHECKING:
     from sinks.audit import AuditStore
@@ -45,14 +45,6 @@ log = logging.getLogger("trainmedic.run")
 
 BootstrapOpt = Annotated[
     Optional[str], typer.Option(help="Kafka bootstrap servers HOST:PORT[,...] (default: the setting bootstrap).")
-]
-MetricsOpt = Annotated[
-    Optional[str],
-    typer.Option(
-        "--metrics-address",
-        help="HOST:PORT serving /metrics, /healthz and /readyz (unauthenticated, read-only); off: none. "
-        "Default: the settings metrics_host:metrics_port (TRAINMEDIC_METRICS_HOST / _PORT), off when no port is set.",
-    ),
 ]
 ClickHouseOpt = Annotated[
     Optional[str],
@@ -73,18 +65,6 @@ def _bootstrap(flag: str | None, what: str) -> str:
         raise UsageError(f"{what} needs Kafka: --bootstrap HOST:PORT, TRAINMEDIC_BOOTSTRAP or `bootstrap` in --config")
     check_bootstrap(bootstrap)
     return bootstrap
-
-
-def _probes(flag: str | None) -> MetricsServer | None:
-    """The probe listener, started; None when off."""
-    if flag is not None:
-        at = parse_address(flag)
-    else:
-        s = settings()
-        at = (s.metrics_host, s.metrics_port) if s.metrics_port else None
-    if at is None:
-        return None
-    return MetricsServer(*at).start()
 
 
 def _on_term(stop: Callable[[], None]) -> None:
@@ -221,7 +201,7 @@ def executor(
     sched = scheduler_backend(
         backend, ssh, ssh_key, known_hosts, remote_slurm_conf, (rest_url, rest_user, rest_token_file)
     )
-    probes = _probes(metrics_address)
+    probes = start_probes(metrics_address)
     service = ExecutorService(
         address,
         Executor(sched, ExecutorSettings(verify_timeout_s=verify_timeout, group=group)),
@@ -250,7 +230,7 @@ def audit_sink(
     _logging()
     address = _bootstrap(bootstrap, "the audit sink")
     store = _store(clickhouse, database, "the audit sink")
-    probes = _probes(metrics_address)
+    probes = start_probes(metrics_address)
     stop = threading.Event()
     _on_term(stop.set)
     try:
@@ -320,7 +300,7 @@ def api(
     address = _bootstrap(bootstrap, "the API")
     sched = scheduler_backend(backend)
     store = _store(clickhouse, database, "the API")
-    probes = _probes(metrics_address)
+    probes = start_probes(metrics_address)
     stop = threading.Event()
     _on_term(stop.set)
     server: ApiServer | None = None
@@ -401,7 +381,7 @@ def ingest(
         raise UsageError(str(exc)) from None
     address = _bootstrap(bootstrap, "the ingest endpoint")
     pub = Publisher(address, "trainmedic-ingest")
-    probes = _probes(metrics_address)
+    probes = start_probes(metrics_address)
     stop = threading.Event()
     _on_term(stop.set)
     try:

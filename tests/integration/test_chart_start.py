@@ -45,7 +45,7 @@ import yaml
 from schemas.codec import decode
 from schemas.events import KernelEvent
 from tests.conftest import FIXTURES, Cluster, read_topic
-from tests.launch import probe, start, stop, wait_ready
+from tests.launch import probe, self_signed_certificate, start, stop, wait_ready
 from trainmedic.broker import EmbeddedBroker, free_port
 from trainmedic.settings import unknown_env
 
@@ -120,14 +120,7 @@ def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     """A self-signed certificate for 127.0.0.1 (the API's and ingest's TLS Secrets)."""
     if shutil.which("openssl") is None:
         pytest.skip("needs the openssl command to make a test certificate")
-    folder = tmp_path_factory.mktemp("tls")
-    cert, key = folder / "tls.crt", folder / "tls.key"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert)]
-        + ["-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
-        check=True,
-        capture_output=True,
-    )
+    cert, key = self_signed_certificate(tmp_path_factory.mktemp("tls"))
     return cert.read_text(), key.read_text()
 
 

@@ -17,7 +17,6 @@ import logging
 import secrets
 import shutil
 import ssl
-import subprocess
 import threading
 import urllib.error
 import urllib.parse
@@ -49,6 +48,7 @@ from schemas.codec import decode
 from schemas.events import HealthEvent
 from schemas.topics import HEALTH_EXTERNAL
 from tests.conftest import wait_for
+from tests.launch import self_signed_certificate
 from trainmedic.broker import EmbeddedBroker
 
 # NVIDIA/NVSentinel docs/DATA_FLOW.md, "Example HealthEvent: GPU XID Error".
@@ -382,14 +382,7 @@ def test_unsafe_settings_are_refused(broker: EmbeddedBroker, tmp_path: Path) -> 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a test certificate")
 def test_tls(broker: EmbeddedBroker, tmp_path: Path) -> None:
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert)]
-        + ["-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
+    cert, key = self_signed_certificate(tmp_path)
     token = secrets.token_urlsafe(24)
     publisher = Publisher(broker.bootstrap, "test-ingest")
     ready: list[IngestServer] = []

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from confluent_kafka.admin import AdminClient, ConfigResource
 
-from tests.launch import probe, running, start, stop, wait_ready
+from tests.launch import probe, running, self_signed_certificate, start, stop, wait_ready
 from trainmedic.broker import EmbeddedBroker, free_port
 
 TRAINMEDIC = str(Path(sys.executable).with_name("trainmedic"))
@@ -136,17 +136,6 @@ def test_streams_executor_and_audit_sink_start_alone_until_ready(broker: Embedde
     assert "newer than this trainmedic (999_future)" in launched.output()
 
 
-def _certificate(tmp_path: Path) -> tuple[Path, Path]:
-    cert, key = tmp_path / "api.crt", tmp_path / "api.key"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert)]
-        + ["-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
-        check=True,
-        capture_output=True,
-    )
-    return cert, key
-
-
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a test certificate")
 def test_the_api_alone_serves_tls_and_refuses_plaintext_off_loopback(broker: EmbeddedBroker, tmp_path: Path) -> None:
     folder = tmp_path / "audit"
@@ -162,7 +151,7 @@ def test_the_api_alone_serves_tls_and_refuses_plaintext_off_loopback(broker: Emb
     no_token = _tm("run", "api", env={k: v for k, v in base.items() if k != "TRAINMEDIC_TOKEN_FILE"})
     assert no_token.returncode == 2 and "TRAINMEDIC_TOKEN" in no_token.stderr
 
-    cert, key = _certificate(tmp_path)
+    cert, key = self_signed_certificate(tmp_path)
     api_port = free_port()
     env, url = _probes(
         dict(

@@ -40,7 +40,7 @@ import pytest
 
 from schemas.topics import ALL_TOPICS
 from tests.conftest import FIXTURES, REPO, Cluster, read_topic, wait_for
-from tests.launch import Launched, start, stop, wait_ready
+from tests.launch import Launched, self_signed_certificate, start, stop, wait_ready
 from trainmedic.broker import EmbeddedBroker, free_port
 from trainmedic.settings import Settings, secret_fields, unknown_env
 
@@ -465,14 +465,7 @@ def stopped_cleanly(running: Running) -> None:
 def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     if shutil.which("openssl") is None:
         pytest.skip("needs the openssl command to make a test certificate")
-    folder = tmp_path_factory.mktemp("tls")
-    cert, key = folder / "tls.crt", folder / "tls.key"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert)]
-        + ["-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
-        check=True,
-        capture_output=True,
-    )
+    cert, key = self_signed_certificate(tmp_path_factory.mktemp("tls"))
     return cert.read_text(), key.read_text()
 
 
