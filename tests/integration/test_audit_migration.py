@@ -120,10 +120,13 @@ def test_migration_keeps_every_row_and_a_second_run_changes_nothing(
         assert len(store.query("SELECT * FROM {db}.timeline WHERE job_id = '41'")) == 3 * 5 + 2
         now = time.time()
         assert DASHBOARDS
+        # The plugin's connection is to the data source's default database: tables go unqualified.
+        store.client.command(f"USE {database}")
         for _, panel in panels():
             for t in panel["targets"]:
-                store.query(expand_grafana(t["rawSql"], {"database": database}, now - 7 * 86400, now, 3600))
+                store.client.query(expand_grafana(t["rawSql"], {}, now - 7 * 86400, now, 3600))
     finally:
+        store.client.command("USE default")  # the chDB session outlives the store
         store.close()
 
 
