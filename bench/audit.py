@@ -202,7 +202,16 @@ def _table_stats(store: AuditStore) -> dict[str, dict[str, float]]:
 
 def _ingest(store: AuditStore, rows: int = 200_000) -> float:
     """Rows/s of anomaly rows through the sink's insert path (batches of 2,000) into the current layout."""
-    _, table, _, cols = TABLES["anomalies"]
+    _, table, _, declared = TABLES["anomalies"]
+    # The old layout ("before") lacks the columns later migrations added (cluster): insert what it has.
+    have = {
+        r["name"]
+        for r in store.query(
+            "SELECT name FROM system.columns WHERE database = {d:String} AND table = {t:String}",
+            {"d": store.database, "t": table},
+        )
+    }
+    cols = [c for c in declared if c in have]
     side = f"{table}_ingest"
     store._command(f"DROP TABLE IF EXISTS {store.database}.{side}")
     store._command(f"CREATE TABLE {store.database}.{side} AS {store.database}.{table}")
@@ -264,15 +273,18 @@ def _queries(
             lambda i: readiness.readiness(store, policy, since_s=t_end - 30 * 86400, now=t_end), max(3, runs // 3)
         ),
     }
-    variables = {"database": store.database}
+    # The plugin's connection is to the data source's default database: panels name no database.
+    # (The dashboard of an earlier revision, "before", still names it: ${database}.)
+    store.client.command(f"USE {store.database}")
     for title, sql in _panels(dashboard):
-        text = expand_grafana(sql, variables, t_end - 7 * 86400, t_end, 3600)
+        text = expand_grafana(sql, {"database": store.database}, t_end - 7 * 86400, t_end, 3600)
         out[f"grafana: {title} (7 d)"] = _time(functools.partial(_panel, store, text), runs)
+    store.client.command("USE default")
     return out
 
 
 def _panel(store: AuditStore, sql: str, _: int) -> Any:
-    return store.query(sql)
+    return store.client.query(sql).result_rows
 
 
 def _param(store: AuditStore, sql: str, values: list[str], i: int) -> Any:
