@@ -20,7 +20,8 @@ from schemas.events import Action, ActionResult, GuardrailTrip
 from schemas.topics import ACTION_RESULTS, ACTIONS, GUARDRAIL_TRIPS
 from sinks.backends.simulated import SimulatedScheduler
 from sinks.executor import Executor, ExecutorService, ExecutorSettings
-from tests.conftest import REPO, wait_for
+from streams.policy import DEFAULT_POLICY
+from tests.conftest import wait_for
 from tests.integration.scenario import NODES, publish_cascade, wait_incident, xid79_line
 from trainmedic.broker import EmbeddedBroker
 from trainmedic.runtime import Stack, StackConfig
@@ -149,11 +150,7 @@ def test_alert_storm_blast_radius_one_drain_then_guardrail(
     broker: EmbeddedBroker, chdb_url: str, database: str, tmp_path: Path
 ) -> None:
     policy = tmp_path / "policy.yaml"
-    policy.write_text(
-        (REPO / "infra" / "policies" / "default.yaml")
-        .read_text()
-        .replace("max_drains_per_window: 2", "max_drains_per_window: 1")
-    )
+    policy.write_text(DEFAULT_POLICY.read_text().replace("max_drains_per_window: 2", "max_drains_per_window: 1"))
     sched = SimulatedScheduler(NODES)
     stack = Stack(
         StackConfig(

@@ -14,8 +14,8 @@ from bus.publish import Publisher
 from producers.kernel import KernelLogProducer
 from sinks.backends.simulated import SimulatedScheduler
 from sinks.backends.slurm_cli import SlurmCliBackend
-from streams.policy import parse_policy
-from tests.conftest import REPO, Cluster, wait_for
+from streams.policy import DEFAULT_POLICY, parse_policy
+from tests.conftest import Cluster, wait_for
 from tests.integration.scenario import xid79_line
 from trainmedic.broker import EmbeddedBroker
 from trainmedic.client import ClientError, call
@@ -26,7 +26,7 @@ NODES = [f"gpu{i:02d}" for i in range(1, 9)]
 
 
 def _policy(tmp_path: Path, extra: str = "") -> Path:
-    text = (REPO / "infra" / "policies" / "default.yaml").read_text()
+    text = DEFAULT_POLICY.read_text()
     text = text.replace("min_samples: 10", "min_samples: 3").replace("min_precision: 0.9", "min_precision: 0.7")
     text = text.replace("max_drains_per_window: 2", "max_drains_per_window: 10")
     text = text.replace("max_drain_fraction: 0.1", "max_drain_fraction: 1.0")

@@ -34,8 +34,8 @@ from sinks.audit_schema import SCHED_EVENTS_T
 from sinks.backends.base import ActionRefused
 from sinks.backends.slurm_cli import SlurmCliBackend
 from sinks.executor import Executor, ExecutorSettings
-from streams.policy import load_policy
-from tests.conftest import REPO, Cluster, read_topic, wait_for
+from streams.policy import DEFAULT_POLICY, load_policy
+from tests.conftest import Cluster, read_topic, wait_for
 from trainmedic.api import create_api
 from trainmedic.broker import EmbeddedBroker
 from trainmedic.readiness import readiness
@@ -179,7 +179,7 @@ def test_someone_elses_drain_is_an_event_left_alone_and_a_miss_unless_maintenanc
             publisher,
             "op-token",
             backend,
-            REPO / "infra" / "policies" / "default.yaml",
+            DEFAULT_POLICY,
             tmp_path / "modes.yaml",
         )
         with TestClient(api) as client:
