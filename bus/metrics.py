@@ -10,20 +10,45 @@ message.timeout.ms) and `dead_lettered` (an event that could not fit any record)
 
 from __future__ import annotations
 
-from prometheus_client import Counter
+from collections import Counter
+from typing import Any
+
+from prometheus_client import Counter as PromCounter
 
 _LABELS = ["producer", "topic"]
 
-SENT = Counter("trainmedic_producer_events_sent_total", "Records handed to the Kafka client", _LABELS)
-DELIVERED = Counter("trainmedic_producer_events_delivered_total", "Records the broker acknowledged", _LABELS)
-DROPPED = Counter(
+SENT = PromCounter("trainmedic_producer_events_sent_total", "Records handed to the Kafka client", _LABELS)
+DELIVERED = PromCounter("trainmedic_producer_events_delivered_total", "Records the broker acknowledged", _LABELS)
+DROPPED = PromCounter(
     "trainmedic_producer_events_dropped_total",
     "Records lost: local buffer full, delivery failed or expired, or not even the dead letter fitted",
     _LABELS,
 )
-DEAD_LETTERED = Counter(
+DEAD_LETTERED = PromCounter(
     "trainmedic_producer_events_dead_lettered_total",
     "Events over the message size limit sent to the dead-letter topic instead",
     _LABELS,
 )
-SPLIT = Counter("trainmedic_producer_events_split_total", "Events over the size limit sent in several parts", _LABELS)
+SPLIT = PromCounter(
+    "trainmedic_producer_events_split_total", "Events over the size limit sent in several parts", _LABELS
+)
+
+
+class MirroredCounter(Counter[str]):
+    """A plain Counter whose increments also go to a Prometheus counter labelled (`owner`, key):
+    the code that counts keeps writing `counts[key] += n`. Each key's labelled child is looked
+    up once: the publisher counts on every event."""
+
+    def __init__(self, metric: PromCounter, owner: str, *args: Any) -> None:
+        super().__init__(*args)
+        self._metric, self._owner = metric, owner
+        self._children: dict[str, Any] = {}
+
+    def __setitem__(self, key: str, value: int) -> None:
+        delta = value - self.get(key, 0)
+        super().__setitem__(key, value)
+        if delta > 0:
+            child = self._children.get(key)
+            if child is None:
+                child = self._children[key] = self._metric.labels(self._owner, key)
+            child.inc(delta)

@@ -13,7 +13,6 @@ from pathlib import Path
 
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
-from prometheus_client import Counter as PromCounter
 
 from bus import metrics
 from bus.config import admin_config, producer_config
@@ -111,11 +110,13 @@ class Publisher:
         self.bootstrap = bootstrap
         self._producer = self._make_producer(bootstrap)
         self._lock = threading.RLock()
-        self.sent: Counter[str] = Counter()
-        self.delivered: Counter[str] = Counter()
-        self.dropped: Counter[str] = Counter()
-        self.dead_lettered: Counter[str] = Counter()
-        self.split: Counter[str] = Counter()
+        # Each count also goes to Prometheus (bus.metrics), as `producer` = the client id less `trainmedic-`.
+        owner = client_id.removeprefix("trainmedic-")
+        self.sent: Counter[str] = metrics.MirroredCounter(metrics.SENT, owner)
+        self.delivered: Counter[str] = metrics.MirroredCounter(metrics.DELIVERED, owner)
+        self.dropped: Counter[str] = metrics.MirroredCounter(metrics.DROPPED, owner)
+        self.dead_lettered: Counter[str] = metrics.MirroredCounter(metrics.DEAD_LETTERED, owner)
+        self.split: Counter[str] = metrics.MirroredCounter(metrics.SPLIT, owner)
         self.rebootstraps = 0
         client_limit = int(str(self._overrides.get("message.max.bytes", CLIENT_DEFAULT_MAX_BYTES)))
         self._client_limit = client_limit
@@ -131,11 +132,6 @@ class Publisher:
         )
         self._poller.start()
 
-    def _count(self, counts: Counter[str], metric: PromCounter, topic: str) -> None:
-        """One more in the publisher's own count and in its Prometheus counter (under the lock)."""
-        counts[topic] += 1
-        metric.labels(self._client_id.removeprefix("trainmedic-"), topic).inc()
-
     def _make_producer(self, bootstrap: str) -> Producer:
         return Producer({**producer_config(bootstrap, self._client_id), **self._overrides})
 
@@ -147,12 +143,12 @@ class Publisher:
             topic = msg.topic() or "?"
             with self._lock:
                 if err is None:
-                    self._count(self.delivered, metrics.DELIVERED, topic)
+                    self.delivered[topic] += 1
                 elif err.code() in _PURGED:
                     # Purged on a switch to a new broker: sent again there, not lost.
                     self._resend.append((topic, msg.key(), msg.value(), event_id))
                 else:
-                    self._count(self.dropped, metrics.DROPPED, topic)
+                    self.dropped[topic] += 1
                     log.error("dropped %s event %s: %s", topic, event_id, err)
 
         return on_delivery
@@ -161,7 +157,7 @@ class Publisher:
         records, unfit = prepare(topic, event, self.limit(topic.name))
         if len(records) > 1:
             with self._lock:
-                self._count(self.split, metrics.SPLIT, topic.name)
+                self.split[topic.name] += 1
             log.warning("%s event %s over the size limit: sent in %d parts", topic.name, event.event_id, len(records))
         for key, payload, event_id in records:
             self._produce(topic.name, payload, key, event_id, fixed_partition(topic))
@@ -192,7 +188,7 @@ class Publisher:
                     on_delivery=on_delivery,
                     partition=_partition(fixed_partition(topic)),
                 )
-                self._count(self.sent, metrics.SENT, topic.name)
+                self.sent[topic.name] += 1
         except (BufferError, KafkaException) as exc:
             raise NotDelivered(f"{topic.name} event {event_id} not queued: {exc}") from None
         self._producer.flush(timeout_s)
@@ -223,7 +219,7 @@ class Publisher:
                     self._producer.poll(0.5)
                     continue
                 with self._lock:
-                    self._count(self.dropped, metrics.DROPPED, topic)
+                    self.dropped[topic] += 1
                 log.error("producer buffer full; dropped %s event %s (broker away?)", topic, event_id)
                 return
             except KafkaException as exc:
@@ -235,7 +231,7 @@ class Publisher:
                 self._dead_letter_raw(topic, payload, event_id, f"refused by the client as too large: {exc}")
                 return
         with self._lock:
-            self._count(self.sent, metrics.SENT, topic)
+            self.sent[topic] += 1
         self._producer.poll(0)
 
     def _dead_letter(self, topic: str, event: Event, reason: str) -> None:
@@ -245,7 +241,7 @@ class Publisher:
 
     def _dead_letter_raw(self, topic: str, payload: bytes, event_id: str, reason: str) -> None:
         with self._lock:
-            self._count(self.dead_lettered, metrics.DEAD_LETTERED, topic)
+            self.dead_lettered[topic] += 1
         log.error("dead-lettered %s event %s: %s", topic, event_id, reason)
         limit = self.limit(DEADLETTER.name)
         # The letter must fit where the event did not: keep as much of the payload as the
@@ -261,7 +257,7 @@ class Publisher:
             self._produce(DEADLETTER.name, data, key, letter_id)
         if unfit:
             with self._lock:
-                self._count(self.dropped, metrics.DROPPED, topic)
+                self.dropped[topic] += 1
             log.error("dropped %s event %s: not even its dead letter fits %d bytes", topic, event_id, limit)
 
     def publish_raw(self, topic_name: str, payload: bytes, key: bytes | None = None) -> None:

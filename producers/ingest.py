@@ -64,8 +64,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from pydantic.alias_generators import to_camel
 
 from bus.config import admin_config
+from bus.metrics import MirroredCounter
 from bus.publish import Publisher
-from producers.metrics import INGEST_ACCEPTED, INGEST_REJECTED, POLL_FAILURES, MirroredCounter, ProducerHealth
+from producers.metrics import INGEST_ACCEPTED, INGEST_REJECTED, POLL_FAILURES, ProducerHealth
 from schemas.errors import ConfigError, UsageError
 from schemas.events import MAX_EVENT_TIME, HealthEvent
 from schemas.ids import stable_id

@@ -10,9 +10,6 @@ counted by its publisher (bus/metrics.py, `producer` = the publisher's client id
 
 from __future__ import annotations
 
-from collections import Counter
-from typing import Any
-
 from prometheus_client import Counter as PromCounter
 
 from bus import health
@@ -74,18 +71,3 @@ class ProducerHealth:
 
     def stop(self) -> None:
         self.loop.stop()
-
-
-class MirroredCounter(Counter[str]):
-    """A plain Counter whose increments also go to a Prometheus counter labelled by its key:
-    the code that counts keeps writing `counts[key] += n`."""
-
-    def __init__(self, metric: PromCounter, producer: str, *args: Any) -> None:
-        super().__init__(*args)
-        self._metric, self._producer = metric, producer
-
-    def __setitem__(self, key: str, value: int) -> None:
-        delta = value - self.get(key, 0)
-        super().__setitem__(key, value)
-        if delta > 0:
-            self._metric.labels(self._producer, key).inc(delta)

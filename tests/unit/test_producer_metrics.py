@@ -13,9 +13,10 @@ from prometheus_client import REGISTRY
 from typer.testing import CliRunner
 
 from bus import health
+from bus.metrics import MirroredCounter
 from producers import metrics
 from producers.kernel import _lines_of
-from producers.metrics import FAIL_AFTER, MirroredCounter, ProducerHealth, stale_after
+from producers.metrics import FAIL_AFTER, ProducerHealth, stale_after
 
 
 @pytest.fixture(autouse=True)
