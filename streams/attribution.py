@@ -34,6 +34,23 @@ class _Group:
     job_id: str | None
     opened_at: float
     anomalies: list[Anomaly] = field(default_factory=list)
+    # The same fault seen through another source (an Xid in the kernel log, through NVML and
+    # from NVSentinel): one piece of evidence, the twin's id still taken by the incident.
+    twins: list[Anomaly] = field(default_factory=list)
+
+    def all_ids(self) -> set[str]:
+        return {a.event_id for a in self.anomalies} | {a.event_id for a in self.twins}
+
+    def add(self, anomaly: Anomaly) -> None:
+        twin = next((i for i, a in enumerate(self.anomalies) if _same_fault(a, anomaly)), None)
+        if twin is None:
+            self.anomalies.append(anomaly)
+        elif anomaly.gpu is not None and self.anomalies[twin].gpu is None:
+            # Keep the report that names the GPU (NVML's does, a kernel line may only give the bus id).
+            self.twins.append(self.anomalies[twin])
+            self.anomalies[twin] = anomaly
+        else:
+            self.twins.append(anomaly)
 
     @property
     def has_root(self) -> bool:
@@ -53,6 +70,18 @@ class _Allocation:
     # The placement is the scheduler's (a SchedEvent, or an incident that had one), not
     # what a job's log batches claim: only then can a culprit be checked against the job.
     from_scheduler: bool = False
+
+
+def _same_fault(a: Anomaly, b: Anomaly) -> bool:
+    """One fault reported by two sources: same signature on the same node (and GPU, where both
+    name it). Repeats from one source stay separate evidence: they are what that source saw."""
+    return (
+        a.source != b.source
+        and a.signature == b.signature
+        and a.node is not None
+        and a.node == b.node
+        and (a.gpu is None or b.gpu is None or a.gpu == b.gpu)
+    )
 
 
 def _restarts(src: SchedEvent | Incident | _Allocation | None) -> int | None:
@@ -176,9 +205,9 @@ class Attributor:
         group = self._groups.get(key)
         if group is None:
             group = self._groups[key] = _Group(key=key, job_id=job_id, opened_at=now)
-        if any(a.event_id == anomaly.event_id for a in group.anomalies):
+        if anomaly.event_id in group.all_ids():
             return  # redelivered
-        group.anomalies.append(anomaly)
+        group.add(anomaly)
         if job_id:
             self._adopt_node_groups(group)
 
@@ -198,7 +227,8 @@ class Attributor:
                 # A job became known on this node meanwhile: let its group take this evidence.
                 job_group = self._groups.get(self._node_job[g.anomalies[0].node])
                 if job_group is not None:
-                    job_group.anomalies.extend(g.anomalies)
+                    for a in [*g.anomalies, *g.twins]:
+                        job_group.add(a)
                     continue
             inc = self._incident(g, now)
             self._closed[g.key] = (now + self.hold_s, inc.incident_id)
@@ -254,7 +284,9 @@ class Attributor:
         for n in alloc.nodes:
             node_group = self._groups.pop(f"node:{n}", None)
             if node_group is not None:
-                group.anomalies.extend(node_group.anomalies)
+                for a in [*node_group.anomalies, *node_group.twins]:
+                    if a.event_id not in group.all_ids():
+                        group.add(a)
                 group.opened_at = min(group.opened_at, node_group.opened_at)
 
     def _expire(self, now: float) -> None:
@@ -274,8 +306,13 @@ class Attributor:
         culprit_in_job = (
             (v.culprit_node in alloc.nodes) if (alloc and alloc.from_scheduler and v.culprit_node) else None
         )
-        first = min(a.event_time for a in g.anomalies)
-        incident_id = stable_id("inc", g.key, min(a.event_id for a in g.anomalies))
+        taken = [*g.anomalies, *g.twins]
+        first = min(a.event_time for a in taken)
+        incident_id = stable_id("inc", g.key, min(a.event_id for a in taken))
+        explanation = v.explanation
+        if g.twins:
+            seen = sorted({f"{a.signature} on {a.node} (source {a.source})" for a in g.twins})
+            explanation += f"; also reported by another source, counted once: {', '.join(seen)}"
         draft = Incident(
             event_id=incident_id,
             incident_id=incident_id,
@@ -295,7 +332,7 @@ class Attributor:
             culprit_in_job=culprit_in_job,
             confidence=v.confidence,
             isolate=v.isolate,
-            explanation=v.explanation,
+            explanation=explanation,
             evidence=[
                 Evidence(
                     source=a.source,
@@ -309,7 +346,7 @@ class Attributor:
                 )
                 for a in v.ranked[:MAX_EVIDENCE]
             ],
-            anomaly_ids=sorted(a.event_id for a in g.anomalies),
+            anomaly_ids=sorted(a.event_id for a in taken),
             first_signal_time=first,
         )
         if not draft.isolate:

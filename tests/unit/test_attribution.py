@@ -224,3 +224,33 @@ def test_incident_carries_slurms_restart_count_of_the_job() -> None:
     a.add(xid("gpu02", 79, 5.0), now=5.0)
     (inc,) = a.flush(6.1)
     assert inc.job_id == "100" and inc.job_restarts == 2
+
+
+def test_one_xid_seen_by_the_kernel_log_nvml_and_nvsentinel_is_one_piece_of_evidence() -> None:
+    a = Attributor(settle_s=1.0, collateral_wait_s=5.0)
+    a.observe_sched(running("100", JOB_NODES, 1.0), now=1.0)
+    kernel = xid("gpu02", 79, 10.0)
+    nvml = kernel.model_copy(update={"event_id": "g-gpu02-79", "source": "gpu", "detector": "gpu_health", "gpu": 3})
+    nvsentinel = kernel.model_copy(update={"event_id": "e-gpu02-79", "source": "external", "detector": "external"})
+    other_gpu = nvml.model_copy(update={"event_id": "g-gpu02-79-gpu5", "gpu": 5, "event_time": 10.4})
+    for anomaly, at in ((kernel, 10.0), (nvml, 10.1), (nvsentinel, 10.2), (nvml, 10.3), (other_gpu, 10.4)):
+        a.add(anomaly, now=at)
+    (inc,) = a.flush(12.0)
+    assert inc.job_id == "100" and inc.culprit_node == "gpu02"
+    # NVML's report names the GPU; it is the one kept. GPU 5's Xid is another fault, kept apart.
+    assert sorted((e.source, e.gpu or 0) for e in inc.evidence if e.signature == "xid_79") == [("gpu", 3), ("gpu", 5)]
+    # Every report is taken by the incident (audited as its), the redelivered one once.
+    assert inc.anomaly_ids == sorted(["x-gpu02-79", "g-gpu02-79", "e-gpu02-79", "g-gpu02-79-gpu5"])
+    assert inc.first_signal_time == 10.0
+    assert "counted once" in inc.explanation and "source kernel" in inc.explanation
+    assert a.flush(20.0) == []
+
+
+def test_the_same_signature_from_one_source_on_two_nodes_is_not_merged() -> None:
+    a = Attributor(settle_s=1.0, collateral_wait_s=5.0)
+    a.observe_sched(running("100", JOB_NODES, 1.0), now=1.0)
+    a.add(xid("gpu02", 79, 10.0), now=10.0)
+    other = xid("gpu03", 79, 10.1).model_copy(update={"source": "gpu"})
+    a.add(other, now=10.1)
+    (inc,) = a.flush(12.0)
+    assert sorted(e.node or "" for e in inc.evidence) == ["gpu02", "gpu03"]
