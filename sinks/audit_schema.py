@@ -31,6 +31,7 @@ from schemas.topics import (
     DEADLETTER,
     DECISIONS,
     GUARDRAIL_TRIPS,
+    HEALTH_EXTERNAL,
     INCIDENTS,
     MODE_CHANGES,
     NODE_RETURNS,
@@ -505,6 +506,33 @@ DEAD_LETTERS_T = Table(
     "raw",
 )
 
+HEALTH_EVENTS_T = Table(
+    "health_events",
+    HEALTH_EXTERNAL,
+    "event_id",
+    (
+        Column("event_id", "String", _a("event_id")),
+        Column("event_time", T64, _t("event_time")),
+        Column("produced_at", T64, _t("produced_at")),
+        Column("origin", LC, _a("origin")),  # nvsentinel, nvrx
+        key("node"),
+        Column("check_name", LC, _a("check_name")),
+        Column("component", "LowCardinality(Nullable(String))", _a("component")),
+        Column("component_ids", "Array(String)", _a("component_ids")),
+        Column("error_codes", "Array(String)", _a("error_codes")),
+        Column("is_fatal", "Bool", _a("is_fatal")),
+        Column("is_healthy", "Bool", _a("is_healthy")),
+        Column("recommended_action", "LowCardinality(Nullable(String))", _a("recommended_action")),
+        Column("message", "String", _a("message"), codec=ZSTD),
+        key("job_id", low=False),
+        Column("rank", "Nullable(Int32)", _a("rank")),
+    ),
+    # As anomalies: a node's history reads by node; an NVRx report of a job by its bloom filter.
+    ("node", "event_time", "event_id"),
+    (_bf("job_id"),),
+    "raw",
+)
+
 # Topic name -> table, for every topic the sink audits.
 DECLARED: dict[str, Table] = {
     t.topic.name: t
@@ -521,6 +549,7 @@ DECLARED: dict[str, Table] = {
         NODE_RETURNS_T,
         GUARDRAIL_TRIPS_T,
         DEAD_LETTERS_T,
+        HEALTH_EVENTS_T,
     )
 }
 BY_NAME: dict[str, Table] = {t.name: t for t in DECLARED.values()}

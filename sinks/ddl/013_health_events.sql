@@ -1,0 +1,7 @@
+-- trainmedic audit trail, version 13: NVSentinel health events and NVRx reports as
+-- received on health.external (the ingest endpoint), beside the anomalies the streams
+-- derive from them: what another health system said about a node or a job can be read
+-- back, including the reports that became no anomaly (recoveries, unknown checks).
+-- Raw retention, like anomalies. The runner creates the table from its declaration in
+-- sinks/audit_schema.py (the layout of 007).
+-- rebuild: health_events
