@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from schemas.events import Anomaly, Evidence, Incident, SchedEvent
 from schemas.ids import stable_id
+from schemas.vocab import SEVERITY_RANK
 from streams.causal import judge, tier
 from streams.policy import isolation
 
@@ -45,12 +46,15 @@ class _Group:
         twin = next((i for i, a in enumerate(self.anomalies) if _same_fault(a, anomaly)), None)
         if twin is None:
             self.anomalies.append(anomaly)
-        elif anomaly.gpu is not None and self.anomalies[twin].gpu is None:
-            # Keep the report that names the GPU (NVML's does, a kernel line may only give the bus id).
-            self.twins.append(self.anomalies[twin])
-            self.anomalies[twin] = anomaly
-        else:
-            self.twins.append(anomaly)
+            return
+        # The strongest report is judged (a fatal kernel line over another system's non-fatal
+        # note of the same code), then the one that names the GPU; the GPU is kept either way.
+        old = self.anomalies[twin]
+        kept, other = (anomaly, old) if _strength(anomaly) > _strength(old) else (old, anomaly)
+        if kept.gpu is None and other.gpu is not None:
+            kept = kept.model_copy(update={"gpu": other.gpu})
+        self.anomalies[twin] = kept
+        self.twins.append(other)
 
     @property
     def has_root(self) -> bool:
@@ -82,6 +86,10 @@ def _same_fault(a: Anomaly, b: Anomaly) -> bool:
         and a.node == b.node
         and (a.gpu is None or b.gpu is None or a.gpu == b.gpu)
     )
+
+
+def _strength(a: Anomaly) -> tuple[int, bool, bool]:
+    return (SEVERITY_RANK[a.severity], a.isolate, a.gpu is not None)
 
 
 def _restarts(src: SchedEvent | Incident | _Allocation | None) -> int | None:

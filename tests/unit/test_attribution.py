@@ -254,3 +254,19 @@ def test_the_same_signature_from_one_source_on_two_nodes_is_not_merged() -> None
     a.add(other, now=10.1)
     (inc,) = a.flush(12.0)
     assert sorted(e.node or "" for e in inc.evidence) == ["gpu02", "gpu03"]
+
+
+def test_of_two_reports_of_one_fault_the_stronger_is_judged_and_keeps_the_gpu() -> None:
+    """Another system's non-fatal note of an Xid, first, must not hide the kernel's fatal line."""
+    a = Attributor(settle_s=1.0, collateral_wait_s=5.0)
+    a.observe_sched(running("100", JOB_NODES, 1.0), now=1.0)
+    kernel = xid("gpu02", 79, 10.0)
+    weak = kernel.model_copy(
+        update={"event_id": "e-weak", "source": "external", "severity": "warning", "isolate": False, "gpu": 4}
+    )
+    a.add(weak, now=10.0)
+    a.add(kernel, now=10.1)
+    (inc,) = a.flush(12.0)
+    assert inc.isolate and inc.severity == kernel.severity and inc.culprit_gpu == 4
+    assert [(e.source, e.gpu) for e in inc.evidence] == [("kernel", 4)]
+    assert inc.anomaly_ids == ["e-weak", "x-gpu02-79"]
