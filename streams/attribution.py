@@ -43,6 +43,8 @@ class _Group:
         return {a.event_id for a in self.anomalies} | {a.event_id for a in self.twins}
 
     def add(self, anomaly: Anomaly) -> None:
+        if anomaly.event_id in self.all_ids():
+            return  # redelivered, or already adopted from a node's group
         twin = next((i for i, a in enumerate(self.anomalies) if _same_fault(a, anomaly)), None)
         if twin is None:
             self.anomalies.append(anomaly)
@@ -213,8 +215,6 @@ class Attributor:
         group = self._groups.get(key)
         if group is None:
             group = self._groups[key] = _Group(key=key, job_id=job_id, opened_at=now)
-        if anomaly.event_id in group.all_ids():
-            return  # redelivered
         group.add(anomaly)
         if job_id:
             self._adopt_node_groups(group)
@@ -293,8 +293,7 @@ class Attributor:
             node_group = self._groups.pop(f"node:{n}", None)
             if node_group is not None:
                 for a in [*node_group.anomalies, *node_group.twins]:
-                    if a.event_id not in group.all_ids():
-                        group.add(a)
+                    group.add(a)
                 group.opened_at = min(group.opened_at, node_group.opened_at)
 
     def _expire(self, now: float) -> None:
