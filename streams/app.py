@@ -29,6 +29,7 @@ from schemas.events import (
     Anomaly,
     Event,
     GpuSample,
+    HealthEvent,
     Incident,
     KernelEvent,
     LogBatch,
@@ -43,6 +44,7 @@ from schemas.topics import (
     DECISIONS,
     DEFAULT_PARTITIONS,
     GPU_SAMPLES,
+    HEALTH_EXTERNAL,
     INCIDENTS,
     JOB_LOGS,
     JOB_PROGRESS,
@@ -55,6 +57,8 @@ from streams import metrics
 from streams.attribution import ALLOCATION_TTL_S, Attributor
 from streams.credentials import faust_credentials
 from streams.detectors.divergence import DivergenceDetector
+from streams.detectors.external import ExternalHealthDetector
+from streams.detectors.gpu_health import GpuHealthDetector
 from streams.detectors.hang import HangDetector, job_state_kind
 from streams.detectors.kernel_text import KernelTextDetector
 from streams.detectors.signatures import SignatureDetector
@@ -121,6 +125,7 @@ _SIGNAL_TYPES: dict[str, type[Event]] = {
     SCHED_EVENTS.name: SchedEvent,
 }
 kernel_topic = _topic(NODE_KERNEL.name)
+external_topic = _topic(HEALTH_EXTERNAL.name)
 attribution_topic = _topic(ANOMALIES.name, SCHED_EVENTS.name)
 incidents_topic = _topic(INCIDENTS.name)
 # What the agents publish to, by topic name (bus.publish.prepare checks each event against its topic).
@@ -134,6 +139,10 @@ divergence_detector = DivergenceDetector()
 throughput_detector = ThroughputDetector()
 straggler_detector = StragglerDetector()
 xid_detector = XidDetector()
+# GPU lost, NVML/DCGM Xids, DBE ECC, row remaps, NVLink and PCIe bursts, persistent throttle (gpu_health.yaml).
+gpu_health_detector = GpuHealthDetector()
+# NVSentinel health events (on their node) and NVRx reports (on their job), external_health.yaml.
+external_detector = ExternalHealthDetector()
 # SXids and hung-task / D-state reports; keeps one open report per node (bounded, see kernel_signatures.yaml).
 kernel_text_detector = KernelTextDetector()
 attributor = Attributor(settle_s=SETTINGS.settle_s, collateral_wait_s=SETTINGS.collateral_s)
@@ -267,6 +276,16 @@ async def detect_kernel(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
         yield None
 
 
+@app.agent(external_topic)
+async def detect_external(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
+    async for event in stream.events():
+        if (report := await accept(event, HealthEvent, "detect_external", "streams.detect_external")) is None:
+            continue
+        for anomaly in external_detector.detect(report):
+            await publish(ANOMALIES, anomaly)
+        yield None
+
+
 @app.agent(signals_topic)
 async def detect_signals(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
     """Progress, GPU samples and job states feed the hang and straggler detectors; progress also
@@ -284,6 +303,7 @@ async def detect_signals(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
         elif isinstance(signal, GpuSample):
             hang_detector.observe_gpu(signal, now)
             straggler_detector.observe_gpu(signal, now)
+            found = gpu_health_detector.observe(signal)
         elif isinstance(signal, SchedEvent):
             hang_detector.observe_sched(signal, now)
             straggler_detector.observe_sched(signal, now)
