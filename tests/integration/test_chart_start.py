@@ -7,11 +7,13 @@ the GPU producer in its own render). For each container the harness takes the re
 and args, and the rendered env with Kubernetes' own rules ($(VAR) expansion, valueFrom
 fieldRef / secretKeyRef / configMapKeyRef); it materialises every volume the container mounts
 (Secrets from test values, the rendered ConfigMaps, emptyDirs, hostPaths the test provides)
-under tmp_path and rewrites the paths the env and args name inside those mounts. Only what the
-test machine forces is overridden, each said where it happens: the bootstrap (the test's
-broker), the metrics address (127.0.0.1 and a free port: the chart's 0.0.0.0 and fixed ports are
-checked first), the service ports (free ports), the ClickHouse URL (a chDB folder per component:
-one process owns a chDB folder). `trainmedic` is this venv's entry point, as in the image.
+under tmp_path and rewrites the paths the env and args name inside those mounts (several
+replicas, the streams workers' group, start as that many copies, each with its own mounts).
+Only what the test machine forces is overridden, each said where it happens: the bootstrap (the
+test's broker), the metrics address (127.0.0.1 and a free port: the chart's 0.0.0.0 and fixed
+ports are checked first), the service ports (free ports), the ClickHouse URL (a chDB folder per
+component: one process owns a chDB folder). `trainmedic` is this venv's entry point, as in the
+image.
 
 A chart that names a missing command, option or setting fails here: the process exits (usage
 error) or never gets ready, and a TRAINMEDIC_* variable that no setting has fails before start
@@ -44,6 +46,7 @@ import yaml
 
 from schemas.codec import decode
 from schemas.events import KernelEvent
+from schemas.topics import DEFAULT_PARTITIONS, JOB_LOGS
 from tests.conftest import FIXTURES, Cluster, read_topic
 from tests.launch import probe, self_signed_certificate, start, stop, wait_ready
 from trainmedic.broker import EmbeddedBroker, free_port
@@ -405,6 +408,60 @@ def test_workload_starts_until_ready(
             _ingest_answers_over_tls(p, pod)
         elif target == "node-producers/kernel":
             _kernel_line_published(broker.bootstrap)
+
+
+_ASSIGNED = re.compile(r"Setting newly assigned partitions(.*?) for group ", re.S)
+
+
+def _assigned(log: Path, topic: str) -> set[int]:
+    """The partitions of `topic` in the worker's latest assignment, as Faust logs it (a table of
+    `| topic | {0-1,3} |` rows); empty before its first."""
+    tables = _ASSIGNED.findall(log.read_text(errors="replace"))
+    out: set[int] = set()
+    if not tables:
+        return out
+    for row in re.findall(rf"^\|\s*{re.escape(topic)}\s*\|\s*\{{([0-9,\- ]*)\}}", tables[-1], re.M):
+        for part in row.replace(" ", "").split(","):
+            low, _, high = part.partition("-")
+            out |= set(range(int(low), int(high or low) + 1))
+    return out
+
+
+STREAMS_GROUP = 2  # streams.replicas of the consumer-group start below
+
+
+def test_streams_replicas_start_as_one_consumer_group(pod: Pod, broker: EmbeddedBroker) -> None:
+    """streams.replicas=2: as many copies of the rendered worker as the Deployment asks, each with
+    its own emptyDirs (a pod's own Faust data dir) and its own probe port (in the cluster the same
+    port in each pod's own network namespace); the second joins the first's group, both are
+    ready once the group has rebalanced, and they split the input topics' partitions."""
+    values = copy.deepcopy(VALUES)
+    values["streams"] = {"replicas": STREAMS_GROUP}
+    docs = render(values)
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("-streams")]
+    replicas = deployment["spec"]["replicas"]
+    assert replicas == STREAMS_GROUP
+    t = targets(docs)["streams/streams"]
+    copies = [prepare(t, _subpod(pod, f"streams-{i}"), broker.bootstrap) for i in range(replicas)]
+    assert len({p.env["TRAINMEDIC_STREAMS_ID"] for p in copies}) == 1, "one group id in every pod"
+    assert len({p.env["TRAINMEDIC_STREAMS_DATA_DIR"] for p in copies}) == replicas, "a data dir per pod"
+    assert len({p.ready_url for p in copies}) == replicas
+    with contextlib.ExitStack() as stack:
+        for i, p in enumerate(copies):
+            ready = stack.enter_context(running(p, pod.tmp / f"streams-{i}.log"))
+            assert ready["ready"] is True
+        for p in copies:  # the first is still ready after the second's join
+            status, body = probe(p.ready_url)
+            assert status == 200 and body and body["ready"], (p.ready_url, body)
+        # One group: the input topics' partitions are split between the workers, none twice.
+        logs = [pod.tmp / f"streams-{i}.log" for i in range(replicas)]
+        deadline = time.monotonic() + 30
+        while True:
+            assigned = [_assigned(log, JOB_LOGS.name) for log in logs]
+            if all(assigned) and sorted(n for a in assigned for n in a) == list(range(DEFAULT_PARTITIONS)):
+                break
+            assert time.monotonic() < deadline, f"{JOB_LOGS.name} partitions not split between the workers: {assigned}"
+            time.sleep(0.5)
 
 
 def _tls(pod: Pod) -> ssl.SSLContext:

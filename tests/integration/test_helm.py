@@ -24,6 +24,7 @@ import jsonschema
 import pytest
 import yaml
 
+from schemas.topics import DEFAULT_PARTITIONS
 from sinks.guardrails import parse_guardrails
 from streams.policy import DEFAULT_POLICY, load_policy
 from trainmedic.settings import Settings, unknown_env
@@ -112,6 +113,7 @@ CASES: dict[str, dict[str, Any]] = {
     "kafka-sasl-mtls": KAFKA_SASL_MTLS,
     "api-insecure": {"api": {"insecure": True, "tls": {"existingSecret": ""}}},
     "api-off": {"api": {"enabled": False}, "auditSink": {"enabled": False}},
+    "streams-group": {"streams": {"replicas": 3}},
     "ssh-everything": {**EVERYTHING, **SSH},
     "local-everything": EVERYTHING,
     "rest-everything": {**EVERYTHING, **REST},
@@ -335,7 +337,9 @@ def test_chart_version_and_app_version_agree() -> None:
         ({"api": {"tls": {"existingSecret": ""}}}, "insecure"),
         ({"api": {"token": {"existingSecret": ""}}}, "existingSecret"),
         ({"ingest": {"enabled": True}}, "insecure"),
-        ({"streams": {"replicas": 2}}, "replicas"),
+        ({"streams": {"replicas": 0}}, "replicas"),
+        ({"streams": {"replicas": DEFAULT_PARTITIONS + 1}}, "replicas"),
+        ({"streams": {"replicas": 1.5}}, "replicas"),
         ({"executor": {"replicas": 2}}, "replicas"),
         ({"nodeProducers": {"nodeName": {"from": "hostname"}}}, "hostNetwork"),
         ({"nodeProducers": {"gpu": {"source": "rocm"}}}, "source"),
@@ -479,9 +483,46 @@ def test_defaults_are_monitor_mode_and_local_slurm(chart: Any) -> None:
 
 def test_singletons_are_recreated_never_doubled(chart: Any) -> None:
     docs = render(chart, EVERYTHING)
-    for suffix in ("-streams", "-executor", "-slurm-producer"):
+    for suffix in ("-executor", "-slurm-producer"):
         d = find(docs, "Deployment", suffix)
         assert d["spec"]["replicas"] == 1 and d["spec"]["strategy"] == {"type": "Recreate"}, suffix
+
+
+@pytest.mark.parametrize("replicas", [1, 3, DEFAULT_PARTITIONS])
+def test_streams_workers_are_one_consumer_group_rolled_one_at_a_time(chart: Any, replicas: int) -> None:
+    """streams.replicas workers, one group id; rolled without ever dropping below the count; each
+    pod's Faust data dir and working directory on its own emptyDir, its own probe port."""
+    docs = render(chart, {"streams": {"replicas": replicas}})
+    d = find(docs, "Deployment", "-streams")
+    assert d["spec"]["replicas"] == replicas
+    assert d["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+    c = container(d, "streams")
+    env = env_of(c)
+    assert env["TRAINMEDIC_STREAMS_ID"] == "tm-trainmedic-streams"  # the group: the same in every pod
+    volumes = {v["name"]: v for v in pod_spec(d)["volumes"]}
+    (data,) = [m for m in c["volumeMounts"] if env["TRAINMEDIC_STREAMS_DATA_DIR"].startswith(m["mountPath"] + "/")]
+    assert volumes[data["name"]] == {"name": data["name"], "emptyDir": {}}, "a shared volume would mix the stores"
+    assert not [v for v in volumes.values() if "persistentVolumeClaim" in v or "hostPath" in v]
+    assert [p["containerPort"] for p in c["ports"]] == [int(env["TRAINMEDIC_METRICS_PORT"])]
+    pdbs = [p for p in docs if p["kind"] == "PodDisruptionBudget" and p["metadata"]["name"].endswith("-streams")]
+    if replicas == 1:
+        assert pdbs == [], "a budget on one pod would block node drains forever"
+    else:
+        (pdb,) = pdbs
+        assert pdb["spec"]["maxUnavailable"] == 1  # minAvailable replicas - 1
+        assert pdb["spec"]["selector"]["matchLabels"] == d["spec"]["selector"]["matchLabels"]
+
+
+def test_streams_replicas_are_bounded_by_the_topics_partitions(chart: Any) -> None:
+    """A worker beyond the partition count would hold no partition: the schema's maximum is the
+    count the topics Job creates (no --partitions: DEFAULT_PARTITIONS)."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    replicas = schema["properties"]["streams"]["properties"]["replicas"]
+    assert (replicas["minimum"], replicas["maximum"], replicas["default"]) == (1, DEFAULT_PARTITIONS, 1)
+    assert chart.values["streams"]["replicas"] == 1
+    topics = container(find(render(chart), "Job", "-topics"), "topics")
+    assert "--partitions" not in topics["args"]
+    chart.validate_schema(chart.merge_values({"streams": {"replicas": DEFAULT_PARTITIONS}}))
 
 
 def test_hook_jobs_create_the_topics_then_migrate(chart: Any) -> None:
@@ -739,6 +780,9 @@ def test_disruption_budgets_only_for_multi_replica_workloads(chart: Any) -> None
     docs = render(chart, EVERYTHING)
     pdbs = {d["metadata"]["name"] for d in docs if d["kind"] == "PodDisruptionBudget"}
     assert pdbs == {"tm-trainmedic-api", "tm-trainmedic-audit-sink"}
+    docs = render(chart, {**EVERYTHING, "streams": {**EVERYTHING["streams"], "replicas": 3}})
+    pdbs = {d["metadata"]["name"] for d in docs if d["kind"] == "PodDisruptionBudget"}
+    assert pdbs == {"tm-trainmedic-api", "tm-trainmedic-audit-sink", "tm-trainmedic-streams"}
 
 
 def test_network_policies_admit_the_services_and_metrics_and_egress_only_to_dependencies(chart: Any) -> None:
