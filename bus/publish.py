@@ -67,13 +67,23 @@ class NotDelivered(Unavailable, RuntimeError):
     """A synchronous publish the broker did not acknowledge in time."""
 
 
-def prepare(topic: Topic, event: Event, limit: int) -> tuple[list[tuple[bytes | None, bytes, str]], list[Event]]:
+def prepare(
+    topic: Topic, event: Event, limit: int, key: bytes | None = None
+) -> tuple[list[tuple[bytes | None, bytes, str]], list[Event]]:
     """What publishing `event` on `topic` sends: (key, payload, event id) per record, and the
-    parts that cannot fit `limit` bytes (to be dead-lettered). Refuses an event of the wrong type."""
+    parts that cannot fit `limit` bytes (to be dead-lettered). Refuses an event of the wrong type.
+
+    `key`: only for a repartition topic (`Topic.keyed_by_router`), which needs it; every other
+    topic is keyed by its own rule (schemas.topics.partition_key)."""
     if not isinstance(event, topic.event_type):
         raise TypeError(f"topic {topic.name} carries {topic.event_type.__name__}, not {type(event).__name__}")
+    if topic.keyed_by_router != (key is not None):
+        raise ValueError(
+            f"topic {topic.name}: "
+            + ("a repartition topic needs the router's key" if key is None else "is keyed by its own rule, not a key")
+        )
     parts, unfit = fit_event(event, limit)
-    return [(partition_key(part), payload, part.event_id) for part, payload in parts], unfit
+    return [(key if key is not None else partition_key(part), payload, part.event_id) for part, payload in parts], unfit
 
 
 class Publisher:

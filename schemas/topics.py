@@ -31,6 +31,9 @@ class Topic:
     name: str
     event_type: type[Event]
     key_doc: str
+    # A repartition topic: each record is keyed by the job the streams' router chose for it (the
+    # job running on the event's node), not by the event's own partition key.
+    keyed_by_router: bool = False
 
 
 GPU_SAMPLES = Topic("gpu.samples", GpuSample, "node")
@@ -40,6 +43,12 @@ JOB_PROGRESS = Topic("job.progress", ProgressBatch, "job id")
 HEALTH_EXTERNAL = Topic("health.external", HealthEvent, "node")
 SCHED_EVENTS = Topic("sched.events", SchedEvent, "job id, else node")
 ANOMALIES = Topic("anomalies", Anomaly, "job id, else node")
+# Repartition topics of the streams (streams/app.py): node-level evidence re-keyed to each job
+# running on its node (streams/placement.py), so that one worker judges all of a job's evidence.
+ANOMALIES_BY_JOB = Topic(
+    "anomalies.by_job", Anomaly, "job id running on the anomaly's node, else node", keyed_by_router=True
+)
+GPU_SAMPLES_BY_JOB = Topic("gpu.samples.by_job", GpuSample, "job id running on the node", keyed_by_router=True)
 INCIDENTS = Topic("incidents", Incident, "job id, else node")
 DECISIONS = Topic("decisions", Decision, "job id, else node")
 ACTIONS = Topic("actions", Action, "job id, else node")
@@ -63,6 +72,8 @@ ALL_TOPICS: tuple[Topic, ...] = (
     SCHED_EVENTS,
     HEALTH_EXTERNAL,
     ANOMALIES,
+    ANOMALIES_BY_JOB,
+    GPU_SAMPLES_BY_JOB,
     INCIDENTS,
     DECISIONS,
     ACTIONS,
@@ -76,7 +87,7 @@ ALL_TOPICS: tuple[Topic, ...] = (
 )
 TOPIC_BY_NAME = {t.name: t for t in ALL_TOPICS}
 INPUT_TOPICS = (GPU_SAMPLES, NODE_KERNEL, JOB_LOGS, JOB_PROGRESS, SCHED_EVENTS, HEALTH_EXTERNAL)
-DEFAULT_PARTITIONS = 4
+DEFAULT_PARTITIONS = 12
 
 
 def fixed_partition(topic: Topic) -> int | None:
