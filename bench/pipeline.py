@@ -56,7 +56,7 @@ RESULTS = REPO / "bench" / "results"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 PROBE_TOPICS = ("gpu.samples", "job.logs", "node.kernel")
-AGENT_OF_TOPIC = {"gpu.samples": "detect_signals", "job.logs": "detect_logs", "node.kernel": "detect_kernel"}
+AGENT_OF_TOPIC = {"gpu.samples": "detect_gpu", "job.logs": "detect_logs", "node.kernel": "detect_kernel"}
 LAG_BOUND_S = 2.0
 
 log = logging.getLogger("trainmedic.bench")

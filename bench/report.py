@@ -22,7 +22,7 @@ PROFILE_HINTS: tuple[tuple[str, str], ...] = (
     (
         "pydantic",
         "Decoding every GpuSample into pydantic models (8 GpuMetrics each) costs more than the detectors: "
-        "decode GPU samples with orjson into plain dicts (or a msgspec Struct) in detect_signals and keep only "
+        "decode GPU samples with orjson into plain dicts (or a msgspec Struct) in detect_gpu and keep only "
         "the fields the hang/straggler detectors read.",
     ),
     (
@@ -165,7 +165,7 @@ def plots(doc: dict[str, Any], out: Path, prefix: str) -> list[str]:
         series_sets.append((f"{row['nodes']} nodes", row["lag_series"]))
     if series_sets:
         fig, axes = plt.subplots(1, 3, figsize=(16, 4.4), sharey=True)
-        for ax, agent in zip(axes, ("detect_signals", "detect_logs", "detect_kernel"), strict=True):
+        for ax, agent in zip(axes, ("detect_gpu", "detect_logs", "detect_kernel"), strict=True):
             for label, series in series_sets:
                 pts = series.get(agent) or []
                 if pts:
@@ -508,7 +508,7 @@ def _scale_section(scale: dict[str, Any]) -> list[str]:
                     r["jobs"],
                     _f(r["input_events_per_s"]),
                     _f(r["log_lines_per_s"]),
-                    f"{_f(lag['detect_signals']['p95'], '', 2)} / {_f(lag['detect_signals']['max'], '', 2)}",
+                    f"{_f(lag['detect_gpu']['p95'], '', 2)} / {_f(lag['detect_gpu']['max'], '', 2)}",
                     f"{_f(lag['detect_logs']['p95'], '', 2)} / {_f(lag['detect_logs']['max'], '', 2)}",
                     _f(lag["detect_kernel"]["max"], "", 2),
                     _f(r["drain_s"], " s", 1),

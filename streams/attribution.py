@@ -15,7 +15,7 @@ be carried out (streams.policy.isolation). Which action follows is policy's alon
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from schemas.events import Anomaly, Evidence, Incident, SchedEvent
@@ -249,6 +249,14 @@ class Attributor:
 
     def pending(self) -> int:
         return len(self._groups)
+
+    def retain(self, keep: Callable[[str], bool]) -> int:
+        """Drop the open groups whose key `keep` refuses (their job's partition went to another
+        worker, which reads the evidence back itself); returns how many were dropped."""
+        gone = [k for k in self._groups if not keep(k)]
+        for k in gone:
+            del self._groups[k]
+        return len(gone)
 
     # -- internals -----------------------------------------------------------------
 

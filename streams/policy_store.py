@@ -44,6 +44,7 @@ class PolicyStore:
         # guardrails keep cluster-wide caps) counts them. A worker restart takes them back
         # from the actions topic (`restore`).
         self._restarts: dict[str, deque[float]] = {}
+        self._counted: dict[str, float] = {}  # action id -> when: each restart counted once
 
     def _stat(self) -> tuple[float, int, bool]:
         try:
@@ -82,15 +83,29 @@ class PolicyStore:
     def restore(self, actions: Sequence[Action]) -> int:
         """Count the restarts a previous worker ordered (read back from the actions topic),
         so that a worker restart does not reset any job's restart budget."""
-        restored, seen = 0, set()
+        restored = 0
         for a in sorted(actions, key=lambda a: a.event_time):
-            if a.action_id in seen:
-                continue  # the same action published twice (a crash between send and commit)
-            seen.add(a.action_id)
-            if a.requested_by == "policy" and a.action in RESTARTS and a.job_id:
-                self._restarts.setdefault(a.job_id, deque()).append(a.event_time)
+            # The same action published twice (a crash between send and commit), or read back again
+            # when partitions move between workers: counted once.
+            if (
+                a.requested_by == "policy"
+                and a.action in RESTARTS
+                and a.job_id
+                and self._count(a.action_id, a.job_id, a.event_time)
+            ):
                 restored += 1
         return restored
+
+    def _count(self, action_id: str, job_id: str, at: float) -> bool:
+        """Count one restart toward the job's budget, once per action id."""
+        if action_id in self._counted:
+            return False
+        self._counted[action_id] = at
+        times = self._restarts.setdefault(job_id, deque())
+        times.append(at)
+        if len(times) > 1 and times[-2] > at:  # read back out of order
+            self._restarts[job_id] = deque(sorted(times))
+        return True
 
     def decide(self, incident: Incident, now: float) -> tuple[Decision, Action | None]:
         policy = self.policy
@@ -100,5 +115,8 @@ class PolicyStore:
             times.popleft()
         decision, action = decide(policy, incident, now, recent_restarts=len(times))
         if action is not None and action.action in RESTARTS and incident.job_id:
-            times.append(now)
+            # An incident delivered twice decides the same action id: one restart, not two.
+            self._count(action.action_id, incident.job_id, now)
+        for aid in [a for a, at in self._counted.items() if now - at > window_s]:
+            del self._counted[aid]
         return decision, action

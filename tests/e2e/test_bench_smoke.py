@@ -120,7 +120,7 @@ def test_bench_quick_detects_every_fault(tmp_path: Path) -> None:
     assert main["cluster"]["transport"] == "files"  # the small mode goes through real files and tailers
     for key in ("detection_s", "action_s", "running_again_s", "category_accuracy", "culprit_accuracy", "baseline"):
         assert key in main["overall"], key
-    for agent in ("detect_signals", "detect_logs", "detect_kernel"):
+    for agent in ("detect_gpu", "detect_logs", "detect_kernel"):
         assert main["lag"]["agents"][agent]["n"] > 0, agent
     assert {"worker", "broker", "main"} <= set(main["resources"]["cpu_pct"])
     assert main["throughput"]["gpu_samples_per_s"] > 0 and main["throughput"]["log_lines_per_s"] > 0

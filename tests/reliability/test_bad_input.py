@@ -119,20 +119,20 @@ def test_bad_input_is_dead_lettered_or_handled_and_nothing_crashes(
                 orjson.dumps(
                     {"schema_version": SCHEMA_VERSION, "event_id": "g", "event_time": -5, "node": "gpu01", "gpus": []}
                 ),
-                {"streams.detect_signals"},
+                {"streams.detect_gpu"},
                 "event_time",
             ),
             (
                 SCHED_EVENTS.name,
                 b"\xff\xfe\x00 not utf-8",
-                {"streams.detect_signals", "streams.attribute", "sinks.audit"},
+                {"streams.detect_signals", "streams.attribute", "streams.placements", "sinks.audit"},
                 "JSON",
             ),
             (JOB_PROGRESS.name, b"", {"streams.detect_signals"}, "JSON"),
             (
                 ANOMALIES.name,
                 orjson.dumps({"schema_version": SCHEMA_VERSION}),
-                {"streams.attribute", "sinks.audit"},
+                {"streams.attribute", "streams.route", "sinks.audit"},
                 "event_id",
             ),
             (

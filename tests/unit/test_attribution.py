@@ -270,3 +270,14 @@ def test_of_two_reports_of_one_fault_the_stronger_is_judged_and_keeps_the_gpu() 
     assert inc.isolate and inc.severity == kernel.severity and inc.culprit_gpu == 4
     assert [(e.source, e.gpu) for e in inc.evidence] == [("kernel", 4)]
     assert inc.anomaly_ids == ["e-weak", "x-gpu02-79"]
+
+
+def test_retain_drops_the_groups_of_jobs_another_worker_now_judges() -> None:
+    att = Attributor(settle_s=1.0, collateral_wait_s=60.0)
+    att.add(nccl("gpu01", 0, 10.0), now=10.0)  # job 100
+    att.add(xid("gpu09", 79, 10.0), now=10.0)  # no job known on gpu09: node group
+    assert att.pending() == 2
+    assert att.retain(lambda key: key != "100") == 1
+    assert att.pending() == 1
+    (inc,) = att.flush(12.0)
+    assert inc.job_id is None and inc.culprit_node == "gpu09"

@@ -325,3 +325,21 @@ def test_slurms_restart_count_counts_toward_the_one_budget() -> None:
     d, a = decide(policy, spent, 11.0)
     assert a is not None and a.action == "stop"
     assert "Slurm restarted the job 2 times" in d.rule
+
+
+def test_a_restart_is_counted_once_however_often_its_incident_or_action_comes_back(tmp_path: Path) -> None:
+    """Partitions moving between workers read the actions back again, and an incident may be
+    delivered twice: neither may spend the job's budget twice."""
+    path = tmp_path / "p.yaml"
+    path.write_text("mode: autonomous\nrestart_budget: {max_restarts: 2, window_h: 6}\n" + _actions())
+    store = PolicyStore(path)
+    first = incident().model_copy(update={"incident_id": "inc-0"})
+    _, a = store.decide(first, now=100.0)
+    assert a is not None
+    _, again = store.decide(first, now=101.0)  # the same incident redelivered
+    assert again is not None and again.action_id == a.action_id
+    assert store.restore([a]) == 0 and store.restore([a]) == 0  # read back on a take-over, twice
+    _, b = store.decide(incident().model_copy(update={"incident_id": "inc-1"}), now=110.0)
+    assert b is not None and b.action == a.action  # the second restart of two is still allowed
+    _, c = store.decide(incident().model_copy(update={"incident_id": "inc-2"}), now=120.0)
+    assert c is not None and (c.action, c.stop_mode) == ("stop", "hold")
