@@ -86,6 +86,14 @@ def up(
     max_crashes: Annotated[
         int, typer.Option(min=0, help="Restarts allowed per part within 5 minutes; one more stops `up` (exit 3).")
     ] = 5,
+    workers: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Streams workers (one consumer group; jobs split between them by partition). At most the "
+            "topics' partition count; their metrics ports are --metrics-port + 0, 1, ...",
+        ),
+    ] = 1,
     ssh: SshOpt = None,
     ssh_key: SshKeyOpt = None,
     known_hosts: KnownHostsOpt = None,
@@ -131,6 +139,7 @@ def up(
         broker_port=broker_port or None,
         supervise=True,
         max_crashes=max_crashes,
+        workers=workers,
     )
     stack = Stack(config, sched).start()
     durability = (

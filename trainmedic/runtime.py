@@ -13,12 +13,14 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from bus.admin import check_bootstrap, ensure_topics
 from bus.publish import Publisher
 from schemas.errors import TrainmedicError
+from schemas.topics import DEFAULT_PARTITIONS
 from sinks.audit import AuditSink, AuditStore
 from sinks.backends.base import SchedulerBackend
 from sinks.executor import Executor, ExecutorService, ExecutorSettings
@@ -57,7 +59,9 @@ class StackConfig:
     api_insecure: bool = False  # allow a non-loopback address without TLS
     api_tls_cert: Path | None = None  # with api_tls_key: the API serves HTTPS (and may leave loopback)
     api_tls_key: Path | None = None
-    worker_metrics_port: int | None = None  # the streams worker's Prometheus endpoint
+    worker_metrics_port: int | None = None  # the streams worker's Prometheus endpoint (worker i: port + i)
+    # Streams workers: one consumer group splitting the jobs between them (at most the partition count).
+    workers: int = 1
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # the rest of the stack's Prometheus listener (no token); None: off
     broker_port: int | None = None  # the embedded broker's port; None: the previous run's when free, else any
@@ -90,7 +94,7 @@ class Stack:
     publisher: Publisher | None = None
     metrics: MetricsServer | None = None
     supervisor: Supervisor | None = None
-    _worker: subprocess.Popen[bytes] | None = None
+    _workers: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
     _threads: list[threading.Thread] = field(default_factory=list)
     _previous_run: dict[str, Any] = field(default_factory=dict)
 
@@ -119,7 +123,7 @@ class Stack:
                 self.bootstrap = self.broker.bootstrap
             # Every topic with its partition count before anything writes (an auto-created one gets 1).
             ensure_topics(self.bootstrap)
-            self._start_worker()
+            self._start_workers()
             self.store = (
                 AuditStore(cfg.clickhouse, cfg.database, audit_layout(Settings.load()))
                 if cfg.clickhouse
@@ -132,7 +136,7 @@ class Stack:
                 self.metrics = MetricsServer(cfg.metrics_host, cfg.metrics_port).start()
             if cfg.api_port is not None:
                 self._start_api()
-            self._wait_worker_ready()
+            self._wait_workers_ready()
             if cfg.supervise:
                 self.supervisor = Supervisor(
                     self._components(),
@@ -185,11 +189,20 @@ class Stack:
                 )
             if pid is not None:
                 log.warning("stale %s of pid %s (no longer running): replacing it", self.runtime_file, pid)
+        if not 1 <= cfg.workers <= DEFAULT_PARTITIONS:
+            raise StackError(
+                f"--workers {cfg.workers}: between 1 and the topics' partition count ({DEFAULT_PARTITIONS}); "
+                "a worker beyond it would get no partition and judge nothing"
+            )
         checks = [
             (cfg.api_host, cfg.api_port, "--api-port (operator API)"),
             (cfg.metrics_host, cfg.metrics_port, "--metrics-address (metrics listener)"),
-            ("127.0.0.1", cfg.worker_metrics_port, "--metrics-port (streams worker metrics)"),
         ]
+        if cfg.worker_metrics_port:
+            checks += [
+                ("127.0.0.1", cfg.worker_metrics_port + i, f"--metrics-port (streams worker {i} metrics: port + {i})")
+                for i in range(cfg.workers)
+            ]
         if not cfg.bootstrap and cfg.broker_port:
             checks.append(("127.0.0.1", cfg.broker_port, "--broker-port (embedded broker)"))
         for host, port, what in checks:
@@ -250,16 +263,15 @@ class Stack:
         if self.broker is not None:
             broker = self.broker
             comps.append(Component("broker", broker.alive, self._restart_broker, broker.exit_status))
-        comps.append(
-            Component(
-                "streams-worker",
-                lambda: self._worker is not None and self._worker.poll() is None,
-                self._restart_worker,
-                lambda: (
-                    describe_returncode(self._worker.poll() if self._worker else None) + f"; log {self._worker_log}.1"
-                ),
+        for i in range(self.config.workers):
+            comps.append(
+                Component(
+                    self.worker_name(i),
+                    partial(self.worker_alive, i),
+                    partial(self._restart_worker, i),
+                    partial(self._worker_exit, i),
+                )
             )
-        )
         comps.append(Component("executor", lambda: self._thread_alive("executor"), self._start_executor, _thread_ended))
         comps.append(Component("audit-sink", lambda: self._thread_alive("audit-sink"), self._start_sink, _thread_ended))
         if self.console_feed is not None:
@@ -274,12 +286,17 @@ class Stack:
             comps.append(Component("metrics", lambda: metrics.alive, metrics.restart, _thread_ended))
         return comps
 
-    def _restart_worker(self) -> None:
-        if self._worker is not None and self._worker.poll() is None:
-            self._worker.kill()
-            self._worker.wait(30)
-        self._start_worker()
-        self._wait_worker_ready()
+    def _worker_exit(self, i: int) -> str:
+        proc = self._workers.get(i)
+        return describe_returncode(proc.poll() if proc else None) + f"; log {self.worker_log(i)}.1"
+
+    def _restart_worker(self, i: int) -> None:
+        proc = self._workers.get(i)
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        self._start_worker(i)
+        self._wait_worker_ready(i)
 
     def _restart_broker(self) -> None:
         """Memory-only: the new broker is empty. Same port, topics recreated with their partition
@@ -293,7 +310,8 @@ class Stack:
             "the audit keeps what was recorded",
             self.bootstrap,
         )
-        self._restart_worker()
+        for i in range(self.config.workers):
+            self._restart_worker(i)
 
     def _restart_feed(self) -> None:
         assert self.console_feed is not None
@@ -369,13 +387,38 @@ class Stack:
         except ApiError as exc:
             raise StackError(str(exc)) from None
 
-    def _start_worker(self) -> None:
+    # --- streams workers ---------------------------------------------------------------
+
+    def worker_name(self, i: int) -> str:
+        return "streams-worker" if i == 0 else f"streams-worker-{i}"
+
+    def worker_log(self, i: int) -> Path:
+        return self.logs_dir / ("streams.log" if i == 0 else f"streams-{i}.log")
+
+    def worker_alive(self, i: int) -> bool:
+        proc = self._workers.get(i)
+        return proc is not None and proc.poll() is None
+
+    def worker(self, i: int = 0) -> subprocess.Popen[bytes] | None:
+        return self._workers.get(i)
+
+    def _start_workers(self) -> None:
+        for i in range(self.config.workers):
+            self._start_worker(i)
+
+    def _start_worker(self, i: int = 0) -> None:
         cfg = self.config
         env = dict(os.environ)
         # Only what `up` itself decides: the rest the worker reads from the settings as `up` did.
         env.update(TRAINMEDIC_BOOTSTRAP=self.bootstrap, TRAINMEDIC_MODES_FILE=str(self.modes_path))
-        # Faust's local folder beside the rest of this run's data, unless the settings name one.
-        env.setdefault("TRAINMEDIC_STREAMS_DATA_DIR", str((cfg.data_dir / "streams").resolve()))
+        # Faust's local folder beside the rest of this run's data, one per worker, unless the settings name one.
+        if "TRAINMEDIC_STREAMS_DATA_DIR" in env:
+            if i:
+                env["TRAINMEDIC_STREAMS_DATA_DIR"] = f"{env['TRAINMEDIC_STREAMS_DATA_DIR']}-{i}"
+        else:
+            env["TRAINMEDIC_STREAMS_DATA_DIR"] = str(
+                (cfg.data_dir / ("streams" if i == 0 else f"streams-{i}")).resolve()
+            )
         if cfg.settle_s is not None:
             env["TRAINMEDIC_SETTLE_S"] = str(cfg.settle_s)
         if cfg.collateral_wait_s is not None:
@@ -387,13 +430,13 @@ class Stack:
         if cfg.mode:
             env["TRAINMEDIC_MODE"] = cfg.mode
         if cfg.worker_metrics_port:
-            env["TRAINMEDIC_METRICS_PORT"] = str(cfg.worker_metrics_port)
-        self._worker_log = self.logs_dir / "streams.log"
-        if self._worker_log.exists() and self._worker_log.stat().st_size:
-            self._worker_log.replace(self._worker_log.with_suffix(".log.1"))  # the last run's, for the post-mortem
-        self._worker_log.write_bytes(b"")
-        with open(self._worker_log, "ab") as out:
-            self._worker = subprocess.Popen(
+            env["TRAINMEDIC_METRICS_PORT"] = str(cfg.worker_metrics_port + i)
+        log_path = self.worker_log(i)
+        if log_path.exists() and log_path.stat().st_size:
+            log_path.replace(log_path.with_suffix(".log.1"))  # the last run's, for the post-mortem
+        log_path.write_bytes(b"")
+        with open(log_path, "ab") as out:
+            self._workers[i] = subprocess.Popen(
                 [sys.executable, "-m", "trainmedic.streams_worker", "worker", "--without-web", "-l", "info"],
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -402,24 +445,30 @@ class Stack:
                 preexec_fn=die_with_parent(),  # a killed `up` takes the worker with it
             )
 
-    def _wait_worker_ready(self) -> None:
+    def _wait_workers_ready(self) -> None:
+        for i in range(self.config.workers):
+            self._wait_worker_ready(i)
+
+    def _wait_worker_ready(self, i: int = 0) -> None:
         deadline = time.monotonic() + self.config.worker_ready_timeout_s
+        log_path = self.worker_log(i)
         while time.monotonic() < deadline:
-            if self._worker is None or self._worker.poll() is not None:
-                tail = self._worker_log.read_text(errors="replace")[-3000:]
-                raise StackError(f"the streams worker exited at start; its log ({self._worker_log}) ends:\n{tail}")
-            if b"[^Worker]: Ready" in self._worker_log.read_bytes():
+            if not self.worker_alive(i):
+                tail = log_path.read_text(errors="replace")[-3000:]
+                raise StackError(f"{self.worker_name(i)} exited at start; its log ({log_path}) ends:\n{tail}")
+            if b"[^Worker]: Ready" in log_path.read_bytes():
                 return
             time.sleep(0.2)
         raise StackError(
-            f"the streams worker was not ready within {self.config.worker_ready_timeout_s:.0f} s; see {self._worker_log}"
+            f"{self.worker_name(i)} was not ready within {self.config.worker_ready_timeout_s:.0f} s; see {log_path}"
         )
 
     def check_alive(self) -> None:
         """Raise StackError naming the component that died."""
-        if self._worker is None or self._worker.poll() is not None:
-            tail = self._worker_log.read_text(errors="replace")[-2000:]
-            raise StackError(f"the streams worker died; its log ({self._worker_log}) ends:\n{tail}")
+        for i in range(self.config.workers):
+            if not self.worker_alive(i):
+                tail = self.worker_log(i).read_text(errors="replace")[-2000:]
+                raise StackError(f"{self.worker_name(i)} died; its log ({self.worker_log(i)}) ends:\n{tail}")
         if self.broker is not None and not self.broker.alive():
             raise StackError("the embedded broker died; see its log in " + str(self.logs_dir / "broker.log"))
         if self.console_feed is not None and not self.console_feed.alive:
@@ -451,14 +500,16 @@ class Stack:
         for t in self._threads:
             t.join(timeout=15)
         self._threads.clear()
-        if self._worker is not None and self._worker.poll() is None:
-            self._worker.terminate()
+        for proc in self._workers.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self._workers.values():
             try:
-                self._worker.wait(timeout=15)
+                proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
-                self._worker.kill()
-                self._worker.wait()
-        self._worker = None
+                proc.kill()
+                proc.wait()
+        self._workers.clear()
         if self.broker is not None:
             self.broker.stop()
         if self.store is not None:

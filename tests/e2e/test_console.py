@@ -341,7 +341,7 @@ def test_console_shows_a_fault_live_and_approves_it(console_stack: dict[str, Any
             # console says which part of trainmedic is down until the supervisor has it back.
             banner = page.get_by_role("alert").filter(has_text="trainmedic degraded")
             expect(banner).to_be_hidden()
-            worker = stack._worker
+            worker = stack.worker(0)
             assert worker is not None
             os.kill(worker.pid, signal.SIGKILL)
             expect(banner).to_contain_text("streams-worker")

@@ -111,7 +111,7 @@ def test_token_file_readable_by_others_is_refused_before_anything_starts(
     stack = Stack(StackConfig(data_dir=data, bootstrap=broker.bootstrap, api_port=0), SimulatedScheduler([]))
     with pytest.raises(StackError, match=r"api-token: mode 0644 lets other users read or change the token; refused"):
         stack.start()
-    assert stack._worker is None and stack.store is None  # refused before start-up work
+    assert stack.worker(0) is None and stack.store is None  # refused before start-up work
     assert not (data / "logs").exists()
 
 

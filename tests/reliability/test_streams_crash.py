@@ -56,12 +56,12 @@ def _partition(key: str) -> int:
 
 
 def _kill_and_restart_worker(stack: Stack) -> None:
-    worker = stack._worker
+    worker = stack.worker(0)
     assert worker is not None and worker.poll() is None
     worker.kill()  # SIGKILL: no shutdown, no final offset commit
     worker.wait(30)
-    stack._start_worker()
-    stack._wait_worker_ready()
+    stack._start_worker(0)
+    stack._wait_worker_ready(0)
 
 
 # A restarted worker recovers its tables from the changelogs and waits out the dead member's
@@ -75,7 +75,7 @@ def _after_restart(stack: Stack, what: str, probe: Callable[[], Any]) -> Any:
     try:
         return wait_for(what, probe, timeout=RESTART_WAIT_S)
     except pytest.fail.Exception:
-        log = stack._worker_log
+        log = stack.worker_log(0)
         tail = log.read_text(errors="replace")[-4000:] if log is not None and log.exists() else "(no log)"
         pytest.fail(f"timed out after {RESTART_WAIT_S:.0f} s waiting for {what}; the worker's log ends:\n{tail}")
 

@@ -1,0 +1,342 @@
+"""Several streams workers split the jobs between them, and lose nothing when one dies.
+
+Real broker, real Faust workers (`trainmedic up --workers N`'s Stack), real chDB audit:
+
+- the same fault set through 1 and 3 workers yields the same incidents (ids, jobs, culprits,
+  categories), and with 3 the jobs really were split (each worker attributed partitions of its own);
+- the worker that attributes a job is SIGKILLed between the first symptoms and the root cause: a
+  surviving worker takes the partition over, reads the evidence back, and the one incident (one id,
+  audited once) holds the evidence from before and after the kill;
+- a worker joins during a storm of faults: every faulted job gets exactly one incident.
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+from aiokafka.partitioner import murmur2  # type: ignore[import-untyped]
+
+from bus.publish import Publisher
+from producers.joblogs import JobLayout, JobLogProducer
+from producers.kernel import KernelLogProducer
+from schemas.events import Event, GpuMetrics, GpuSample, HealthEvent, SchedEvent
+from schemas.topics import DEFAULT_PARTITIONS, GPU_SAMPLES, HEALTH_EXTERNAL, SCHED_EVENTS, Topic
+from sinks.audit import AuditStore
+from sinks.backends.simulated import SimulatedScheduler
+from tests.conftest import wait_for
+from tests.integration.scenario import RANKS_PER_NODE, watchdog_line, xid79_line
+from trainmedic.broker import EmbeddedBroker
+from trainmedic.runtime import Stack, StackConfig
+
+NODES = [f"gpu{n:02d}" for n in range(1, 17)]
+IDLE_NODE = "gpu16"
+
+
+class Recorder:
+    """Takes what the real producers publish, so that two runs replay the very same events."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[Topic, Event]] = []
+
+    def publish(self, topic: Topic, event: Event) -> None:
+        self.events.append((topic, event))
+
+    def flush(self, timeout: float = 0) -> int:
+        return 0
+
+
+def _replay(bootstrap: str, events: list[tuple[Topic, Event]]) -> None:
+    pub = Publisher(bootstrap, "test-producer")
+    for topic, event in events:
+        pub.publish(topic, event)
+    assert pub.flush(10) == 0
+
+
+def _running(job: str, nodes: list[str]) -> SchedEvent:
+    return SchedEvent(
+        event_id=f"run-{job}", event_time=time.time(), kind="job", job_id=job, state="RUNNING", nodes=nodes
+    )
+
+
+def _kernel_xid(rec: Recorder, tmp: Path, node: str) -> None:
+    kern = tmp / f"kern-{node}.log"
+    kern.write_text(xid79_line(node) + "\n")
+    KernelLogProducer(cast(Publisher, rec), kern, node=node, from_start=True).poll_once()
+
+
+def _collateral(rec: Recorder, tmp: Path, job: str, nodes: list[str], culprit: str) -> None:
+    """NCCL watchdog timeouts on every rank but the culprit's: symptoms, no cause."""
+    paths = {}
+    for i, node in enumerate(nodes):
+        path = tmp / f"{job}-{node}.log"
+        lines = (
+            [] if node == culprit else [watchdog_line(r) for r in range(i * RANKS_PER_NODE, (i + 1) * RANKS_PER_NODE)]
+        )
+        path.write_text("".join(x + "\n" for x in lines))
+        paths[node] = path
+    JobLogProducer(
+        cast(Publisher, rec),
+        job,
+        list(paths.values()),
+        JobLayout(tuple(nodes), RANKS_PER_NODE),
+        node_of_path={p: n for n, p in paths.items()},
+    ).poll_once()
+
+
+def _fault_set(tmp: Path) -> tuple[list[tuple[Topic, Event]], list[tuple[Topic, Event]], dict[str, str]]:
+    """Placements, then one fault per job of a different kind each, and one on an idle node.
+    Returns (placements, faults, job -> culprit node)."""
+    jobs = {f"j{i}": NODES[2 * i : 2 * i + 2] for i in range(6)}
+    placed = Recorder()
+    for job, nodes in jobs.items():
+        placed.publish(SCHED_EVENTS, _running(job, nodes))
+    rec = Recorder()
+    culprits = {}
+    # j0: the cascade - NCCL timeouts everywhere, the Xid 79 in the culprit's kernel log.
+    culprits["j0"] = jobs["j0"][1]
+    _collateral(rec, tmp, "j0", jobs["j0"], culprits["j0"])
+    _kernel_xid(rec, tmp, culprits["j0"])
+    # j1: a kernel Xid only (node-level evidence, re-keyed to the job).
+    culprits["j1"] = jobs["j1"][0]
+    _kernel_xid(rec, tmp, culprits["j1"])
+    # j2: NVML says a GPU is lost.
+    culprits["j2"] = jobs["j2"][1]
+    rec.publish(
+        GPU_SAMPLES,
+        GpuSample(
+            event_id=f"nvml-{culprits['j2']}",
+            event_time=time.time(),
+            node=culprits["j2"],
+            collector="nvml",
+            gpus=[GpuMetrics(index=0, utilization_pct=97.0), GpuMetrics(index=1, lost=True)],
+        ),
+    )
+    # j3: NVSentinel reports a fatal Xid 48 on a node.
+    culprits["j3"] = jobs["j3"][0]
+    rec.publish(
+        HEALTH_EXTERNAL,
+        HealthEvent(
+            event_id=f"nvs-{culprits['j3']}",
+            event_time=time.time(),
+            origin="nvsentinel",
+            node=culprits["j3"],
+            check_name="SysLogsXIDError",
+            component="GPU",
+            component_ids=["0"],
+            error_codes=["48"],
+            is_fatal=True,
+            recommended_action="RESTART_VM",
+            message="XID 48 DBE",
+        ),
+    )
+    # j4: the cascade on its other node; j5 stays healthy.
+    culprits["j4"] = jobs["j4"][0]
+    _collateral(rec, tmp, "j4", jobs["j4"], culprits["j4"])
+    _kernel_xid(rec, tmp, culprits["j4"])
+    # An idle node: a node incident.
+    _kernel_xid(rec, tmp, IDLE_NODE)
+    return placed.events, rec.events, culprits
+
+
+def _stack(bootstrap: str, chdb_url: str, database: str, tmp: Path, workers: int, **kw: Any) -> Stack:
+    return Stack(
+        StackConfig(
+            data_dir=tmp,
+            bootstrap=bootstrap,
+            clickhouse=chdb_url,
+            database=database,
+            mode="monitor",
+            settle_s=1.0,
+            collateral_wait_s=kw.pop("collateral_wait_s", 3.0),
+            workers=workers,
+            worker_ready_timeout_s=180.0,
+            **kw,
+        ),
+        SimulatedScheduler(NODES),
+    ).start()
+
+
+def _incidents(store: AuditStore) -> list[dict[str, object]]:
+    return store.query("SELECT incident_id, job_id, culprit_node, category FROM {db}.incidents FINAL")
+
+
+def _assigned(stack: Stack, i: int) -> list[int]:
+    """The partitions worker i attributes now (its last 'attributing partitions' line)."""
+    found = re.findall(r"attributing partitions \[([0-9, ]*)\]", stack.worker_log(i).read_text(errors="replace"))
+    return [int(p) for p in found[-1].split(",") if p.strip()] if found else []
+
+
+def _partition(key: str) -> int:
+    return int((murmur2(key.encode()) & 0x7FFFFFFF) % DEFAULT_PARTITIONS)
+
+
+@pytest.fixture
+def second_broker() -> Iterator[EmbeddedBroker]:
+    b = EmbeddedBroker().start()
+    try:
+        yield b
+    finally:
+        b.stop()
+
+
+def _run(bootstrap: str, chdb_url: str, database: str, tmp: Path, workers: int, fault_set: Any) -> Any:
+    placed, faults, culprits = fault_set
+    stack = _stack(bootstrap, chdb_url, database, tmp, workers)
+    try:
+        store = stack.store
+        assert store is not None
+        if workers > 1:
+            # Every worker has its share before the faults (the group settled).
+            wait_for(
+                "every worker attributing partitions",
+                lambda: (
+                    all(_assigned(stack, i) for i in range(workers))
+                    and sum(len(_assigned(stack, i)) for i in range(workers)) == DEFAULT_PARTITIONS
+                ),
+                timeout=120,
+            )
+        _replay(bootstrap, placed)
+        time.sleep(2.0)  # the placements first, as the Slurm producer's snapshot would be
+        _replay(bootstrap, faults)
+        found = wait_for("an incident per faulted job and the idle node", lambda: len(_incidents(store)) >= 6 or None)
+        time.sleep(5.0)  # the collateral wait and hold: nothing more may come
+        shares = [_assigned(stack, i) for i in range(workers)]
+        return (
+            sorted(
+                (str(r["incident_id"]), str(r["job_id"]), str(r["culprit_node"]), str(r["category"]))
+                for r in _incidents(store)
+            ),
+            found,
+            shares,
+            culprits,
+        )
+    finally:
+        stack.stop()
+        gc.collect()
+
+
+def test_one_and_three_workers_make_the_same_incidents(
+    broker: EmbeddedBroker, second_broker: EmbeddedBroker, chdb_url: str, database: str, tmp_path: Path
+) -> None:
+    fault_set = _fault_set(tmp_path)
+    one, _, _, culprits = _run(broker.bootstrap, chdb_url, database, tmp_path / "one", 1, fault_set)
+    three, _, shares, _ = _run(second_broker.bootstrap, chdb_url, f"{database}_3w", tmp_path / "three", 3, fault_set)
+    assert one == three
+    by_job = {job: (node, category) for _, job, node, category in one}
+    assert {j: by_job[j][0] for j in culprits} == culprits
+    assert {by_job[j][1] for j in culprits} == {"gpu_hardware"}
+    assert by_job[""][0] == IDLE_NODE and "j5" not in by_job  # the idle node's own incident; the healthy job none
+    assert len(one) == 6
+    # With three workers the jobs were judged in three places, each partition by one worker.
+    assert all(shares) and sorted(p for s in shares for p in s) == list(range(DEFAULT_PARTITIONS))
+
+
+def test_a_worker_killed_mid_fault_hands_its_jobs_over_and_the_incident_is_made_once(
+    broker: EmbeddedBroker, chdb_url: str, database: str, tmp_path: Path
+) -> None:
+    job, nodes = "k1", NODES[:4]
+    culprit = nodes[2]
+    stack = _stack(broker.bootstrap, chdb_url, database, tmp_path, 3, collateral_wait_s=60.0)
+    try:
+        store = stack.store
+        assert store is not None
+        wait_for(
+            "every worker attributing partitions",
+            lambda: (
+                sum(len(_assigned(stack, i)) for i in range(3)) == DEFAULT_PARTITIONS
+                and all(_assigned(stack, i) for i in range(3))
+            ),
+            timeout=120,
+        )
+        owner = next(i for i in range(3) if _partition(job) in _assigned(stack, i))
+        _replay(broker.bootstrap, [(SCHED_EVENTS, _running(job, nodes))])
+        time.sleep(2.0)
+        before = Recorder()
+        _collateral(before, tmp_path, job, nodes, culprit)
+        _replay(broker.bootstrap, before.events)
+        # The owner consumed the symptoms (and, past Faust's commit interval, committed them) and
+        # holds them in an open group, waiting for a cause: now it dies without a word.
+        seen = wait_for(
+            "the symptoms in the audit",
+            lambda: (
+                r
+                if len(
+                    r := store.query("SELECT event_id FROM {db}.anomalies FINAL WHERE job_id = {j:String}", {"j": job})
+                )
+                >= len(nodes) - 1
+                else None
+            ),
+        )
+        time.sleep(4.0)
+        proc = stack.worker(owner)
+        assert proc is not None
+        proc.kill()
+        proc.wait(30)
+        survivors = [i for i in range(3) if i != owner]
+        wait_for(
+            f"partition {_partition(job)} taken over",
+            lambda: any(_partition(job) in _assigned(stack, i) for i in survivors),
+            timeout=120,
+        )
+        after = Recorder()
+        _kernel_xid(after, tmp_path, culprit)
+        _replay(broker.bootstrap, after.events)
+        inc = wait_for(
+            "the incident",
+            lambda: store.query("SELECT * FROM {db}.incidents FINAL WHERE job_id = {j:String}", {"j": job}),
+            timeout=120,
+        )
+        time.sleep(5.0)
+        rows = store.query(
+            "SELECT incident_id, culprit_node, category, anomaly_ids FROM {db}.incidents FINAL WHERE job_id = {j:String}",
+            {"j": job},
+        )
+        assert len(rows) == 1, rows
+        assert (rows[0]["culprit_node"], rows[0]["category"]) == (culprit, "gpu_hardware")
+        taken = set(cast(list[str], rows[0]["anomaly_ids"]))
+        assert {str(r["event_id"]) for r in seen} <= taken  # the dead worker's evidence carried over
+        assert inc[0]["incident_id"] == rows[0]["incident_id"]
+    finally:
+        stack.stop()
+        gc.collect()
+
+
+def test_a_worker_joining_during_a_storm_loses_no_incident_and_doubles_none(
+    broker: EmbeddedBroker, chdb_url: str, database: str, tmp_path: Path
+) -> None:
+    jobs = {f"s{i}": NODES[2 * i : 2 * i + 2] for i in range(8)}
+    stack = _stack(broker.bootstrap, chdb_url, database, tmp_path, 2)
+    try:
+        store = stack.store
+        assert store is not None
+        placed = Recorder()
+        for job, nodes in jobs.items():
+            placed.publish(SCHED_EVENTS, _running(job, nodes))
+        _replay(broker.bootstrap, placed.events)
+        time.sleep(2.0)
+        for n, (job, nodes) in enumerate(jobs.items()):
+            rec = Recorder()
+            _collateral(rec, tmp_path, job, nodes, nodes[1])  # symptoms first ...
+            _kernel_xid(rec, tmp_path, nodes[1])  # ... then the cause
+            _replay(broker.bootstrap, rec.events)
+            if n == 2:
+                stack._start_worker(2)  # a third worker joins: the group rebalances mid-storm
+            time.sleep(0.3)
+        stack._wait_worker_ready(2)
+        wait_for("an incident per job", lambda: len(_incidents(store)) >= len(jobs) or None, timeout=180)
+        time.sleep(6.0)
+        rows = _incidents(store)
+        per_job: dict[str, list[str]] = {}
+        for r in rows:
+            per_job.setdefault(str(r["job_id"]), []).append(str(r["incident_id"]))
+        assert sorted(per_job) == sorted(jobs) and all(len(ids) == 1 for ids in per_job.values()), per_job
+        assert _assigned(stack, 2), "the joining worker never got a partition"
+    finally:
+        stack.stop()
+        gc.collect()
