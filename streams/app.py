@@ -193,7 +193,11 @@ attributor = Attributor(settle_s=SETTINGS.settle_s, collateral_wait_s=SETTINGS.c
 # Operator mode changes: the API's state file when this host sees it, then mode.changes.
 modes = ModeState(BOOTSTRAP, SETTINGS.modes_file)
 LIVENESS = health.loop("streams", stale_after_s=60.0)
-policies = PolicyStore(str(SETTINGS.policy) if SETTINGS.policy else None, SETTINGS.mode, modes)
+# job id -> the restarts policy ordered ([action id, time] pairs, streams.policy_store.RestartLedger):
+# written by apply_policy for the job's incidents partition, so the changelog partition is the
+# job's, and a restarted worker or the one the partition moves to recovers the budget with it.
+restart_budget = app.Table("restart_budget", partitions=DEFAULT_PARTITIONS, help="job id -> restarts ordered")
+policies = PolicyStore(str(SETTINGS.policy) if SETTINGS.policy else None, SETTINGS.mode, modes, restart_budget)
 
 
 _recovery_lock = asyncio.Lock()
@@ -220,23 +224,20 @@ def owns(group_key: str) -> bool:
 
 
 async def _read_back() -> None:
-    """Take back the incidents, restarts, job placements and pending evidence previous workers
-    published, then keep only the groups this worker owns. Safe to repeat: an incident or restart
-    read twice is counted once, an anomaly already held is refused."""
+    """Take back the incidents, job placements and pending evidence previous workers published,
+    then keep only the groups this worker owns. Safe to repeat: an incident read twice holds its
+    job once, an anomaly already held is refused. (The restart budget is a table: not read here.)"""
     now = time.time()
-    window_s = policies.policy.restart_budget.window_h * 3600
     history = await asyncio.get_running_loop().run_in_executor(
-        None, read_history, BOOTSTRAP, now, attributor.hold_s, window_s, ALLOCATION_TTL_S
+        None, read_history, BOOTSTRAP, now, attributor.hold_s, ALLOCATION_TTL_S
     )
     holding = attributor.restore(history.incidents, history.sched, now, history.anomalies)
-    restarts = policies.restore(history.actions)
     dropped = attributor.retain(owns)
     log.info(
-        "state read back from the topics: %d incidents (%d still holding their job), %d restarts, "
+        "state read back from the topics: %d incidents (%d still holding their job), "
         "%d job states, %d anomalies (%d groups pending here, %d left to other workers), %d undecodable",
         len(history.incidents),
         holding,
-        restarts,
         len(history.sched),
         len(history.anomalies),
         attributor.pending(),

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
-from collections import deque
-from collections.abc import Sequence
+from collections.abc import MutableMapping
 from pathlib import Path
+from typing import Any
 
 from schemas.events import Action, Decision, Incident
 from schemas.vocab import MODES, Mode
@@ -17,6 +17,39 @@ from streams.policy import DEFAULT_POLICY, RESTARTS, Policy, PolicyError, decide
 log = logging.getLogger("trainmedic.policy")
 
 
+class RestartLedger:
+    """The restarts policy ordered, per job: what the restart budget counts.
+
+    Held in `store`: in the streams worker a Faust Table keyed by job id with a changelog, written
+    by the worker that owns the job's `incidents` partition, so a restarted worker and the worker a
+    partition moves to take the budget along. A value is a list of [action id, time]: each action
+    id counts once, so an incident delivered twice spends one restart, not two. Values are
+    replaced, never changed in place (a table only records what is assigned).
+    """
+
+    def __init__(self, store: MutableMapping[str, Any] | None = None) -> None:
+        self._store: MutableMapping[str, Any] = store if store is not None else {}
+
+    def recent(self, job_id: str, now: float, window_s: float) -> int:
+        """Restarts of the job within the window (older ones are forgotten)."""
+        entries = self._store.get(job_id) or []
+        kept = [e for e in entries if now - float(e[1]) <= window_s]
+        if len(kept) != len(entries):
+            if kept:
+                self._store[job_id] = kept
+            else:
+                del self._store[job_id]
+        return len(kept)
+
+    def count(self, job_id: str, action_id: str, at: float) -> bool:
+        """Count one restart; False when this action id was counted already."""
+        entries = list(self._store.get(job_id) or [])
+        if any(e[0] == action_id for e in entries):
+            return False
+        self._store[job_id] = sorted([*entries, [action_id, at]], key=lambda e: float(e[1]))
+        return True
+
+
 class PolicyStore:
     """Policy file + operator mode changes (streams.modes) (+ a whole-run override for demos/tests).
 
@@ -25,7 +58,11 @@ class PolicyStore:
     in monitor mode everywhere."""
 
     def __init__(
-        self, path: str | Path | None = None, mode_override: str | None = None, modes: ModeState | None = None
+        self,
+        path: str | Path | None = None,
+        mode_override: str | None = None,
+        modes: ModeState | None = None,
+        restarts: MutableMapping[str, Any] | None = None,
     ) -> None:
         self.path = Path(path) if path else DEFAULT_POLICY
         self.modes = modes
@@ -41,10 +78,8 @@ class PolicyStore:
         self._policy = self._load()
         metrics.show_modes(self._policy)
         # Restarts policy ordered per job: the restart budget (the only one: the executor's
-        # guardrails keep cluster-wide caps) counts them. A worker restart takes them back
-        # from the actions topic (`restore`).
-        self._restarts: dict[str, deque[float]] = {}
-        self._counted: dict[str, float] = {}  # action id -> when: each restart counted once
+        # guardrails keep cluster-wide caps) counts them; `restarts` is where they are kept.
+        self.restarts = RestartLedger(restarts)
 
     def _stat(self) -> tuple[float, int, bool]:
         try:
@@ -80,43 +115,12 @@ class PolicyStore:
                 log.error("policy reload refused, keeping the previous one: %s", exc)
         return self._policy
 
-    def restore(self, actions: Sequence[Action]) -> int:
-        """Count the restarts a previous worker ordered (read back from the actions topic),
-        so that a worker restart does not reset any job's restart budget."""
-        restored = 0
-        for a in sorted(actions, key=lambda a: a.event_time):
-            # The same action published twice (a crash between send and commit), or read back again
-            # when partitions move between workers: counted once.
-            if (
-                a.requested_by == "policy"
-                and a.action in RESTARTS
-                and a.job_id
-                and self._count(a.action_id, a.job_id, a.event_time)
-            ):
-                restored += 1
-        return restored
-
-    def _count(self, action_id: str, job_id: str, at: float) -> bool:
-        """Count one restart toward the job's budget, once per action id."""
-        if action_id in self._counted:
-            return False
-        self._counted[action_id] = at
-        times = self._restarts.setdefault(job_id, deque())
-        times.append(at)
-        if len(times) > 1 and times[-2] > at:  # read back out of order
-            self._restarts[job_id] = deque(sorted(times))
-        return True
-
     def decide(self, incident: Incident, now: float) -> tuple[Decision, Action | None]:
         policy = self.policy
         window_s = policy.restart_budget.window_h * 3600
-        times = self._restarts.setdefault(incident.job_id or "", deque())
-        while times and now - times[0] > window_s:
-            times.popleft()
-        decision, action = decide(policy, incident, now, recent_restarts=len(times))
+        recent = self.restarts.recent(incident.job_id, now, window_s) if incident.job_id else 0
+        decision, action = decide(policy, incident, now, recent_restarts=recent)
         if action is not None and action.action in RESTARTS and incident.job_id:
             # An incident delivered twice decides the same action id: one restart, not two.
-            self._count(action.action_id, incident.job_id, now)
-        for aid in [a for a, at in self._counted.items() if now - at > window_s]:
-            del self._counted[aid]
+            self.restarts.count(incident.job_id, action.action_id, now)
         return decision, action

@@ -1,11 +1,13 @@
 """Rebuild the streams worker's state from the Kafka log after a (re)start.
 
-Attribution (which jobs already had an incident, which node runs which job) and
-the restart budget live in worker memory. A worker that restarts after a crash
+Attribution (which jobs already had an incident, which node runs which job, the
+evidence still waiting for its incident) lives in worker memory. (The restart
+budget and the placements are Faust tables with changelogs: they need no read-back.) A worker that restarts after a crash
 would otherwise treat a redelivered or late anomaly of an already handled fault
 as a new fault: a second incident and a second drain. The topics themselves are
 the durable record of what the worker decided, so it reads back the recent
-incidents, actions and job states before it consumes anything new.
+incidents, anomalies and job states before it consumes anything new, and so does
+a worker that receives another's partitions (streams/app.py `_take_over`).
 
 Kafka's offsets-for-times positions each partition near `since`; brokers that
 do not index time (the embedded Tansu answers offset 0) are read from the start
@@ -20,9 +22,9 @@ from typing import TypeVar
 
 from bus.consume import read_records
 from schemas.codec import DecodeError, decode
-from schemas.events import Action, Anomaly, Event, Incident, SchedEvent
+from schemas.events import Anomaly, Event, Incident, SchedEvent
 from schemas.ids import current_cluster
-from schemas.topics import ACTIONS, ANOMALIES, INCIDENTS, SCHED_EVENTS
+from schemas.topics import ANOMALIES, INCIDENTS, SCHED_EVENTS
 
 log = logging.getLogger("trainmedic.streams.recovery")
 E = TypeVar("E", bound=Event)
@@ -33,7 +35,6 @@ class History:
     """What the worker had already seen and done, oldest first per kind."""
 
     incidents: list[Incident] = field(default_factory=list)
-    actions: list[Action] = field(default_factory=list)
     sched: list[SchedEvent] = field(default_factory=list)
     # The evidence of the hold window with each record's time (when it reached the topic, i.e.
     # about when the worker consumed it): what a worker that died had consumed (and perhaps
@@ -56,8 +57,8 @@ def _decoded(kind: type[E], records: list[tuple[float, bytes]], history: History
     return out
 
 
-def read_history(bootstrap: str, now: float, incidents_s: float, actions_s: float, sched_s: float) -> History:
-    """The recent incidents, anomalies, actions and job states: each kind as far back as it still
+def read_history(bootstrap: str, now: float, incidents_s: float, sched_s: float) -> History:
+    """The recent incidents, anomalies and job states: each kind as far back as it still
     matters. Anomalies of the hold window (`incidents_s`), and incidents of twice that: an anomaly
     absorbed by an incident up to one hold before it must find that incident when replayed."""
     history = History()
@@ -70,6 +71,5 @@ def read_history(bootstrap: str, now: float, incidents_s: float, actions_s: floa
             continue
         if anomaly.cluster == current_cluster():
             history.anomalies.append((at, anomaly))
-    history.actions = _decoded(Action, read_records(bootstrap, ACTIONS.name, now - actions_s), history)
     history.sched = _decoded(SchedEvent, read_records(bootstrap, SCHED_EVENTS.name, now - sched_s), history)
     return history

@@ -151,7 +151,7 @@ def _stack(bootstrap: str, chdb_url: str, database: str, tmp: Path, workers: int
             bootstrap=bootstrap,
             clickhouse=chdb_url,
             database=database,
-            mode="monitor",
+            mode=kw.pop("mode", "monitor"),
             settle_s=1.0,
             collateral_wait_s=kw.pop("collateral_wait_s", 3.0),
             workers=workers,
@@ -337,6 +337,67 @@ def test_a_worker_joining_during_a_storm_loses_no_incident_and_doubles_none(
             per_job.setdefault(str(r["job_id"]), []).append(str(r["incident_id"]))
         assert sorted(per_job) == sorted(jobs) and all(len(ids) == 1 for ids in per_job.values()), per_job
         assert _assigned(stack, 2), "the joining worker never got a partition"
+    finally:
+        stack.stop()
+        gc.collect()
+
+
+def test_the_restart_budget_moves_with_the_job_to_the_worker_that_takes_it_over(
+    broker: EmbeddedBroker, chdb_url: str, database: str, tmp_path: Path
+) -> None:
+    """Autonomous, one restart allowed: the first fault restarts the job; its owner is then
+    SIGKILLed, and the worker that takes the job over recovers the budget (a Faust table) and
+    stops the job at the next fault instead of restarting it again."""
+    default = (Path(__file__).resolve().parents[2] / "streams" / "policies" / "default.yaml").read_text()
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(default.replace("restart_budget: {max_restarts: 3,", "restart_budget: {max_restarts: 1,", 1))
+    job, nodes = "b1", NODES[:4]
+    stack = _stack(broker.bootstrap, chdb_url, database, tmp_path, 3, policy=policy, mode="autonomous")
+    try:
+        store = stack.store
+        assert store is not None
+        wait_for(
+            "every worker attributing partitions",
+            lambda: (
+                sum(len(_assigned(stack, i)) for i in range(3)) == DEFAULT_PARTITIONS
+                and all(_assigned(stack, i) for i in range(3))
+            ),
+            timeout=120,
+        )
+        owner = next(i for i in range(3) if _partition(job) in _assigned(stack, i))
+
+        def decisions() -> list[dict[str, object]]:
+            return store.query(
+                "SELECT incident_id, action, rule FROM {db}.decisions FINAL WHERE job_id = {j:String} ORDER BY event_time",
+                {"j": job},
+            )
+
+        _replay(broker.bootstrap, [(SCHED_EVENTS, _running(job, nodes))])
+        time.sleep(2.0)
+        first = Recorder()
+        _kernel_xid(first, tmp_path, nodes[1])
+        _replay(broker.bootstrap, first.events)
+        (d1,) = wait_for("the first decision", lambda: decisions() or None, timeout=60)
+        assert d1["action"] == "drain_and_requeue", d1
+        time.sleep(4.0)  # past the table's and the offsets' flush
+        proc = stack.worker(owner)
+        assert proc is not None
+        proc.kill()
+        proc.wait(30)
+        wait_for(
+            f"partition {_partition(job)} taken over",
+            lambda: any(_partition(job) in _assigned(stack, i) for i in range(3) if i != owner),
+            timeout=120,
+        )
+        # The job runs again after its requeue (a later RUNNING), then fails once more.
+        rerun = _running(job, nodes[1:] + nodes[:1]).model_copy(update={"event_id": f"rerun-{job}"})
+        _replay(broker.bootstrap, [(SCHED_EVENTS, rerun)])
+        time.sleep(2.0)
+        second = Recorder()
+        _kernel_xid(second, tmp_path, nodes[2])
+        _replay(broker.bootstrap, second.events)
+        both = wait_for("the second decision", lambda: r if len(r := decisions()) >= 2 else None, timeout=120)
+        assert both[1]["action"] == "stop" and "restart budget" in str(both[1]["rule"]), both
     finally:
         stack.stop()
         gc.collect()

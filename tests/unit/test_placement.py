@@ -6,9 +6,9 @@ from schemas.events import SchedEvent
 from streams.placement import Placement, PlacementIndex, placement_change
 
 
-def _job(job: str, state: str, nodes: list[str], t: float, kind: str = "job") -> SchedEvent:
+def _job(job: str, state: str, nodes: list[str], t: float) -> SchedEvent:
     return SchedEvent(
-        event_id=f"{job}-{state}-{t}", event_time=t, kind=kind, job_id=job, state=state, nodes=nodes, partition="gpu"
+        event_id=f"{job}-{state}-{t}", event_time=t, kind="job", job_id=job, state=state, nodes=nodes, partition="gpu"
     )
 
 
