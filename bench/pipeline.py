@@ -119,6 +119,7 @@ class ScenarioConfig:
     settle_s: float = 1.0
     collateral_wait_s: float = 5.0
     healthy_min: int = 3
+    workers: int = 1  # streams workers (one consumer group)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ScenarioConfig:
@@ -160,6 +161,7 @@ def _children() -> dict[str, int]:
     """The broker and streams worker started by this process (by their command lines)."""
     me = os.getpid()
     found: dict[str, int] = {}
+    workers: list[int] = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
@@ -174,7 +176,10 @@ def _children() -> dict[str, int]:
         if "tansu" in cmd:
             found["broker"] = int(d.name)
         elif "streams_worker" in cmd or "streams.app" in cmd:
-            found["worker"] = int(d.name)
+            workers.append(int(d.name))
+    # Several streams workers (--workers): "worker" is the first, "worker-1" ... the others.
+    for i, pid in enumerate(sorted(workers)):
+        found["worker" if i == 0 else f"worker-{i}"] = pid
     return found
 
 
@@ -254,9 +259,20 @@ def cpu_summary(rows: list[dict[str, Any]], t_from: float, t_to: float) -> dict[
     if dt_ > 0:
         # CPU the rest of the machine used meanwhile (other processes), in % of one core.
         cores = os.cpu_count() or 1
-        ours = sum(out["cpu_pct"].get(k) or 0.0 for k in ("main", "worker", "broker"))
+        ours = sum(v or 0.0 for k, v in out["cpu_pct"].items() if k in ("main", "broker") or _is_worker(k))
         out["cpu_pct"]["other processes"] = round(max(0.0, 100 * cores * db / dt_ - ours), 1)
+    workers = [v for k, v in out["cpu_pct"].items() if _is_worker(k)]
+    if workers:
+        out["cpu_pct"]["workers"] = round(sum(workers), 1)
+    # The central pipeline: streams workers + broker + the sinks (audit sink and executor threads).
+    central = [out["cpu_pct"].get(k) for k in ("broker", "main/audit-sink", "main/executor")]
+    if workers and all(v is not None for v in central):
+        out["central_cpu_pct"] = round(sum(workers) + sum(v or 0.0 for v in central), 1)
     return out
+
+
+def _is_worker(name: str) -> bool:
+    return name == "worker" or name.startswith("worker-")
 
 
 # --- lag probes -----------------------------------------------------------------------------------------
@@ -513,6 +529,7 @@ def run_scenario(cfg: ScenarioConfig) -> dict[str, Any]:
             settle_s=cfg.settle_s,
             collateral_wait_s=cfg.collateral_wait_s,
             verify_timeout_s=60.0,
+            workers=cfg.workers,
         ),
         cluster.sched,
     ).start()
@@ -951,6 +968,9 @@ def _aggregate(os_: list[dict[str, Any]], trigger: str | None) -> dict[str, Any]
 
 
 # --- scale search -------------------------------------------------------------------------------------
+# The default search grows until a size is not sustained (it stops at the first that fails); the
+# last size is NVSentinel's published 5,000-node scale and beyond.
+DEFAULT_SCALE = [64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 5120, 6144, 8192]
 
 SCALE_KINDS = ["xid79", "xid48_dbe", "cuda_oom", "ib_link_flap", "storage_full", "node_not_responding"]
 
@@ -1069,7 +1089,8 @@ class BenchOptions:
     seed: int = 7
     kinds: list[str] | None = None
     transport: str = "direct"
-    scale: list[int] | None = None  # None: the default search (not in --quick)
+    scale: list[int] | None = None  # None: the default search (not in --quick), until a size fails
+    workers: int = 1
     scale_seconds: float = 150.0
     profile_seconds: float = 30.0
     out: Path = RESULTS
@@ -1126,13 +1147,14 @@ def run_bench(o: BenchOptions) -> dict[str, Any]:
     main_ev = evaluate(raw, dataclasses.replace(assume, requeue_delay_s=cfg.requeue_delay_s))
     doc["main"] = main_ev
     o.say(f"[bench] {cfg.name} done in {time.time() - t:.0f} s: {_oneline(main_ev)}")
-    sizes = o.scale if o.scale is not None else ([] if o.quick else [64, 128, 256, 512, 768, 1024])
+    sizes = o.scale if o.scale is not None else ([] if o.quick else DEFAULT_SCALE)
     scale: list[dict[str, Any]] = []
     ref_p95: float | None = None
     largest: int | None = None
     first_fail: int | None = None
     for n in sizes:
         scfg = scale_config(n, o.scale_seconds, str(o.data_dir), o.seed)
+        scfg.workers = o.workers
         o.say(f"[bench] scale: {n} nodes ({n * 8} GPUs) for {o.scale_seconds:.0f} s")
         ev = evaluate(run_child(scfg, o.out, timeout_s=900), dataclasses.replace(assume))
         ok, why = sustained(ev, ref_p95)
@@ -1192,6 +1214,12 @@ def _scale_row(ev: dict[str, Any]) -> dict[str, Any]:
         "injected": ev["overall"]["injected"],
         "category_accuracy": ev["overall"]["category_accuracy"],
         "resources": ev["resources"],
+        # GPUs served per core of the central pipeline (workers + broker + sinks) at 1 Hz.
+        "gpus_per_central_core": (
+            round(ev["cluster"]["nodes"] * 8 / (ev["resources"]["central_cpu_pct"] / 100.0))
+            if ev["resources"].get("central_cpu_pct")
+            else None
+        ),
         "late_gpu_samples": ev["throughput"]["late_gpu_samples"],
         "duration_s": ev["duration_s"],
     }
@@ -1222,6 +1250,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--transport", choices=("direct", "files"), default=None, help="files: real files and the real tailers"
     )
     p.add_argument("--scale", default=None, help="comma-separated node counts for the scale search ('' for none)")
+    p.add_argument("--workers", type=int, default=1, help="streams workers in the scale search (one consumer group)")
     p.add_argument(
         "--scale-seconds",
         type=float,
@@ -1255,6 +1284,7 @@ def options_from_args(a: argparse.Namespace) -> BenchOptions:
         kinds=kinds,
         transport=a.transport or ("files" if a.quick else "direct"),
         scale=scale,
+        workers=a.workers,
         scale_seconds=a.scale_seconds,
         profile_seconds=0.0 if a.quick and scale is None else a.profile_seconds,
         out=a.out,

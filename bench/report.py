@@ -487,15 +487,16 @@ def _scale_section(scale: dict[str, Any]) -> list[str]:
         "progress, and six explicit faults (Xid 79, Xid 48, CUDA OOM, IB flap, storage full, node failure). "
         f"Sustained: every probe answered within {2.0:.0f} s, catch-up after the stop within 3 s, all faults "
         "detected, detection p95 within max(1.5x, +1 s) of the smallest size's, and the simulator on time. "
-        "The search stops at the first size that fails.\n",
+        "The search stops at the first size that fails. GPUs per central core: GPUs / (streams workers + broker + "
+        "audit sink + executor CPU, in cores).\n",
         f"**Largest sustained: {scale.get('largest_sustained_nodes')} nodes "
         f"({(scale.get('largest_sustained_nodes') or 0) * 8} GPUs)**"
         + (f"; {scale['first_failing_nodes']} nodes fail." if scale.get("first_failing_nodes") else ".")
         + "\n",
         "| nodes | GPUs | jobs | events/s | log lines/s | lag signals p95 / max | lag logs p95 / max | lag kernel max "
         "| catch-up | detection p50 / p95 | action p50 | worker CPU % | broker CPU % | main CPU % | machine busy % "
-        "| worker RSS MB | sustained |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| GPUs per central core | worker RSS MB | sustained |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in scale["rows"]:
         lag = r["lag"]
@@ -514,10 +515,11 @@ def _scale_section(scale: dict[str, Any]) -> list[str]:
                     _f(r["drain_s"], " s", 1),
                     f"{_f(r['detection_s']['p50'], '', 2)} / {_f(r['detection_s']['p95'], '', 2)}",
                     _f(r["action_s"]["p50"], "", 2),
-                    _f(res["cpu_pct"].get("worker")),
+                    _f(res["cpu_pct"].get("workers", res["cpu_pct"].get("worker"))),
                     _f(res["cpu_pct"].get("broker")),
                     _f(res["cpu_pct"].get("main")),
                     _f(res.get("machine_busy_pct")),
+                    _f(r.get("gpus_per_central_core")),
                     _f(res["rss_mb_peak"].get("worker")),
                     "yes" if r["sustained"] else f"no: {r['why']}",
                 ]
