@@ -196,7 +196,10 @@ LIVENESS = health.loop("streams", stale_after_s=60.0)
 # job id -> the restarts policy ordered ([action id, time] pairs, streams.policy_store.RestartLedger):
 # written by apply_policy for the job's incidents partition, so the changelog partition is the
 # job's, and a restarted worker or the one the partition moves to recovers the budget with it.
-restart_budget = app.Table("restart_budget", partitions=DEFAULT_PARTITIONS, help="job id -> restarts ordered")
+# use_partitioner: the read-back may write it outside a record; the key's partition is the job's.
+restart_budget = app.Table(
+    "restart_budget", partitions=DEFAULT_PARTITIONS, use_partitioner=True, help="job id -> restarts ordered"
+)
 policies = PolicyStore(str(SETTINGS.policy) if SETTINGS.policy else None, SETTINGS.mode, modes, restart_budget)
 
 
@@ -226,18 +229,27 @@ def owns(group_key: str) -> bool:
 async def _read_back() -> None:
     """Take back the incidents, job placements and pending evidence previous workers published,
     then keep only the groups this worker owns. Safe to repeat: an incident read twice holds its
-    job once, an anomaly already held is refused. (The restart budget is a table: not read here.)"""
+    job once, an anomaly already held is refused, a restart is counted once per action id."""
     now = time.time()
+    window_s = policies.policy.restart_budget.window_h * 3600
     history = await asyncio.get_running_loop().run_in_executor(
-        None, read_history, BOOTSTRAP, now, attributor.hold_s, ALLOCATION_TTL_S
+        None, read_history, BOOTSTRAP, now, attributor.hold_s, window_s, ALLOCATION_TTL_S
     )
     holding = attributor.restore(history.incidents, history.sched, now, history.anomalies)
+    restarts = policies.restore(history.actions)
+    for ev in history.sched:  # the placements' floor, as the restart budget's (docs/scaling.md)
+        change = placement_change(ev)
+        if change is not None and change != "ended":
+            placement_index.put(change)
+        elif change == "ended" and ev.job_id and (p := placement_index.get(ev.job_id)) and ev.event_time >= p.since:
+            placement_index.drop(ev.job_id)
     dropped = attributor.retain(owns)
     log.info(
-        "state read back from the topics: %d incidents (%d still holding their job), "
-        "%d job states, %d anomalies (%d groups pending here, %d left to other workers), %d undecodable",
+        "state read back from the topics: %d incidents (%d still holding their job), %d restarts not in the "
+        "table, %d job states, %d anomalies (%d groups pending here, %d left to other workers), %d undecodable",
         len(history.incidents),
         holding,
+        restarts,
         len(history.sched),
         len(history.anomalies),
         attributor.pending(),

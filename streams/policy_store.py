@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import MutableMapping
+from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +114,20 @@ class PolicyStore:
                 # Keep acting on the last valid policy; a typo must not stop the service.
                 log.error("policy reload refused, keeping the previous one: %s", exc)
         return self._policy
+
+    def restore(self, actions: Sequence[Action]) -> int:
+        """Count the restarts read back from the actions topic (each action id once, so reading
+        them again on a take-over, or over what the table recovered, changes nothing). The table
+        is the record on Kafka; this is the floor for a broker whose end offsets cut a table's
+        recovery short (the embedded Tansu, docs/scaling.md). Returns how many were new."""
+        return sum(
+            1
+            for a in sorted(actions, key=lambda a: a.event_time)
+            if a.requested_by == "policy"
+            and a.action in RESTARTS
+            and a.job_id
+            and self.restarts.count(a.job_id, a.action_id, a.event_time)
+        )
 
     def decide(self, incident: Incident, now: float) -> tuple[Decision, Action | None]:
         policy = self.policy

@@ -1,12 +1,14 @@
 """Rebuild the streams worker's state from the Kafka log after a (re)start.
 
 Attribution (which jobs already had an incident, which node runs which job, the
-evidence still waiting for its incident) lives in worker memory. (The restart
-budget and the placements are Faust tables with changelogs: they need no read-back.) A worker that restarts after a crash
+evidence still waiting for its incident) lives in worker memory. The restart budget
+and the placements are Faust tables with changelogs; the actions and job events are
+read back too, as a floor for a broker whose wrong end offsets cut a table's
+recovery short (the embedded Tansu, docs/scaling.md). A worker that restarts after a crash
 would otherwise treat a redelivered or late anomaly of an already handled fault
 as a new fault: a second incident and a second drain. The topics themselves are
 the durable record of what the worker decided, so it reads back the recent
-incidents, anomalies and job states before it consumes anything new, and so does
+incidents, anomalies, actions and job states before it consumes anything new, and so does
 a worker that receives another's partitions (streams/app.py `_take_over`).
 
 Kafka's offsets-for-times positions each partition near `since`; brokers that
@@ -22,9 +24,9 @@ from typing import TypeVar
 
 from bus.consume import read_records
 from schemas.codec import DecodeError, decode
-from schemas.events import Anomaly, Event, Incident, SchedEvent
+from schemas.events import Action, Anomaly, Event, Incident, SchedEvent
 from schemas.ids import current_cluster
-from schemas.topics import ANOMALIES, INCIDENTS, SCHED_EVENTS
+from schemas.topics import ACTIONS, ANOMALIES, INCIDENTS, SCHED_EVENTS
 
 log = logging.getLogger("trainmedic.streams.recovery")
 E = TypeVar("E", bound=Event)
@@ -40,6 +42,7 @@ class History:
     # about when the worker consumed it): what a worker that died had consumed (and perhaps
     # committed) but not yet published in an incident lives only here.
     anomalies: list[tuple[float, Anomaly]] = field(default_factory=list)
+    actions: list[Action] = field(default_factory=list)
     undecodable: int = 0
 
 
@@ -57,8 +60,8 @@ def _decoded(kind: type[E], records: list[tuple[float, bytes]], history: History
     return out
 
 
-def read_history(bootstrap: str, now: float, incidents_s: float, sched_s: float) -> History:
-    """The recent incidents, anomalies and job states: each kind as far back as it still
+def read_history(bootstrap: str, now: float, incidents_s: float, actions_s: float, sched_s: float) -> History:
+    """The recent incidents, anomalies, actions and job states: each kind as far back as it still
     matters. Anomalies of the hold window (`incidents_s`), and incidents of twice that: an anomaly
     absorbed by an incident up to one hold before it must find that incident when replayed."""
     history = History()
@@ -71,5 +74,6 @@ def read_history(bootstrap: str, now: float, incidents_s: float, sched_s: float)
             continue
         if anomaly.cluster == current_cluster():
             history.anomalies.append((at, anomaly))
+    history.actions = _decoded(Action, read_records(bootstrap, ACTIONS.name, now - actions_s), history)
     history.sched = _decoded(SchedEvent, read_records(bootstrap, SCHED_EVENTS.name, now - sched_s), history)
     return history

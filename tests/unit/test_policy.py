@@ -342,6 +342,7 @@ def test_a_restart_is_counted_once_however_often_its_incident_or_action_comes_ba
     _, again = store.decide(first, now=101.0)  # the same incident redelivered
     assert again is not None and again.action_id == a.action_id
     assert store.restarts.count("100", a.action_id, 105.0) is False  # the same action again counts nothing
+    assert store.restore([a, a]) == 0  # read back on a take-over over what the table holds: nothing new
     _, b = store.decide(incident().model_copy(update={"incident_id": "inc-1"}), now=110.0)
     assert b is not None and b.action == a.action  # the second restart of two is still allowed
     _, c = store.decide(incident().model_copy(update={"incident_id": "inc-2"}), now=120.0)

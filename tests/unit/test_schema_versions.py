@@ -31,7 +31,7 @@ from schemas import generate
 from schemas.codec import DecodeError, decode, encode
 from schemas.events import EVENT_TYPES, SCHEMA_VERSION, ActionAttempt, Event, Incident, SchedEvent
 from schemas.ids import DEFAULT_CLUSTER, current_cluster, set_cluster
-from schemas.topics import ACTION_ATTEMPTS, ALL_TOPICS, ANOMALIES, INCIDENTS, SCHED_EVENTS, Topic
+from schemas.topics import ACTION_ATTEMPTS, ACTIONS, ALL_TOPICS, ANOMALIES, INCIDENTS, SCHED_EVENTS, Topic
 from schemas.upgrade import ACCEPTED_VERSIONS, PREVIOUS_VERSION, UPGRADERS, UpgradeError, upgrade
 from sinks.backends.simulated import SimulatedScheduler
 from sinks.guardrails import GuardrailFile, Guardrails
@@ -246,12 +246,13 @@ def test_the_streams_workers_recovery_reads_the_previous_version(monkeypatch: py
         return _records({t.name: t for t in ALL_TOPICS}[topic])
 
     monkeypatch.setattr(streams.recovery, "read_records", read_records)
-    history = streams.recovery.read_history("unused:9092", 1e9, 60.0, 3600.0)
-    assert sorted(asked) == sorted(t.name for t in (INCIDENTS, ANOMALIES, SCHED_EVENTS))
+    history = streams.recovery.read_history("unused:9092", 1e9, 60.0, 3600.0, 3600.0)
+    assert sorted(asked) == sorted(t.name for t in (INCIDENTS, ANOMALIES, ACTIONS, SCHED_EVENTS))
     assert history.undecodable == 0
     recovered: list[tuple[list[Event], str]] = [
         (list(history.incidents), "incident"),
         ([a for _, a in history.anomalies], "anomaly"),
+        (list(history.actions), "action"),
         (list(history.sched), "sched_event"),
     ]
     for events, name in recovered:
