@@ -72,7 +72,7 @@ from streams.detectors.xid import XidDetector
 from streams.modes import ModeState
 from streams.placement import PlacementIndex, placement_change
 from streams.policy_store import PolicyStore
-from streams.recovery import read_history
+from streams.recovery import read_actions, read_history
 from trainmedic.settings import Settings
 from trainmedic.settings import apply as apply_settings
 
@@ -173,7 +173,9 @@ placements = app.GlobalTable(
 
 @placements.on_recover
 async def _placements_recovered() -> None:
-    placement_index.load(placements.items())
+    # Merged, not replaced: what the job events read back (_read_back) added stays, newer wins.
+    for job_id, value in placements.items():
+        placement_index.apply(job_id, value)
     log.info("placements recovered: %d running jobs", len(placement_index))
 
 
@@ -203,6 +205,20 @@ restart_budget = app.Table(
 policies = PolicyStore(str(SETTINGS.policy) if SETTINGS.policy else None, SETTINGS.mode, modes, restart_budget)
 
 
+@restart_budget.on_recover
+async def _restart_budget_recovered() -> None:
+    """After each recovery of the table (start, rebalance): the restarts in the actions topic that
+    the table lacks, counted once each (the floor for the embedded broker, docs/scaling.md). Runs
+    before the worker judges any incident of the partitions it recovered."""
+    since = time.time() - policies.policy.restart_budget.window_h * 3600
+    try:
+        actions = await asyncio.get_running_loop().run_in_executor(None, read_actions, BOOTSTRAP, since)
+    except (KafkaException, TimeoutError) as exc:
+        log.error("could not read the actions back (%s): the restart budget is the table's alone", exc)
+        return
+    log.info("restart budget recovered: %d restarts read back that the table lacked", policies.restore(actions))
+
+
 _recovery_lock = asyncio.Lock()
 _recovered = False
 # The partitions of anomalies.by_job (and so of every job-keyed topic attribution reads) this
@@ -229,14 +245,12 @@ def owns(group_key: str) -> bool:
 async def _read_back() -> None:
     """Take back the incidents, job placements and pending evidence previous workers published,
     then keep only the groups this worker owns. Safe to repeat: an incident read twice holds its
-    job once, an anomaly already held is refused, a restart is counted once per action id."""
+    job once, an anomaly already held is refused. (The restart budget: its table's recovery.)"""
     now = time.time()
-    window_s = policies.policy.restart_budget.window_h * 3600
     history = await asyncio.get_running_loop().run_in_executor(
-        None, read_history, BOOTSTRAP, now, attributor.hold_s, window_s, ALLOCATION_TTL_S
+        None, read_history, BOOTSTRAP, now, attributor.hold_s, ALLOCATION_TTL_S
     )
     holding = attributor.restore(history.incidents, history.sched, now, history.anomalies)
-    restarts = policies.restore(history.actions)
     for ev in history.sched:  # the placements' floor, as the restart budget's (docs/scaling.md)
         change = placement_change(ev)
         if change is not None and change != "ended":
@@ -245,11 +259,10 @@ async def _read_back() -> None:
             placement_index.drop(ev.job_id)
     dropped = attributor.retain(owns)
     log.info(
-        "state read back from the topics: %d incidents (%d still holding their job), %d restarts not in the "
-        "table, %d job states, %d anomalies (%d groups pending here, %d left to other workers), %d undecodable",
+        "state read back from the topics: %d incidents (%d still holding their job), "
+        "%d job states, %d anomalies (%d groups pending here, %d left to other workers), %d undecodable",
         len(history.incidents),
         holding,
-        restarts,
         len(history.sched),
         len(history.anomalies),
         attributor.pending(),

@@ -18,7 +18,6 @@ rank-to-node mapping needs.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -108,16 +107,6 @@ class PlacementIndex:
                 jobs.discard(job_id)
                 if not jobs:
                     del self._by_node[node]
-
-    def load(self, items: Iterable[tuple[str, dict[str, Any] | None]]) -> None:
-        """Replace the index with a table's whole contents (after its recovery)."""
-        self._jobs.clear()
-        self._by_node.clear()
-        for job_id, raw in items:
-            if raw is not None:
-                self.put(Placement.from_dict(raw))
-            else:
-                self.drop(job_id)
 
     def apply(self, job_id: str, raw: dict[str, Any] | None) -> None:
         """One changelog record: a placement, or a tombstone (None) for an ended run."""

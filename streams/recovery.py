@@ -8,7 +8,7 @@ recovery short (the embedded Tansu, docs/scaling.md). A worker that restarts aft
 would otherwise treat a redelivered or late anomaly of an already handled fault
 as a new fault: a second incident and a second drain. The topics themselves are
 the durable record of what the worker decided, so it reads back the recent
-incidents, anomalies, actions and job states before it consumes anything new, and so does
+incidents, anomalies and job states before it consumes anything new, and so does
 a worker that receives another's partitions (streams/app.py `_take_over`).
 
 Kafka's offsets-for-times positions each partition near `since`; brokers that
@@ -42,7 +42,6 @@ class History:
     # about when the worker consumed it): what a worker that died had consumed (and perhaps
     # committed) but not yet published in an incident lives only here.
     anomalies: list[tuple[float, Anomaly]] = field(default_factory=list)
-    actions: list[Action] = field(default_factory=list)
     undecodable: int = 0
 
 
@@ -60,8 +59,14 @@ def _decoded(kind: type[E], records: list[tuple[float, bytes]], history: History
     return out
 
 
-def read_history(bootstrap: str, now: float, incidents_s: float, actions_s: float, sched_s: float) -> History:
-    """The recent incidents, anomalies, actions and job states: each kind as far back as it still
+def read_actions(bootstrap: str, since: float) -> list[Action]:
+    """The actions published since `since`: the restart budget's floor (streams/app.py reads them
+    when its table has recovered)."""
+    return _decoded(Action, read_records(bootstrap, ACTIONS.name, since), History())
+
+
+def read_history(bootstrap: str, now: float, incidents_s: float, sched_s: float) -> History:
+    """The recent incidents, anomalies and job states: each kind as far back as it still
     matters. Anomalies of the hold window (`incidents_s`), and incidents of twice that: an anomaly
     absorbed by an incident up to one hold before it must find that incident when replayed."""
     history = History()
@@ -74,6 +79,5 @@ def read_history(bootstrap: str, now: float, incidents_s: float, actions_s: floa
             continue
         if anomaly.cluster == current_cluster():
             history.anomalies.append((at, anomaly))
-    history.actions = _decoded(Action, read_records(bootstrap, ACTIONS.name, now - actions_s), history)
     history.sched = _decoded(SchedEvent, read_records(bootstrap, SCHED_EVENTS.name, now - sched_s), history)
     return history

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from confluent_kafka.admin import AdminClient, ConfigResource
 
+from schemas.topics import ALL_TOPICS, DEFAULT_PARTITIONS
 from tests.launch import probe, running, self_signed_certificate, start, stop, wait_ready
 from trainmedic.broker import EmbeddedBroker, free_port
 
@@ -50,12 +51,14 @@ def test_topics_create_makes_every_topic_once_and_refuses_another_partition_coun
     env = _env(bare_broker.bootstrap)
     first = _tm("topics", "create", env=env)
     assert first.returncode == 0, first.stderr
-    assert "created 17" in first.stdout
+    assert f"created {len(ALL_TOPICS)}" in first.stdout
     again = _tm("topics", "create", env=env)
-    assert again.returncode == 0 and "created 0" in again.stdout and "already there 17" in again.stdout
+    assert again.returncode == 0 and "created 0" in again.stdout and f"already there {len(ALL_TOPICS)}" in again.stdout
     admin = AdminClient({"bootstrap.servers": bare_broker.bootstrap})
     topics = admin.list_topics(timeout=10).topics
-    assert "mode.changes" in topics and all(len(topics[t].partitions) == 4 for t in ("mode.changes", "incidents"))
+    assert "mode.changes" in topics and all(
+        len(topics[t].partitions) == DEFAULT_PARTITIONS for t in ("mode.changes", "incidents")
+    )
     configs = {
         res.name: fut.result(10)
         for res, fut in admin.describe_configs(
@@ -66,7 +69,7 @@ def test_topics_create_makes_every_topic_once_and_refuses_another_partition_coun
     assert configs["incidents"]["retention.ms"].value == str(168 * 3600 * 1000)
     mismatch = _tm("topics", "create", "--partitions", "8", env=env)
     assert mismatch.returncode == 2
-    assert "another partition count" in mismatch.stderr and "incidents (4)" in mismatch.stderr
+    assert "another partition count" in mismatch.stderr and f"incidents ({DEFAULT_PARTITIONS})" in mismatch.stderr
     short = _tm("topics", "create", "--retention-hours", "2", env=env)
     assert short.returncode == 2 and "topic_retention_hours" in short.stderr
 

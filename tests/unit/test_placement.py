@@ -57,6 +57,7 @@ def test_the_table_round_trip_and_its_changelog_records_rebuild_the_same_index()
     index.apply("b", Placement("b", ("gpu02",), None, 6.0, "e2").to_dict())
     index.apply("a", None)  # the tombstone of an ended run
     assert index.jobs_on("gpu01") == [] and index.jobs_on("gpu02") == ["b"]
-    rebuilt = PlacementIndex()
-    rebuilt.load([("b", Placement("b", ("gpu02",), None, 6.0, "e2").to_dict()), ("a", None)])
+    rebuilt = PlacementIndex()  # a table's contents applied after its recovery give the same answer
+    for job_id, value in [("b", Placement("b", ("gpu02",), None, 6.0, "e2").to_dict()), ("a", None)]:
+        rebuilt.apply(job_id, value)
     assert rebuilt.jobs_on("gpu02") == ["b"] and rebuilt.get("a") is None

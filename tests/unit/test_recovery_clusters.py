@@ -29,7 +29,7 @@ def test_read_history_keeps_this_clusters_records_only(monkeypatch: pytest.Monke
     monkeypatch.setattr(streams.recovery, "read_records", lambda _b, topic, _since: records.get(topic, []))
     set_cluster("east")
     try:
-        history = streams.recovery.read_history("k:9092", 10.0, 6.0, 3600.0, 86400.0)
+        history = streams.recovery.read_history("k:9092", 10.0, 6.0, 86400.0)
     finally:
         set_cluster(DEFAULT_CLUSTER)
     assert [(e.job_id, e.cluster) for e in history.sched] == [("100", "east"), ("101", "east")]

@@ -246,13 +246,14 @@ def test_the_streams_workers_recovery_reads_the_previous_version(monkeypatch: py
         return _records({t.name: t for t in ALL_TOPICS}[topic])
 
     monkeypatch.setattr(streams.recovery, "read_records", read_records)
-    history = streams.recovery.read_history("unused:9092", 1e9, 60.0, 3600.0, 3600.0)
+    history = streams.recovery.read_history("unused:9092", 1e9, 60.0, 3600.0)
+    actions = streams.recovery.read_actions("unused:9092", 1e9 - 3600.0)
     assert sorted(asked) == sorted(t.name for t in (INCIDENTS, ANOMALIES, ACTIONS, SCHED_EVENTS))
     assert history.undecodable == 0
     recovered: list[tuple[list[Event], str]] = [
         (list(history.incidents), "incident"),
         ([a for _, a in history.anomalies], "anomaly"),
-        (list(history.actions), "action"),
+        ([a for a in actions], "action"),
         (list(history.sched), "sched_event"),
     ]
     for events, name in recovered:
