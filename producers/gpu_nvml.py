@@ -436,7 +436,13 @@ class NvmlCollector:
 
 
 class NvmlProducer:
-    """Publishes one GpuSample per interval for this node; never stops on a GPU or Kafka error."""
+    """Publishes this node's GpuSamples; never stops on a GPU or Kafka error.
+
+    summary_every_s None: one sample published per interval. Set (>= interval_s): still one
+    reading per interval, but published only as producers.gpu_edge.EdgeSummary decides - the
+    latest reading every summary_every_s, and at once any reading whose GPU health changed or
+    that carries Xids. `samples` counts published samples, `suppressed` the readings held back.
+    """
 
     def __init__(
         self,
@@ -444,24 +450,47 @@ class NvmlProducer:
         node: str | None = None,
         interval_s: float = 1.0,
         collector: NvmlCollector | None = None,
+        summary_every_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        if summary_every_s is not None and not summary_every_s >= interval_s:
+            raise ValueError(
+                f"summary_every_s ({summary_every_s:g} s) must be >= interval_s ({interval_s:g} s): "
+                "a summary cannot come more often than the samples it is made of"
+            )
+        from producers.gpu_edge import EdgeSummary
+
+        # After the checks above, so that a bad value leaves no NVML handle open.
+        self.summary = EdgeSummary(summary_every_s, slack_s=interval_s / 2) if summary_every_s is not None else None
         self.publisher = publisher
         self.node = node or socket.gethostname()
         self.interval_s = interval_s
+        self.summary_every_s = summary_every_s
+        self.clock = clock
         self._owns_collector = collector is None
         self.collector = collector if collector is not None else NvmlCollector()
         self.samples = 0  # published
-        self.errors = 0  # intervals without a published sample
-        self.lost_gpu_readings = 0  # GPU readings marked lost, summed over samples
+        self.suppressed = 0  # read but held back by the edge summary
+        self.errors = 0  # intervals whose reading failed or was not published
+        self.lost_gpu_readings = 0  # GPU readings marked lost, summed over published samples
         self.last_error: str | None = None
 
     def poll_once(self) -> GpuSample | None:
+        """Read every GPU and publish the sample unless the edge summary holds it back; the
+        sample read (published or not: `samples` and `suppressed` tell), None when it failed."""
+        accepted = False
         try:
             sample = self.collector.sample(self.node)
+            if self.summary is not None and not self.summary.publish(sample, self.clock()):
+                self.suppressed += 1
+                return sample
+            accepted = True
             self.publisher.publish(GPU_SAMPLES, sample)
         except Exception as exc:  # a producer that dies on one bad interval sees nothing afterwards
+            if accepted and self.summary is not None:
+                self.summary.reset()  # it did not go out: the next reading is published in its place
             self.errors += 1
             self.last_error = f"{type(exc).__name__}: {exc}"
             POLL_FAILURES.labels("gpu", "sample").inc()
@@ -478,10 +507,11 @@ class NvmlProducer:
         liveness = ProducerHealth("gpu", self.interval_s)
         try:
             while not stop_event.is_set():
+                published = self.samples
                 if self.poll_once() is None:
                     liveness.failed(f"GPU sample failed: {self.last_error}")
                 else:
-                    liveness.ok(1, "NVML open, sampling")
+                    liveness.ok(self.samples - published, "NVML open, sampling")
                 next_at += self.interval_s
                 now = time.monotonic()
                 if next_at < now:

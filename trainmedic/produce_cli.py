@@ -165,11 +165,38 @@ def gpu(
     data_dir: DataDirOpt = Path("var"),
     node: NodeOpt = None,
     interval: Annotated[float, typer.Option(help="Seconds between samples.")] = 1.0,
+    summary_every: Annotated[
+        Optional[float],
+        typer.Option(
+            "--summary-every",
+            metavar="SECONDS",
+            help="Edge aggregation: still sample every --interval, but publish the latest sample only this "
+            "often, and at once any sample whose GPU health changed (lost, Xid, DBE ECC, row remap, PCIe, "
+            "NVLink, throttle reasons). At most 30; 5 or less keeps the straggler detector's view whole. "
+            "Default: publish every sample.",
+        ),
+    ] = None,
     metrics_address: MetricsOpt = None,
 ) -> None:
-    """GPU metrics and Xid events through NVML: one record per node per interval, all GPUs in it."""
-    if interval <= 0:
+    """GPU metrics and Xid events through NVML: one record per node per interval (or per
+    --summary-every, and at once on a health change), all GPUs in it."""
+    from producers.gpu_edge import MAX_EVERY_S
+
+    if not interval > 0:
         raise UsageError("--interval must be > 0")
+    if summary_every is not None:
+        if not summary_every > 0:
+            raise UsageError(f"--summary-every must be > 0 seconds, got {summary_every:g}")
+        if summary_every < interval:
+            raise UsageError(
+                f"--summary-every ({summary_every:g} s) must be >= --interval ({interval:g} s): "
+                "it publishes a subset of the samples taken every --interval"
+            )
+        if summary_every > MAX_EVERY_S:
+            raise UsageError(
+                f"--summary-every ({summary_every:g} s) must be <= {MAX_EVERY_S:g} s: the hang detector "
+                "treats GPU readings older than 60 s as stale"
+            )
     _logging()
     # NVML first: a host without it is told so, not about Kafka.
     collector = _nvml_collector()
@@ -178,13 +205,21 @@ def gpu(
     try:
         with _probes(metrics_address):
             pub = _publisher(bootstrap, data_dir, "trainmedic-gpu")
-            producer = NvmlProducer(pub, node=_node(node), interval_s=interval, collector=collector)
+            producer = NvmlProducer(
+                pub, node=_node(node), interval_s=interval, collector=collector, summary_every_s=summary_every
+            )
             stop = _stop_event()
-            typer.echo(f"producing GPU samples every {interval:g} s")
+            if summary_every is None:
+                typer.echo(f"producing GPU samples every {interval:g} s")
+            else:
+                typer.echo(
+                    f"producing GPU samples: sampling every {interval:g} s, publishing every {summary_every:g} s "
+                    "and at once on a health change"
+                )
             _run_loop("gpu", producer.run, stop)
     finally:
         collector.close()
-    _finish(pub, {"samples": producer.samples, "errors": producer.errors})
+    _finish(pub, {"samples": producer.samples, "suppressed": producer.suppressed, "errors": producer.errors})
 
 
 @produce_app.command()
