@@ -45,7 +45,6 @@ from schemas.topics import (
     ANOMALIES_BY_JOB,
     DEADLETTER,
     DECISIONS,
-    DEFAULT_PARTITIONS,
     GPU_SAMPLES,
     GPU_SAMPLES_BY_JOB,
     HEALTH_EXTERNAL,
@@ -84,6 +83,9 @@ E = TypeVar("E", bound=Event)
 SETTINGS = Settings.load()
 apply_settings(SETTINGS)
 BOOTSTRAP = SETTINGS.bootstrap or "127.0.0.1:9092"
+# The topics' partition count (the setting topic_partitions, fixed at install): tables are made
+# with it and job ownership is computed with it.
+PARTITIONS = SETTINGS.topic_partitions
 FETCH_MAX_WAIT_MS = SETTINGS.fetch_max_wait_ms
 
 
@@ -107,7 +109,7 @@ app = faust.App(
     broker=",".join(f"kafka://{h}" for h in BOOTSTRAP.split(",")),
     broker_credentials=faust_credentials(security()),
     store="memory://",
-    topic_partitions=DEFAULT_PARTITIONS,
+    topic_partitions=PARTITIONS,
     consumer_auto_offset_reset="earliest",
     # Without these, a worker start takes ~32 s on the embedded broker.
     broker_session_timeout=6,
@@ -200,7 +202,7 @@ LIVENESS = health.loop("streams", stale_after_s=60.0)
 # job's, and a restarted worker or the one the partition moves to recovers the budget with it.
 # use_partitioner: the read-back may write it outside a record; the key's partition is the job's.
 restart_budget = app.Table(
-    "restart_budget", partitions=DEFAULT_PARTITIONS, use_partitioner=True, help="job id -> restarts ordered"
+    "restart_budget", partitions=PARTITIONS, use_partitioner=True, help="job id -> restarts ordered"
 )
 policies = PolicyStore(str(SETTINGS.policy) if SETTINGS.policy else None, SETTINGS.mode, modes, restart_budget)
 
@@ -239,7 +241,7 @@ def owns(group_key: str) -> bool:
     """Whether this worker attributes the group `group_key` (its partition is assigned here)."""
     if _owned is None or group_key == "node:?":
         return True
-    return int((murmur2(_route_key(group_key).encode()) & 0x7FFFFFFF) % DEFAULT_PARTITIONS) in _owned
+    return int((murmur2(_route_key(group_key).encode()) & 0x7FFFFFFF) % PARTITIONS) in _owned
 
 
 async def _read_back() -> None:
@@ -324,7 +326,18 @@ async def _partitions_assigned(sender: Any, /, *args: Any, signal: Any, **kwargs
     received = parts - (_owned or set()) if _owned is not None else set()
     _owned = parts
     # Operators (and the multi-worker tests) read which jobs a worker judges from this line.
-    log.info("attributing partitions %s of %d", sorted(parts), DEFAULT_PARTITIONS)
+    log.info("attributing partitions %s of %d", sorted(parts), PARTITIONS)
+    actual = app.consumer.topic_partitions(ANOMALIES_BY_JOB.name)
+    if actual and actual != PARTITIONS:
+        # Ownership would be computed against the wrong count: groups kept or dropped wrongly.
+        log.error(
+            "%s has %d partitions but the setting topic_partitions is %d: set TRAINMEDIC_TOPIC_PARTITIONS=%d "
+            "(topics are fixed at install); until then this worker may drop or repeat incidents",
+            ANOMALIES_BY_JOB.name,
+            actual,
+            PARTITIONS,
+            actual,
+        )
     attributor.retain(owns)
     if received and _recovered:
         _attribution_open.clear()

@@ -20,7 +20,6 @@ from typing import Any
 from bus.admin import check_bootstrap, ensure_topics
 from bus.publish import Publisher
 from schemas.errors import TrainmedicError
-from schemas.topics import DEFAULT_PARTITIONS
 from sinks.audit import AuditSink, AuditStore
 from sinks.backends.base import SchedulerBackend
 from sinks.executor import Executor, ExecutorService, ExecutorSettings
@@ -122,7 +121,7 @@ class Stack:
                 self.broker = EmbeddedBroker(port=self._broker_port(), log_path=self.logs_dir / "broker.log").start()
                 self.bootstrap = self.broker.bootstrap
             # Every topic with its partition count before anything writes (an auto-created one gets 1).
-            ensure_topics(self.bootstrap)
+            ensure_topics(self.bootstrap, Settings.load().topic_partitions)
             self._start_workers()
             self.store = (
                 AuditStore(cfg.clickhouse, cfg.database, audit_layout(Settings.load()))
@@ -189,9 +188,11 @@ class Stack:
                 )
             if pid is not None:
                 log.warning("stale %s of pid %s (no longer running): replacing it", self.runtime_file, pid)
-        if not 1 <= cfg.workers <= DEFAULT_PARTITIONS:
+        partitions = Settings.load().topic_partitions
+        if not 1 <= cfg.workers <= partitions:
             raise StackError(
-                f"--workers {cfg.workers}: between 1 and the topics' partition count ({DEFAULT_PARTITIONS}); "
+                f"--workers {cfg.workers}: between 1 and the topics' partition count ({partitions}, the setting "
+                "topic_partitions); "
                 "a worker beyond it would get no partition and judge nothing"
             )
         checks = [
@@ -304,7 +305,7 @@ class Stack:
         assert self.broker is not None
         self.broker.stop()
         self.broker.start()
-        ensure_topics(self.bootstrap)
+        ensure_topics(self.bootstrap, Settings.load().topic_partitions)
         log.warning(
             "the embedded broker was restarted on %s: events it held that no consumer had read are lost; "
             "the audit keeps what was recorded",

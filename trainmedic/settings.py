@@ -29,6 +29,7 @@ from pydantic_settings import SettingsError as PydanticSettingsError
 from bus.config import KafkaSecurity, configure_security
 from schemas.errors import ConfigError
 from schemas.ids import CLUSTER_RE, DEFAULT_CLUSTER, set_cluster
+from schemas.topics import DEFAULT_PARTITIONS
 from schemas.vocab import Mode
 from schemas.yamlsafe import load_yaml
 
@@ -128,6 +129,12 @@ class Settings(BaseSettings):
     slurmrestd_token: SecretStr | None = None
 
     # -- topics (`trainmedic topics create`) ------------------------------------------------
+    topic_partitions: int = Field(
+        default=DEFAULT_PARTITIONS,
+        ge=1,
+        description="partitions of every topic, fixed when they are first created; the streams' tables and "
+        "job ownership use it, so it must match the topics (4 for topics an earlier trainmedic created)",
+    )
     topic_retention_hours: float = Field(
         default=168.0,
         ge=24.0,

@@ -20,13 +20,14 @@ def create(
         Optional[str], typer.Option(help="Kafka bootstrap servers HOST:PORT[,...] (default: the setting bootstrap).")
     ] = None,
     partitions: Annotated[
-        int,
+        Optional[int],
         typer.Option(
             min=1,
             help="Partitions per topic, fixed for the topics' life: keys hash onto them, so growing one later "
-            "splits a job's events across partitions.",
+            "splits a job's events across partitions (default: the setting topic_partitions, "
+            f"{DEFAULT_PARTITIONS}).",
         ),
-    ] = DEFAULT_PARTITIONS,
+    ] = None,
     retention_hours: Annotated[
         Optional[float],
         typer.Option(help="Retention of the event topics (default: the setting topic_retention_hours; >= 24)."),
@@ -38,7 +39,8 @@ def create(
     from bus.admin import ensure_topics
     from trainmedic.run_cli import _bootstrap
 
-    s = settings(topic_retention_hours=retention_hours)
+    s = settings(topic_retention_hours=retention_hours, topic_partitions=partitions)
+    partitions = s.topic_partitions
     address = _bootstrap(bootstrap, "topics create")
     report = ensure_topics(address, partitions, retention_hours=s.topic_retention_hours)
     typer.echo(

@@ -21,6 +21,7 @@ from typing import Any, cast
 
 import pytest
 from aiokafka.partitioner import murmur2  # type: ignore[import-untyped]
+from confluent_kafka.admin import AdminClient
 
 from bus.publish import Publisher
 from producers.joblogs import JobLayout, JobLogProducer
@@ -398,6 +399,39 @@ def test_the_restart_budget_moves_with_the_job_to_the_worker_that_takes_it_over(
         _replay(broker.bootstrap, second.events)
         both = wait_for("the second decision", lambda: r if len(r := decisions()) >= 2 else None, timeout=120)
         assert both[1]["action"] == "stop" and "restart budget" in str(both[1]["rule"]), both
+    finally:
+        stack.stop()
+        gc.collect()
+
+
+def test_an_install_whose_topics_have_4_partitions_runs_with_the_setting_4(
+    second_broker: EmbeddedBroker, chdb_url: str, database: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Topics an earlier trainmedic created have 4 partitions; with topic_partitions 4 the workers
+    size their tables and compute job ownership for 4, and a node fault still reaches its job.
+    (A broker without topics: `up` creates them with the setting's count.)"""
+    monkeypatch.setenv("TRAINMEDIC_TOPIC_PARTITIONS", "4")
+    job, nodes = "p4", NODES[:2]
+    stack = _stack(second_broker.bootstrap, chdb_url, database, tmp_path, 2)
+    try:
+        store = stack.store
+        assert store is not None
+        admin_topics = AdminClient({"bootstrap.servers": second_broker.bootstrap}).list_topics(timeout=10).topics
+        assert {len(admin_topics[t].partitions) for t in ("anomalies", "anomalies.by_job", "incidents")} == {4}
+        wait_for("both workers attributing", lambda: all(_assigned(stack, i) for i in range(2)), timeout=120)
+        _replay(second_broker.bootstrap, [(SCHED_EVENTS, _running(job, nodes))])
+        time.sleep(2.0)
+        rec = Recorder()
+        _kernel_xid(rec, tmp_path, nodes[1])
+        _replay(second_broker.bootstrap, rec.events)
+        (inc,) = wait_for(
+            "the job's incident",
+            lambda: store.query("SELECT culprit_node FROM {db}.incidents FINAL WHERE job_id = {j:String}", {"j": job}),
+        )
+        assert inc["culprit_node"] == nodes[1]
+        logs = "".join(stack.worker_log(i).read_text(errors="replace") for i in range(2))
+        assert "but the setting topic_partitions" not in logs
+        assert sorted(p for i in range(2) for p in _assigned(stack, i)) == [0, 1, 2, 3]
     finally:
         stack.stop()
         gc.collect()
