@@ -72,6 +72,7 @@ from streams.modes import ModeState
 from streams.placement import PlacementIndex, placement_change
 from streams.policy_store import PolicyStore
 from streams.recovery import read_actions, read_history
+from streams.watermark import Watermark
 from trainmedic.settings import Settings
 from trainmedic.settings import apply as apply_settings
 
@@ -187,6 +188,9 @@ divergence_detector = DivergenceDetector()
 throughput_detector = ThroughputDetector()
 straggler_detector = StragglerDetector()
 xid_detector = XidDetector()
+# The clock the hang and straggler checks judge silence by (streams/watermark.py).
+signals_clock = Watermark()
+_behind_logged = 0.0
 # GPU lost, NVML/DCGM Xids, DBE ECC, row remaps, NVLink and PCIe bursts, persistent throttle (gpu_health.yaml).
 gpu_health_detector = GpuHealthDetector()
 # NVSentinel health events (on their node) and NVRx reports (on their job), external_health.yaml.
@@ -487,6 +491,7 @@ async def detect_signals(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
         if (signal := await accept(event, signal_type, "detect_signals", "streams.detect_signals")) is None:
             continue
         now = time.time()
+        signals_clock.see(min(signal.event_time, now), now)  # a producer clock ahead of ours cannot run it forward
         found: list[Anomaly] = []
         if isinstance(signal, ProgressBatch):
             hang_detector.observe_progress(signal, now)
@@ -524,7 +529,15 @@ async def follow_mode_changes() -> None:
 
 @app.timer(interval=2.0)
 async def check_signals() -> None:
-    now = time.time()
+    global _behind_logged
+    wall = time.time()
+    # Silence is judged by the newest signal read, so a backlog delays verdicts instead of making them.
+    now = signals_clock.judged_now(wall)
+    behind = signals_clock.behind_s(wall)
+    metrics.SIGNALS_BEHIND.set(behind)
+    if behind > 0 and wall - _behind_logged > 60.0:
+        _behind_logged = wall
+        log.warning("hang and straggler checks %.0f s behind the wall clock: reading a backlog", behind)
     for anomaly in hang_detector.check(now) + straggler_detector.check(now):
         await publish(ANOMALIES, anomaly)
 

@@ -26,6 +26,10 @@ DECISIONS = Counter("trainmedic_decisions_total", "Decisions made", ["action", "
 DETECTION_LATENCY = Histogram(
     "trainmedic_detection_latency_seconds", "First fault signal -> incident published", buckets=LATENCY_BUCKETS
 )
+SIGNALS_BEHIND = Gauge(
+    "trainmedic_signals_behind_seconds",
+    "How far the hang and straggler checks judge behind the wall clock (the worker reading a backlog)",
+)
 PENDING_GROUPS = Gauge("trainmedic_attribution_pending_groups", "Anomaly groups waiting for their window to close")
 FOREIGN = Counter(
     "trainmedic_stream_foreign_events_total",

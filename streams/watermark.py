@@ -1,0 +1,52 @@
+"""The clock the silence detectors judge by: the newest signal this worker has read.
+
+The hang and straggler detectors judge silence: no progress for k x the job's step time, GPUs
+idle for a minute. Measured against the wall clock, a worker that is behind its input (it was
+down, or a rebalance gave it a backlog) sees every job silent for as long as it is behind, and
+calls every job hung (the catch-up benchmark, bench/catchup.py, saw 302 hang incidents on a
+healthy 5,000-node fleet before this). Measured against the newest event time it has read (plus
+a little slack for the gaps between records), silence is what the data says: a backlog delays
+the verdicts, it does not make them.
+
+The newest signal is the maximum over everything the worker reads (GPU samples, progress, job
+events of all its jobs), so one producer with a slow clock cannot hold it back while others are
+current. And the clock holds back only while records keep arriving: when none has come for
+`idle_s`, the input is quiet, not queued, and silence is judged by the wall clock again (a site
+without GPU producers whose only job hangs still sees the hang).
+"""
+
+from __future__ import annotations
+
+__all__ = ["Watermark"]
+
+#: How far past the newest signal read the clock may run: the gaps between records (GPU samples
+#: every 1-5 s with edge aggregation, a step's progress line) must not hold detection back.
+DEFAULT_SLACK_S = 10.0
+#: No record for this long: the input is quiet, judge by the wall clock.
+DEFAULT_IDLE_S = 5.0
+
+
+class Watermark:
+    def __init__(self, slack_s: float = DEFAULT_SLACK_S, idle_s: float = DEFAULT_IDLE_S) -> None:
+        if slack_s < 0 or idle_s <= 0:
+            raise ValueError(f"slack_s must be >= 0 and idle_s > 0, got {slack_s} and {idle_s}")
+        self.slack_s = slack_s
+        self.idle_s = idle_s
+        self.newest: float | None = None
+        self._read_at: float | None = None  # wall clock of the last record read
+
+    def see(self, event_time: float, wall: float) -> None:
+        self._read_at = wall
+        if self.newest is None or event_time > self.newest:
+            self.newest = event_time
+
+    def judged_now(self, wall: float) -> float:
+        """The time to judge silence at: the wall clock, or, while records keep arriving, the
+        newest signal read + slack when that is earlier."""
+        if self.newest is None or self._read_at is None or wall - self._read_at > self.idle_s:
+            return wall
+        return min(wall, self.newest + self.slack_s)
+
+    def behind_s(self, wall: float) -> float:
+        """How far the judged clock is behind the wall clock (0 when the worker is current)."""
+        return wall - self.judged_now(wall)

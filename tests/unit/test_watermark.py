@@ -1,0 +1,45 @@
+"""The silence detectors' clock: a worker behind its input judges by what it has read."""
+
+from __future__ import annotations
+
+import pytest
+
+from streams.detectors.hang import HangDetector
+from streams.watermark import Watermark
+from tests.unit.test_hang import T0, running, steady
+
+
+def test_a_current_worker_judges_by_the_wall_clock_and_a_lagging_one_by_its_newest_signal() -> None:
+    wm = Watermark(slack_s=10.0, idle_s=5.0)
+    assert wm.judged_now(1000.0) == 1000.0  # nothing read yet
+    wm.see(998.0, wall=1000.0)
+    assert wm.judged_now(1000.0) == 1000.0 and wm.behind_s(1000.0) == 0.0
+    wm.see(700.0, wall=1300.0)  # an older record read after a newer one: the newest stands
+    assert wm.judged_now(1300.0) == 1008.0 and wm.behind_s(1300.0) == 292.0
+    # Nothing read for longer than idle_s: the input is quiet, silence is real.
+    assert wm.judged_now(1306.0) == 1306.0
+    with pytest.raises(ValueError, match="slack_s"):
+        Watermark(slack_s=-1.0)
+
+
+def test_a_backlog_does_not_make_a_healthy_job_hang() -> None:
+    """A job stepping every 10 s, read 300 s late: by the wall clock it is silent, by its own
+    signals it is not."""
+    det = HangDetector()
+    wm = Watermark()
+    running(det, at=T0)
+    last = steady(det, T0, 30, 10.0)
+    wall = last + 300.0
+    wm.see(last, wall)  # still reading the backlog at the check
+    assert det.check(wm.judged_now(wall)) == []
+    assert [a.signature for a in det.check(wall)] != []  # what the wall clock would have said
+
+
+def test_a_job_that_hangs_when_nothing_else_sends_is_still_seen() -> None:
+    """No GPU producers, one job, and it stops: no record arrives, so the clock is the wall's."""
+    det = HangDetector()
+    wm = Watermark()
+    running(det, at=T0)
+    last = steady(det, T0, 30, 10.0)
+    wm.see(last, last)
+    assert det.check(wm.judged_now(last + 120.0)) != []
