@@ -72,7 +72,7 @@ from streams.modes import ModeState
 from streams.placement import PlacementIndex, placement_change
 from streams.policy_store import PolicyStore
 from streams.recovery import read_actions, read_history
-from streams.watermark import Watermark
+from streams.watermark import PartitionClocks, Watermark
 from trainmedic.settings import Settings
 from trainmedic.settings import apply as apply_settings
 
@@ -188,8 +188,10 @@ divergence_detector = DivergenceDetector()
 throughput_detector = ThroughputDetector()
 straggler_detector = StragglerDetector()
 xid_detector = XidDetector()
-# The clock the hang and straggler checks judge silence by (streams/watermark.py).
+# The clocks the hang and straggler checks judge silence by (streams/watermark.py): every signal
+# for the straggler and GPU-idle checks, each job.progress partition for progress silence.
 signals_clock = Watermark()
+progress_clocks = PartitionClocks()
 _behind_logged = 0.0
 # GPU lost, NVML/DCGM Xids, DBE ECC, row remaps, NVLink and PCIe bursts, persistent throttle (gpu_health.yaml).
 gpu_health_detector = GpuHealthDetector()
@@ -241,11 +243,16 @@ def _route_key(group_key: str) -> str:
     return group_key[len("node:") :] if group_key.startswith("node:") else group_key
 
 
+def _partition_of(key: str) -> int:
+    """The partition a job-keyed record of `key` is on (the producers' murmur2 partitioner)."""
+    return int((murmur2(key.encode()) & 0x7FFFFFFF) % PARTITIONS)
+
+
 def owns(group_key: str) -> bool:
     """Whether this worker attributes the group `group_key` (its partition is assigned here)."""
     if _owned is None or group_key == "node:?":
         return True
-    return int((murmur2(_route_key(group_key).encode()) & 0x7FFFFFFF) % PARTITIONS) in _owned
+    return _partition_of(_route_key(group_key)) in _owned
 
 
 async def _read_back() -> None:
@@ -503,6 +510,8 @@ async def detect_signals(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
             continue
         now = time.time()
         signals_clock.see(min(signal.event_time, now), now)  # a producer clock ahead of ours cannot run it forward
+        if isinstance(signal, ProgressBatch):
+            progress_clocks.see(event.message.partition, min(signal.event_time, now), now)
         found: list[Anomaly] = []
         if isinstance(signal, ProgressBatch):
             hang_detector.observe_progress(signal, now)
@@ -544,12 +553,16 @@ async def check_signals() -> None:
     wall = time.time()
     # Silence is judged by the newest signal read, so a backlog delays verdicts instead of making them.
     now = signals_clock.judged_now(wall)
-    behind = signals_clock.behind_s(wall)
+    behind = max(signals_clock.behind_s(wall), progress_clocks.behind_s(wall))
     metrics.SIGNALS_BEHIND.set(behind)
     if behind > 0 and wall - _behind_logged > 60.0:
         _behind_logged = wall
         log.warning("hang and straggler checks %.0f s behind the wall clock: reading a backlog", behind)
-    for anomaly in hang_detector.check(now) + straggler_detector.check(now):
+
+    def progress_now(job_id: str) -> float:
+        return progress_clocks.judged_now(_partition_of(job_id), wall)
+
+    for anomaly in hang_detector.check(now, progress_now) + straggler_detector.check(now):
         await publish(ANOMALIES, anomaly)
 
 

@@ -8,16 +8,17 @@ healthy 5,000-node fleet before this). Measured against the newest event time it
 a little slack for the gaps between records), silence is what the data says: a backlog delays
 the verdicts, it does not make them.
 
-The newest signal is the maximum over everything the worker reads (GPU samples, progress, job
-events of all its jobs), so one producer with a slow clock cannot hold it back while others are
-current. And the clock holds back only while records keep arriving: when none has come for
+Progress silence is judged per partition of job.progress (`PartitionClocks`): a job by the
+newest progress line read on its own partition, since topics and partitions are read at uneven
+speeds during a catch-up. The newest is the maximum over that partition's jobs, so one
+producer with a slow clock cannot hold it back while others are current. And the clock holds back only while records keep arriving: when none has come for
 `idle_s`, the input is quiet, not queued, and silence is judged by the wall clock again (a site
 without GPU producers whose only job hangs still sees the hang).
 """
 
 from __future__ import annotations
 
-__all__ = ["Watermark"]
+__all__ = ["PartitionClocks", "Watermark"]
 
 #: How far past the newest signal read the clock may run: the gaps between records (GPU samples
 #: every 1-5 s with edge aggregation, a step's progress line) must not hold detection back.
@@ -50,3 +51,28 @@ class Watermark:
     def behind_s(self, wall: float) -> float:
         """How far the judged clock is behind the wall clock (0 when the worker is current)."""
         return wall - self.judged_now(wall)
+
+
+class PartitionClocks:
+    """One Watermark per partition of a topic: a job's silence is judged by its own partition's
+    newest record. Topics and partitions are read at uneven speeds while a worker catches up
+    (its GPU samples may be minutes ahead of its progress lines), so one clock for everything
+    would still run ahead of a job whose progress has not been read yet."""
+
+    def __init__(self, slack_s: float = DEFAULT_SLACK_S, idle_s: float = DEFAULT_IDLE_S) -> None:
+        self.slack_s, self.idle_s = slack_s, idle_s
+        self._clocks: dict[int, Watermark] = {}
+
+    def see(self, partition: int, event_time: float, wall: float) -> None:
+        clock = self._clocks.get(partition)
+        if clock is None:
+            clock = self._clocks[partition] = Watermark(self.slack_s, self.idle_s)
+        clock.see(event_time, wall)
+
+    def judged_now(self, partition: int, wall: float) -> float:
+        clock = self._clocks.get(partition)
+        return wall if clock is None else clock.judged_now(wall)
+
+    def behind_s(self, wall: float) -> float:
+        """The most any partition's clock is behind the wall clock."""
+        return max((c.behind_s(wall) for c in self._clocks.values()), default=0.0)

@@ -56,7 +56,7 @@ import math
 import re
 import statistics
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Literal
@@ -262,7 +262,9 @@ class HangDetector:
 
     # -- output ------------------------------------------------------------------------------
 
-    def check(self, now: float) -> list[Anomaly]:
+    def check(self, now: float, progress_now: Callable[[str], float] | None = None) -> list[Anomaly]:
+        """`progress_now(job_id)`: the time to judge that job's progress silence at (the newest
+        progress read on its partition, streams/watermark.py); `now` otherwise."""
         out: list[Anomaly] = []
         for job in list(self._jobs.values()):
             if not job.running:
@@ -271,7 +273,9 @@ class HangDetector:
                 continue
             if job.fired_since is not None:
                 continue
-            found = self._check_progress(job, now) or self._check_idle(job, now)
+            found = self._check_progress(job, progress_now(job.job_id) if progress_now else now) or self._check_idle(
+                job, now
+            )
             if found is not None:
                 job.fired_since, anomaly = found
                 out.append(anomaly)

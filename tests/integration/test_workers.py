@@ -205,15 +205,21 @@ def _run(bootstrap: str, chdb_url: str, database: str, tmp: Path, workers: int, 
         _replay(bootstrap, placed)
         time.sleep(2.0)  # the placements first, as the Slurm producer's snapshot would be
         _replay(bootstrap, faults)
-        found = wait_for("an incident per faulted job and the idle node", lambda: len(_incidents(store)) >= 6 or None)
+        wait_for("an incident per faulted job and the idle node", lambda: len(_incidents(store)) >= 6 or None)
         time.sleep(5.0)  # the collateral wait and hold: nothing more may come
         shares = [_assigned(stack, i) for i in range(workers)]
+        idle = wait_for(
+            "the idle node's decision",
+            lambda: store.query(
+                "SELECT action, culprit_node FROM {db}.decisions FINAL WHERE job_id IS NULL OR job_id = ''"
+            ),
+        )
         return (
             sorted(
                 (str(r["incident_id"]), str(r["job_id"]), str(r["culprit_node"]), str(r["category"]))
                 for r in _incidents(store)
             ),
-            found,
+            [(str(d["action"]), str(d["culprit_node"])) for d in idle],
             shares,
             culprits,
         )
@@ -226,8 +232,11 @@ def test_one_and_three_workers_make_the_same_incidents(
     broker: EmbeddedBroker, second_broker: EmbeddedBroker, chdb_url: str, database: str, tmp_path: Path
 ) -> None:
     fault_set = _fault_set(tmp_path)
-    one, _, _, culprits = _run(broker.bootstrap, chdb_url, database, tmp_path / "one", 1, fault_set)
-    three, _, shares, _ = _run(second_broker.bootstrap, chdb_url, f"{database}_3w", tmp_path / "three", 3, fault_set)
+    one, idle, _, culprits = _run(broker.bootstrap, chdb_url, database, tmp_path / "one", 1, fault_set)
+    three, idle3, shares, _ = _run(
+        second_broker.bootstrap, chdb_url, f"{database}_3w", tmp_path / "three", 3, fault_set
+    )
+    assert idle == idle3 == [("drain", IDLE_NODE)]  # a fault on an idle node: drain the node (monitor: recommended)
     assert one == three
     by_job = {job: (node, category) for _, job, node, category in one}
     assert {j: by_job[j][0] for j in culprits} == culprits

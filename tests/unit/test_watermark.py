@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from streams.detectors.hang import HangDetector
-from streams.watermark import Watermark
+from streams.watermark import PartitionClocks, Watermark
 from tests.unit.test_hang import T0, running, steady
 
 
@@ -43,3 +43,19 @@ def test_a_job_that_hangs_when_nothing_else_sends_is_still_seen() -> None:
     last = steady(det, T0, 30, 10.0)
     wm.see(last, last)
     assert det.check(wm.judged_now(last + 120.0)) != []
+
+
+def test_each_partition_judges_its_own_jobs_by_its_own_newest_progress() -> None:
+    """Catching up, partition 1's progress has been read to the end while partition 0's is a
+    minute behind: partition 0's jobs are judged a minute back, not by partition 1's clock."""
+    clocks = PartitionClocks(slack_s=10.0)
+    wall = T0 + 400.0
+    clocks.see(0, T0 + 290.0, wall)
+    clocks.see(1, T0 + 399.0, wall)
+    det = HangDetector()
+    running(det, at=T0)
+    steady(det, T0, 30, 10.0)  # job 1001 (partition 0 here): last step at T0 + 290
+    assert det.check(wall, lambda job: clocks.judged_now(0, wall)) == []
+    assert det.check(wall, lambda job: clocks.judged_now(1, wall)) != []  # the other partition's clock
+    assert clocks.judged_now(7, wall) == wall  # nothing read there: the wall clock
+    assert clocks.behind_s(wall) == 100.0
