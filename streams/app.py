@@ -511,7 +511,7 @@ async def detect_signals(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
         now = time.time()
         signals_clock.see(min(signal.event_time, now), now)  # a producer clock ahead of ours cannot run it forward
         if isinstance(signal, ProgressBatch):
-            progress_clocks.see(event.message.partition, min(signal.event_time, now), now)
+            progress_clocks.see(event.message.partition, min(signal.event_time, now))
         found: list[Anomaly] = []
         if isinstance(signal, ProgressBatch):
             hang_detector.observe_progress(signal, now)
@@ -553,14 +553,14 @@ async def check_signals() -> None:
     wall = time.time()
     # Silence is judged by the newest signal read, so a backlog delays verdicts instead of making them.
     now = signals_clock.judged_now(wall)
-    behind = max(signals_clock.behind_s(wall), progress_clocks.behind_s(wall))
+    behind = signals_clock.behind_s(wall)
     metrics.SIGNALS_BEHIND.set(behind)
     if behind > 0 and wall - _behind_logged > 60.0:
         _behind_logged = wall
         log.warning("hang and straggler checks %.0f s behind the wall clock: reading a backlog", behind)
 
     def progress_now(job_id: str) -> float:
-        return progress_clocks.judged_now(_partition_of(job_id), wall)
+        return progress_clocks.judged_now(_partition_of(job_id), wall, signals_clock)
 
     for anomaly in hang_detector.check(now, progress_now) + straggler_detector.check(now):
         await publish(ANOMALIES, anomaly)

@@ -8,9 +8,9 @@ healthy 5,000-node fleet before this). Measured against the newest event time it
 a little slack for the gaps between records), silence is what the data says: a backlog delays
 the verdicts, it does not make them.
 
-Progress silence is judged per partition of job.progress (`PartitionClocks`): a job by the
-newest progress line read on its own partition, since topics and partitions are read at uneven
-speeds during a catch-up. The newest is the maximum over that partition's jobs, so one
+While the worker is behind, progress silence is judged per partition of job.progress
+(`PartitionClocks`): a job by the newest progress line read on its own partition, since topics
+and partitions are read at uneven speeds during a catch-up. The newest is the maximum over that partition's jobs, so one
 producer with a slow clock cannot hold it back while others are current. And the clock holds back only while records keep arriving: when none has come for
 `idle_s`, the input is quiet, not queued, and silence is judged by the wall clock again (a site
 without GPU producers whose only job hangs still sees the hang).
@@ -54,25 +54,25 @@ class Watermark:
 
 
 class PartitionClocks:
-    """One Watermark per partition of a topic: a job's silence is judged by its own partition's
-    newest record. Topics and partitions are read at uneven speeds while a worker catches up
-    (its GPU samples may be minutes ahead of its progress lines), so one clock for everything
-    would still run ahead of a job whose progress has not been read yet."""
+    """The newest progress read on each partition of job.progress. While the worker is behind
+    (its Watermark over every signal says so), a job's silence is judged by its own partition's
+    newest progress: topics and partitions drain at uneven speeds in a catch-up (a job's GPU
+    samples may be minutes ahead of its progress lines, and a partition may wait its turn for
+    longer than the Watermark's idle time), so the shared clock would still run ahead of it.
+    While the worker is current, every job is judged by the wall clock."""
 
-    def __init__(self, slack_s: float = DEFAULT_SLACK_S, idle_s: float = DEFAULT_IDLE_S) -> None:
-        self.slack_s, self.idle_s = slack_s, idle_s
-        self._clocks: dict[int, Watermark] = {}
+    def __init__(self, slack_s: float = DEFAULT_SLACK_S) -> None:
+        self.slack_s = slack_s
+        self._newest: dict[int, float] = {}
 
-    def see(self, partition: int, event_time: float, wall: float) -> None:
-        clock = self._clocks.get(partition)
-        if clock is None:
-            clock = self._clocks[partition] = Watermark(self.slack_s, self.idle_s)
-        clock.see(event_time, wall)
+    def see(self, partition: int, event_time: float) -> None:
+        if event_time > self._newest.get(partition, float("-inf")):
+            self._newest[partition] = event_time
 
-    def judged_now(self, partition: int, wall: float) -> float:
-        clock = self._clocks.get(partition)
-        return wall if clock is None else clock.judged_now(wall)
-
-    def behind_s(self, wall: float) -> float:
-        """The most any partition's clock is behind the wall clock."""
-        return max((c.behind_s(wall) for c in self._clocks.values()), default=0.0)
+    def judged_now(self, partition: int, wall: float, overall: Watermark) -> float:
+        """The time to judge a job of `partition` at."""
+        if overall.behind_s(wall) <= 0:
+            return wall
+        newest = self._newest.get(partition)
+        judged = overall.judged_now(wall)
+        return judged if newest is None else min(judged, newest + self.slack_s)

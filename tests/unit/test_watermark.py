@@ -45,17 +45,21 @@ def test_a_job_that_hangs_when_nothing_else_sends_is_still_seen() -> None:
     assert det.check(wm.judged_now(last + 120.0)) != []
 
 
-def test_each_partition_judges_its_own_jobs_by_its_own_newest_progress() -> None:
-    """Catching up, partition 1's progress has been read to the end while partition 0's is a
-    minute behind: partition 0's jobs are judged a minute back, not by partition 1's clock."""
-    clocks = PartitionClocks(slack_s=10.0)
+def test_each_partition_judges_its_own_jobs_by_its_own_newest_progress_while_behind() -> None:
+    """Catching up, partition 1's progress has been read far ahead of partition 0's: partition 0's
+    jobs are judged by partition 0's newest progress, not by the worker's newest signal."""
     wall = T0 + 400.0
-    clocks.see(0, T0 + 290.0, wall)
-    clocks.see(1, T0 + 399.0, wall)
+    overall = Watermark(slack_s=10.0)
+    overall.see(T0 + 360.0, wall)  # the worker is 40 s behind, records still arriving
+    clocks = PartitionClocks(slack_s=10.0)
+    clocks.see(0, T0 + 290.0)
+    clocks.see(1, T0 + 360.0)
     det = HangDetector()
     running(det, at=T0)
-    steady(det, T0, 30, 10.0)  # job 1001 (partition 0 here): last step at T0 + 290
-    assert det.check(wall, lambda job: clocks.judged_now(0, wall)) == []
-    assert det.check(wall, lambda job: clocks.judged_now(1, wall)) != []  # the other partition's clock
-    assert clocks.judged_now(7, wall) == wall  # nothing read there: the wall clock
-    assert clocks.behind_s(wall) == 100.0
+    steady(det, T0, 30, 10.0)  # job 1001: last step at T0 + 290
+    assert det.check(wall, lambda job: clocks.judged_now(0, wall, overall)) == []
+    assert det.check(wall, lambda job: clocks.judged_now(1, wall, overall)) != []  # the other partition's clock
+    assert clocks.judged_now(7, wall, overall) == T0 + 370.0  # nothing read there: the worker's clock
+    # Current again: every partition by the wall clock, so a partition whose jobs all hang is seen.
+    overall.see(wall - 1.0, wall)
+    assert clocks.judged_now(0, wall, overall) == wall
