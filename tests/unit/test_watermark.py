@@ -10,14 +10,16 @@ from tests.unit.test_hang import T0, running, steady
 
 
 def test_a_current_worker_judges_by_the_wall_clock_and_a_lagging_one_by_its_newest_signal() -> None:
-    wm = Watermark(slack_s=10.0, idle_s=5.0)
+    wm = Watermark(slack_s=10.0)
     assert wm.judged_now(1000.0) == 1000.0  # nothing read yet
     wm.see(998.0, wall=1000.0)
     assert wm.judged_now(1000.0) == 1000.0 and wm.behind_s(1000.0) == 0.0
     wm.see(700.0, wall=1300.0)  # an older record read after a newer one: the newest stands
     assert wm.judged_now(1300.0) == 1008.0 and wm.behind_s(1300.0) == 292.0
-    # Nothing read for longer than idle_s: the input is quiet, silence is real.
-    assert wm.judged_now(1306.0) == 1306.0
+    # Starved of CPU for a minute, nothing processed: still behind (the last record was old when read).
+    assert wm.judged_now(1360.0) == 1008.0
+    wm.see(1359.0, wall=1360.0)  # caught up: a fresh record
+    assert wm.judged_now(1400.0) == 1400.0  # and then a quiet input: the wall clock
     with pytest.raises(ValueError, match="slack_s"):
         Watermark(slack_s=-1.0)
 
