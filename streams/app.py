@@ -65,7 +65,7 @@ from streams.detectors.gpu_health import GpuHealthDetector
 from streams.detectors.hang import HangDetector, job_state_kind
 from streams.detectors.kernel_text import KernelTextDetector
 from streams.detectors.signatures import SignatureDetector
-from streams.detectors.straggler import StragglerDetector
+from streams.detectors.straggler import GPU_SAMPLE_EVERY_S, StragglerDetector
 from streams.detectors.throughput import ThroughputDetector
 from streams.detectors.xid import XidDetector
 from streams.modes import ModeState
@@ -374,6 +374,26 @@ async def publish(topic: Topic, event: Event, key: bytes | None = None) -> None:
             metrics.PUBLISHED.labels(DEADLETTER.name).inc()
 
 
+# node -> event time of the last GPU sample forwarded to its jobs. The straggler detector keeps one
+# reading per node every GPU_SAMPLE_EVERY_S and the hang detector's idle check needs no more, so
+# only those are forwarded (a lost GPU at once): the busiest topic crosses the broker a second
+# time at a third of its rate. GPU health above still reads every sample.
+_forwarded_at: dict[str, float] = {}
+
+
+def _forward_due(sample: GpuSample) -> bool:
+    last = _forwarded_at.get(sample.node)
+    due = (
+        last is None
+        or sample.event_time - last >= GPU_SAMPLE_EVERY_S
+        or sample.event_time < last  # a clock set back: start again
+        or any(g.lost for g in sample.gpus)
+    )
+    if due:
+        _forwarded_at[sample.node] = sample.event_time
+    return due
+
+
 async def forward(topic: Topic, event: Any, jobs: list[str]) -> None:
     """Re-key a record to each job as it was read: it decoded as its topic's type and fit the
     message limit already, so the bytes go on unchanged (no second encode of the busiest topic)."""
@@ -485,7 +505,7 @@ async def detect_gpu(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
         for anomaly in gpu_health_detector.observe(sample):
             await publish(ANOMALIES, anomaly)
         jobs = placement_index.jobs_on(sample.node)
-        if jobs:
+        if jobs and _forward_due(sample):
             await forward(GPU_SAMPLES_BY_JOB, event, jobs)
         yield None
 
