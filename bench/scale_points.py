@@ -1,0 +1,53 @@
+"""Single scale points without the full search (bench.pipeline runs that until a size fails).
+
+Run: .venv/bin/python -m bench.scale_points 1024x1 1024x2   (NODESxWORKERS, 90 s each)
+Prints one JSON row per point and writes them to var/bench/scale-points/rows.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+from bench.pipeline import REPO, BaselineAssumptions, _scale_row, evaluate, run_child, scale_config, sustained
+
+
+def main(argv: list[str]) -> int:
+    out = REPO / "var" / "bench" / "scale-points"
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    ref: float | None = None
+    for spec in argv:
+        n, w = (int(x) for x in spec.split("x"))
+        cfg = scale_config(n, 90.0, str(out / "data"), 7)
+        cfg.workers = w
+        cfg.name = f"scale-{n}-w{w}"
+        t = time.time()
+        ev = evaluate(run_child(cfg, out, timeout_s=900), BaselineAssumptions())
+        ok, why = sustained(ev, ref)
+        if ref is None:
+            ref = ev["overall"]["detection_s"]["p95"]
+        r = _scale_row(ev)
+        row = {
+            "nodes": n,
+            "workers": w,
+            "sustained": ok,
+            "why": why,
+            "detection_s": r["detection_s"],
+            "gpus_per_central_core": r["gpus_per_central_core"],
+            "cpu_pct": r["resources"]["cpu_pct"],
+            "central_cpu_pct": r["resources"].get("central_cpu_pct"),
+            "lag_max_s": r["lag_max_s"],
+            "input_events_per_s": r["input_events_per_s"],
+            "wall_s": round(time.time() - t),
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    (out / "rows.json").write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
