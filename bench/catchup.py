@@ -1054,18 +1054,19 @@ def markdown(doc: dict[str, Any]) -> str:
         for w, t, d in hops:
             md.append(_row([w, t, f"{d['published']:,}", ", ".join(f"{a}: {n:,}" for a, n in d["consumed"].items())]))
         md.append("")
-    alarms = [r for r in doc["runs"] if r.get("incidents")]
-    if alarms:
-        md.append("## Incidents on a healthy fleet\n")
+    # Always said, also when none: a catch-up that calls healthy jobs hung is a wrong action waiting.
+    md.append("## Incidents on a healthy fleet\n")
+    md.append(
+        "The backlog holds no fault: every incident the workers published while draining it is a false alarm "
+        "of the catch-up (their worker logs name job and culprit).\n"
+    )
+    for r in doc["runs"]:
+        found = r.get("incidents") or {}
         md.append(
-            "The backlog holds no fault: every incident the workers published while draining it is a false alarm "
-            "of the catch-up (their worker logs name job and culprit).\n"
+            f"- {r['workers']} worker(s): "
+            + (", ".join(f"{c} {n}" for c, n in sorted(found.items())) if found else "none")
         )
-        for r in alarms:
-            md.append(
-                f"- {r['workers']} worker(s): " + ", ".join(f"{c} {n}" for c, n in sorted(r["incidents"].items()))
-            )
-        md.append("")
+    md.append("")
     dups = [r for r in doc["runs"] if r.get("duplicates")]
     if dups:
         md.append("## Records counted twice\n")
