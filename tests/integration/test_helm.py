@@ -525,6 +525,20 @@ def test_streams_replicas_are_bounded_by_the_topics_partitions(chart: Any) -> No
     chart.validate_schema(chart.merge_values({"streams": {"replicas": DEFAULT_PARTITIONS}}))
 
 
+def test_topics_partitions_reach_the_topics_job_and_every_worker_and_bound_the_replicas(chart: Any) -> None:
+    """An upgrade over topics an earlier trainmedic made (4 partitions): topics.partitions 4 goes to
+    the topics Job and the streams pods as TRAINMEDIC_TOPIC_PARTITIONS, and more workers are refused."""
+    docs = render(chart, {"topics": {"partitions": 4}, "streams": {"replicas": 4}})
+    for kind, suffix, name in (("Job", "-topics", "topics"), ("Deployment", "-streams", "streams")):
+        assert env_of(container(find(docs, kind, suffix), name))["TRAINMEDIC_TOPIC_PARTITIONS"] == "4", suffix
+    default = render(chart)
+    assert env_of(container(find(default, "Deployment", "-streams"), "streams"))["TRAINMEDIC_TOPIC_PARTITIONS"] == str(
+        DEFAULT_PARTITIONS
+    )
+    with pytest.raises(helm.HelmError, match="more than topics.partitions"):
+        render(chart, {"topics": {"partitions": 4}, "streams": {"replicas": 6}})
+
+
 def test_hook_jobs_create_the_topics_then_migrate(chart: Any) -> None:
     docs = render(chart)
     topics, migrate = find(docs, "Job", "-topics"), find(docs, "Job", "-audit-migrate")

@@ -123,6 +123,8 @@ Environment every process gets: Kafka (bootstrap and client security), the clust
 {{- define "trainmedic.commonEnv" -}}
 - name: TRAINMEDIC_BOOTSTRAP
   value: {{ .Values.kafka.bootstrap | quote }}
+- name: TRAINMEDIC_TOPIC_PARTITIONS
+  value: {{ .Values.topics.partitions | quote }}
 - name: TRAINMEDIC_CLUSTER
   value: {{ .Values.cluster | quote }}
 - name: TRAINMEDIC_KAFKA_SECURITY_PROTOCOL
