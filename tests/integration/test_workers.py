@@ -236,7 +236,9 @@ def test_one_and_three_workers_make_the_same_incidents(
     three, idle3, shares, _ = _run(
         second_broker.bootstrap, chdb_url, f"{database}_3w", tmp_path / "three", 3, fault_set
     )
-    assert idle == idle3 == [("drain", IDLE_NODE)]  # a fault on an idle node: drain the node (monitor: recommended)
+    # A fault on an idle node: isolate the node (monitor: recommended). With no job there is nothing to
+    # requeue: the executor's drain_and_requeue drains only (sinks/executor.py).
+    assert idle == idle3 == [("drain_and_requeue", IDLE_NODE)]
     assert one == three
     by_job = {job: (node, category) for _, job, node, category in one}
     assert {j: by_job[j][0] for j in culprits} == culprits
