@@ -53,6 +53,7 @@ from schemas.ids import stable_id
 from schemas.vocab import SEVERITY_RANK, Category, Role, Severity
 from schemas.yamlsafe import YamlError, load_yaml
 from streams.catalog import CATALOG_DIR, CatalogError, XidBucket, XidCatalog, XidEntry, load_xid_catalog
+from streams.detectors.xid import judge_xid
 
 __all__ = [
     "ExternalHealthCatalog",
@@ -63,8 +64,6 @@ __all__ = [
 STORE_ONLY_MARK = " [STORE_ONLY]"  # what producers/ingest.py appends for processingStrategy STORE_ONLY
 _LINE_MAX = 2000
 _MEANING_MAX = 4000
-# The NVLink5 Xids say in the line whether they are fatal (as streams/detectors/xid.py reads it).
-_XID_FATALITY = re.compile(r"NVRM: Xid \([^)]*\): [0-9]+, \S+ (?P<word>Fatal|Nonfatal)\b")
 _NUMBER = re.compile(r"^[0-9]{1,6}$")
 _SIG_CHARS = re.compile(r"[^a-z0-9_]+")
 
@@ -373,14 +372,8 @@ class ExternalHealthDetector:
         if entry is None:
             # As XidDetector._unknown: worth a human's look, never an action.
             return _Call(f"xid_{code}", "gpu_hardware", "warning", "root", False, f"Xid {code}: not in the catalog")
-        severity, role, isolate, said = entry.severity, entry.role, entry.isolate, ""
         bucket = self._buckets.get(entry.bucket)
-        m = _XID_FATALITY.search(event.message)
-        if bucket is not None and m:
-            override = bucket.when_fatal if m.group("word") == "Fatal" else bucket.when_nonfatal
-            if override is not None:
-                severity, role, isolate = override.severity, override.role, override.isolate
-                said = f", reported {m.group('word')}"
+        severity, role, isolate, said = judge_xid(entry, bucket, event.message)
         if not entry.emit:
             return None
         guidance = f" ({bucket.guidance})" if bucket is not None else ""

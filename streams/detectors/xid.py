@@ -7,6 +7,7 @@ from collections.abc import Mapping
 
 from schemas.events import Anomaly, KernelEvent
 from schemas.ids import stable_id
+from schemas.vocab import Role, Severity
 from streams.catalog import SxidCatalog, XidBucket, XidEntry, default_sxids, load_xid_catalog
 
 # The NVLink5 Xids (144-150) say in the line whether the condition is fatal:
@@ -16,6 +17,18 @@ _XID_FATALITY = re.compile(r"NVRM: Xid \([^)]*\): [0-9]+, \S+ (?P<word>Fatal|Non
 # the same event ("..., Data {0x...}", "..., Severity 0 Engine instance ...") carry no such word.
 _SXID_FATALITY = re.compile(r"SXid \([^)]*\): [0-9]+, (?P<word>Fatal|Non-fatal)\b")
 _SXID_LINK = re.compile(r"SXid \([^)]*\): [0-9]+, (?:Fatal|Non-fatal), Link (?P<link>-?[0-9]+)")
+
+
+def judge_xid(entry: XidEntry, bucket: XidBucket | None, text: str) -> tuple[Severity, Role, bool, str]:
+    """(severity, role, isolate, what the line said) of one Xid: the catalog's entry, or its bucket's
+    fatal / non-fatal override when the line says which (the NVLink5 Xids). Every path that reports
+    an Xid - the kernel line, NVSentinel's message - judges it here."""
+    m = _XID_FATALITY.search(text)
+    if bucket is not None and m:
+        override = bucket.when_fatal if m.group("word") == "Fatal" else bucket.when_nonfatal
+        if override is not None:
+            return override.severity, override.role, override.isolate, f", reported {m.group('word')}"
+    return entry.severity, entry.role, entry.isolate, ""
 
 
 class XidDetector:
@@ -39,14 +52,8 @@ class XidDetector:
             return []
         if entry is None:
             return [self._unknown(event)]
-        severity, role, isolate, said = entry.severity, entry.role, entry.isolate, ""
         bucket = self._buckets.get(entry.bucket)
-        m = _XID_FATALITY.search(event.text)
-        if bucket is not None and m:
-            override = bucket.when_fatal if m.group("word") == "Fatal" else bucket.when_nonfatal
-            if override is not None:
-                severity, role, isolate = override.severity, override.role, override.isolate
-                said = f", reported {m.group('word')}"
+        severity, role, isolate, said = judge_xid(entry, bucket, event.text)
         if not entry.emit:
             return []
         gpu = f" on GPU {event.gpu_index}" if event.gpu_index is not None else ""
