@@ -199,6 +199,10 @@ class _GpuState:
     history: dict[tuple[str, str], deque[tuple[float, int]]] = field(default_factory=dict)
     reported: dict[str, float] = field(default_factory=dict)  # signature -> time of its last anomaly
     dcgm_xid: int | None = None  # dcgm-exporter's last Xid, as last seen
+    # The readings the conditions use, as last evaluated, and whether nothing was open then (no
+    # episode, no throttle streak, every counter flat): see GpuHealthDetector._settled.
+    reading: tuple[object, ...] | None = None
+    settled: bool = False
 
 
 @dataclass
@@ -242,6 +246,8 @@ class GpuHealthDetector:
         self._buckets = buckets
         check_against_xids(self._catalog, xids)
         self._streams: dict[tuple[str, str], _Stream] = {}
+        # The GpuMetrics fields some condition reads, from the catalog (uuid: a new GPU in the slot).
+        self._watched = ("uuid", *_fields_read(self._catalog))
         self._evaluate: dict[str, Callable[[Any, GpuMetrics, _GpuState, float], _Finding | None]] = {
             "flag": self._flag,
             "counter": self._counter,
@@ -281,6 +287,19 @@ class GpuHealthDetector:
             state = _GpuState(uuid=gpu.uuid)
             stream.gpus[gpu.index] = state
         state.uuid = gpu.uuid or state.uuid
+        reading = tuple(getattr(gpu, name) for name in self._watched)
+        if self._settled(state, reading, gpu):
+            # A settled GPU reading what it read last: evaluating every condition would change
+            # nothing but the clock. Nearly every GPU of a healthy fleet, nearly every second.
+            state.last_time = t
+            return []
+        if state.settled:
+            # Its counters stood still since the last evaluation: one reading each, as of the last
+            # sample, measures a rise exactly as the skipped flat readings would have.
+            for history in state.history.values():
+                value = history[-1][1]
+                history.clear()
+                history.append((state.last_time if state.last_time is not None else t, value))
         findings = [f for c in self._catalog.conditions if (f := self._evaluate[c.kind](c, gpu, state, t))]
         findings += self._xid_findings(sample, gpu, state)
         state.last_time = t
@@ -292,7 +311,22 @@ class GpuHealthDetector:
                 continue  # the same fault, already reported (in this sample or just before)
             state.reported[f.signature] = t
             out.append(self._anomaly(sample, gpu, f))
+        state.reading = reading
+        state.settled = (
+            not any(e.active or e.since is not None for e in state.episodes.values())
+            and all(h[0][1] == h[-1][1] for h in state.history.values() if h)
+            and not gpu.xid_events
+        )
         return out
+
+    def _settled(self, state: _GpuState, reading: tuple[object, ...], gpu: GpuMetrics) -> bool:
+        """Whether evaluating this GPU's conditions could find nothing and change no state but the
+        time: it reads what it read at the last evaluation, which left nothing open (no active
+        episode, no throttle streak under way, no counter that moved within its history), and it
+        carries no Xid. A flag set then would have an active episode, a held throttle reason a
+        streak; a counter unchanged against a flat history rises by 0; so every condition
+        evaluates as it did. The unit tests hold this against full evaluation of every sample."""
+        return state.settled and reading == state.reading and not gpu.xid_events
 
     def _flag(self, cond: FlagCondition, gpu: GpuMetrics, state: _GpuState, t: float) -> _Finding | None:
         value = getattr(gpu, cond.field)
@@ -487,6 +521,19 @@ class GpuHealthDetector:
     def _gpu_name(gpu: GpuMetrics, state: _GpuState) -> str:
         ids = [i for i in (gpu.uuid or state.uuid, gpu.pci_bus_id) if i]
         return f"GPU {gpu.index}" + (f" ({', '.join(ids)})" if ids else "")
+
+
+def _fields_read(catalog: GpuHealthCatalog) -> tuple[str, ...]:
+    """The GpuMetrics fields the catalog's conditions read, in catalog order, each once."""
+    read: dict[str, None] = {}
+    for cond in catalog.conditions:
+        if isinstance(cond, FlagCondition):
+            read[cond.field] = None
+        elif isinstance(cond, CounterCondition):
+            read.update(dict.fromkeys(cond.fields))
+        else:
+            read["throttle_reasons"] = None
+    return tuple(read)
 
 
 def _trim(history: deque[tuple[float, int]], t: float, window_s: float | None) -> None:
