@@ -118,6 +118,7 @@ class ScenarioConfig:
     profile_at_s: float = 20.0
     settle_s: float = 1.0
     collateral_wait_s: float = 5.0
+    gpu_summary_every_s: float | None = None  # edge aggregation in the node producers (None: off)
     healthy_min: int = 3
     workers: int = 1  # streams workers (one consumer group)
 
@@ -518,6 +519,7 @@ def run_scenario(cfg: ScenarioConfig) -> dict[str, Any]:
             requeue_delay_s=cfg.requeue_delay_s,
             backdate_s=cfg.backdate_s,
             first_step_extra_s=(cfg.first_step_extra_s[0], cfg.first_step_extra_s[1]),
+            gpu_summary_every_s=cfg.gpu_summary_every_s,
         )
     )
     t_stack = time.time()
@@ -1098,6 +1100,7 @@ class BenchOptions:
     manual_response_s: float = 1800.0
     silent_notice_s: float = 3600.0
     prefix: str = "pipeline"
+    gpu_summary_every_s: float | None = None
     say: Callable[[str], None] = print
 
 
@@ -1126,6 +1129,7 @@ def main_config(o: BenchOptions) -> ScenarioConfig:
         nccl_timeout_s=10.0 if o.quick else 600.0,
         data_dir=str(o.data_dir),
         healthy_min=2 if o.quick else 3,
+        gpu_summary_every_s=o.gpu_summary_every_s,
     )
 
 
@@ -1139,6 +1143,7 @@ def run_bench(o: BenchOptions) -> dict[str, Any]:
         "machine": machine(),
         "command": "python -m bench.pipeline " + " ".join(sys.argv[1:]),
         "quick": o.quick,
+        "gpu_summary_every_s": o.gpu_summary_every_s,
     }
     cfg = main_config(o)
     o.say(f"[bench] scenario {cfg.name}: {cfg.nodes} nodes x 8 GPUs, {len(cfg.kinds)} fault kinds x {cfg.reps}")
@@ -1155,6 +1160,7 @@ def run_bench(o: BenchOptions) -> dict[str, Any]:
     for n in sizes:
         scfg = scale_config(n, o.scale_seconds, str(o.data_dir), o.seed)
         scfg.workers = o.workers
+        scfg.gpu_summary_every_s = o.gpu_summary_every_s
         o.say(f"[bench] scale: {n} nodes ({n * 8} GPUs) for {o.scale_seconds:.0f} s")
         ev = evaluate(run_child(scfg, o.out, timeout_s=900), dataclasses.replace(assume))
         ok, why = sustained(ev, ref_p95)
@@ -1178,6 +1184,7 @@ def run_bench(o: BenchOptions) -> dict[str, Any]:
         # Profile once the straggler window (120 s) is full: that is the steady state.
         pcfg = scale_config(prof_n, 130.0 + o.profile_seconds, str(o.data_dir), o.seed)
         pcfg.name = f"profile-{prof_n}"
+        pcfg.gpu_summary_every_s = o.gpu_summary_every_s
         pcfg.profile_s = o.profile_seconds
         pcfg.profile_at_s = 125.0
         o.say(f"[bench] profiling the streams worker at {prof_n} nodes for {o.profile_seconds:.0f} s (py-spy)")
@@ -1257,6 +1264,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=150.0,
         help="per size; >= 130 s, or the straggler detector's 120 s window is not full and its cost is understated",
     )
+    p.add_argument(
+        "--gpu-summary-every",
+        type=float,
+        default=None,
+        metavar="S",
+        help="edge aggregation in every scenario: each node's GPUs read every second, published every S s "
+        "and at once on a health change or Xid (produce gpu --summary-every)",
+    )
     p.add_argument("--profile-seconds", type=float, default=30.0)
     p.add_argument("--manual-response-s", type=float, default=1800.0, help="status quo: person's response time")
     p.add_argument("--silent-notice-s", type=float, default=3600.0, help="status quo: when a silent fault is noticed")
@@ -1276,6 +1291,11 @@ def options_from_args(a: argparse.Namespace) -> BenchOptions:
         if k not in ALL_KINDS:
             raise SystemExit(f"--kinds: unknown fault kind {k!r} (known: {', '.join(ALL_KINDS)})")
     scale = None if a.scale is None else [int(x) for x in a.scale.split(",") if x.strip()]
+    if a.gpu_summary_every is not None:
+        from producers.gpu_edge import MAX_EVERY_S
+
+        if not 1.0 <= a.gpu_summary_every <= MAX_EVERY_S:
+            raise SystemExit(f"--gpu-summary-every: from 1 (the sampling interval) to {MAX_EVERY_S:g} s")
     return BenchOptions(
         quick=a.quick,
         nodes=a.nodes or (48 if a.quick else 128),
@@ -1292,6 +1312,7 @@ def options_from_args(a: argparse.Namespace) -> BenchOptions:
         manual_response_s=a.manual_response_s,
         silent_notice_s=a.silent_notice_s,
         prefix=a.prefix,
+        gpu_summary_every_s=a.gpu_summary_every,
     )
 
 

@@ -234,6 +234,13 @@ def render(doc: dict[str, Any], out: Path, prefix: str = "pipeline") -> Path:
         "use the real texts of tests/fixtures. Latencies come from the audit trail "
         "(incident and action result times) and the simulated scheduler's own record.\n"
     )
+    if doc.get("gpu_summary_every_s"):
+        every = doc["gpu_summary_every_s"]
+        md.append(
+            f"**Edge aggregation on** (`produce gpu --summary-every {every:g}`): every node's GPUs are still read "
+            f"each second, but `producers.gpu_edge.EdgeSummary` publishes the latest reading every {every:g} s, "
+            "and at once any reading whose GPU health changed or that carries an Xid.\n"
+        )
     if main:
         md += _main_section(main, doc)
     scale = doc.get("scale")

@@ -1,6 +1,7 @@
 """Single scale points without the full search (bench.pipeline runs that until a size fails).
 
-Run: .venv/bin/python -m bench.scale_points 1024x1 1024x2   (NODESxWORKERS, 90 s each)
+Run: .venv/bin/python -m bench.scale_points 1024x1 1024x2 4096x1@5   (NODESxWORKERS, 90 s each;
+@S: edge aggregation, each node's GPU samples published every S s and at once on a health change)
 Prints one JSON row per point and writes them to var/bench/scale-points/rows.json.
 """
 
@@ -20,10 +21,12 @@ def main(argv: list[str]) -> int:
     rows: list[dict[str, Any]] = []
     ref: float | None = None
     for spec in argv:
-        n, w = (int(x) for x in spec.split("x"))
+        size, _, every = spec.partition("@")
+        n, w = (int(x) for x in size.split("x"))
         cfg = scale_config(n, 90.0, str(out / "data"), 7)
         cfg.workers = w
-        cfg.name = f"scale-{n}-w{w}"
+        cfg.gpu_summary_every_s = float(every) if every else None
+        cfg.name = f"scale-{n}-w{w}" + (f"-every{every}" if every else "")
         t = time.time()
         ev = evaluate(run_child(cfg, out, timeout_s=900), BaselineAssumptions())
         ok, why = sustained(ev, ref)
@@ -33,6 +36,7 @@ def main(argv: list[str]) -> int:
         row = {
             "nodes": n,
             "workers": w,
+            "gpu_summary_every_s": cfg.gpu_summary_every_s,
             "sustained": ok,
             "why": why,
             "detection_s": r["detection_s"],
