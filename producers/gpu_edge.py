@@ -31,8 +31,9 @@ by streams/detectors/gpu_health.py) or the detector's per-GPU state reads:
 - `nvlink_errors`: the nvlink_errors counter condition (10 within 60 s). Every change of a
   counter is published, so a windowed rise is measured on the same readings as without
   aggregation, only without the flat ones in between;
-- `throttle_reasons`, as a set (NVML's order carries no meaning): the hw_slowdown,
-  thermal_throttle and power_brake throttle conditions. A streak starts at the sample that
+- `throttle_reasons`, as a set (NVML's order carries no meaning), less the routine reasons
+  (`ROUTINE_THROTTLE_REASONS`: idle, power cap, ...): the hw_slowdown, thermal_throttle and
+  power_brake throttle conditions. A streak starts at the sample that
   first shows the reason, published at once, so its measured duration is not cut short.
 
 Xid events (`xid_events`) are not state but events: NVML's event API delivers each Xid once,
@@ -58,6 +59,8 @@ Hence `MAX_EVERY_S`; 5 s or less keeps every detector's view whole.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 from schemas.events import GpuMetrics, GpuSample
 
@@ -69,21 +72,47 @@ _GpuHealth = tuple[object, ...]
 _Health = dict[int, _GpuHealth]
 
 
+#: Throttle reasons whose coming and going is routine and that no GPU-health condition reads: the
+#: GPU idling, application clocks, the power limit (NVML's power_cap; sw_power_cap as the simulator
+#: and some exporters name it), sync boost, display clocks. A busy GPU at its power limit flips
+#: power_cap several times a minute: were it health, a node of 8 such GPUs would be published
+#: nearly every reading and the summary would save little. A change in these alone waits for the
+#: summary. tests/unit/test_gpu_edge.py holds this set against streams/catalog/gpu_health.yaml.
+ROUTINE_THROTTLE_REASONS = frozenset(
+    {"gpu_idle", "clocks_setting", "power_cap", "sw_power_cap", "sync_boost", "display_clocks"}
+)
+
+#: The GpuMetrics fields that are health besides the throttle reasons (see the module docstring).
+HEALTH_FIELDS = (
+    "uuid",
+    "lost",
+    "error",
+    "ecc_dbe_volatile",
+    "ecc_dbe_aggregate",
+    "retired_pages_pending",
+    "remapped_rows_pending",
+    "remapped_rows_failed",
+    "pcie_replay_count",
+    "nvlink_errors",
+)
+# What a field left out of a JSON object decodes to.
+_DEFAULTS = {name: GpuMetrics.model_fields[name].default for name in HEALTH_FIELDS}
+
+
+def _reasons(reasons: list[str] | None) -> frozenset[str] | None:
+    # As a set: NVML's order carries no meaning.
+    return None if reasons is None else frozenset(reasons) - ROUTINE_THROTTLE_REASONS
+
+
 def gpu_health(gpu: GpuMetrics) -> _GpuHealth:
     """The readings of one GPU that are published at once when they change (see the module docstring)."""
-    return (
-        gpu.uuid,
-        gpu.lost,
-        gpu.error,
-        gpu.ecc_dbe_volatile,
-        gpu.ecc_dbe_aggregate,
-        gpu.retired_pages_pending,
-        gpu.remapped_rows_pending,
-        gpu.remapped_rows_failed,
-        gpu.pcie_replay_count,
-        gpu.nvlink_errors,
-        None if gpu.throttle_reasons is None else frozenset(gpu.throttle_reasons),
-    )
+    return (*(getattr(gpu, name) for name in HEALTH_FIELDS), _reasons(gpu.throttle_reasons))
+
+
+def values_health(values: Mapping[str, Any]) -> _GpuHealth:
+    """gpu_health of the GpuMetrics that `values` (a GPU's JSON object) decodes to, without decoding
+    it: for a publisher that builds payloads as JSON objects (the benchmark's simulator)."""
+    return (*(values.get(name, _DEFAULTS[name]) for name in HEALTH_FIELDS), _reasons(values.get("throttle_reasons")))
 
 
 def sample_health(sample: GpuSample) -> _Health:
@@ -91,6 +120,14 @@ def sample_health(sample: GpuSample) -> _Health:
     health: _Health = {}
     for gpu in sample.gpus:
         health.setdefault(gpu.index, gpu_health(gpu))
+    return health
+
+
+def payload_health(gpus: list[dict[str, Any]]) -> _Health:
+    """sample_health of a sample's `gpus` JSON objects."""
+    health: _Health = {}
+    for gpu in gpus:
+        health.setdefault(gpu["index"], values_health(gpu))
     return health
 
 
@@ -117,13 +154,16 @@ class EdgeSummary:
     def publish(self, sample: GpuSample, now: float) -> bool:
         """True: publish this sample (and it becomes the last published one); False: suppressed.
         `now` is a monotonic clock's reading when the sample was taken."""
-        health = sample_health(sample)
+        return self.decide(sample_health(sample), any(g.xid_events for g in sample.gpus), now)
+
+    def decide(self, health: _Health, has_xids: bool, now: float) -> bool:
+        """publish() for a sample whose health (sample_health or payload_health) is known."""
         if (
             self._last_at is None
             or self._last_health is None
             or now - self._last_at >= self.every_s - self.slack_s
             or health != self._last_health
-            or any(g.xid_events for g in sample.gpus)
+            or has_xids
         ):
             self._last_at, self._last_health = now, health
             self.published += 1

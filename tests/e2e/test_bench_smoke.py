@@ -85,6 +85,34 @@ def test_fast_payloads_are_the_events_the_codec_builds() -> None:
             decode(TYPES[topic], body)
 
 
+@pytest.mark.parametrize("payload", ["fast", "model"])
+def test_edge_aggregation_in_the_simulator_sends_summaries_and_faults_at_once(payload: str) -> None:
+    """With gpu_summary_every_s the simulator publishes what the node producer's EdgeSummary would:
+    a healthy busy fleet every 5 s (its GPUs flipping power_cap in between), a lost GPU at once."""
+    rec = Recorder()
+    cluster = SimCluster(
+        ClusterConfig(nodes=24, seed=3, payload=payload, gpu_summary_every_s=5.0, backdate_s=300.0),  # type: ignore[arg-type]
+        rec,
+    )
+    t0 = 1_800_000_000.0
+    cluster.prepare(now=t0)
+    cluster.plan(["xid79"], start_s=20.3, spacing_s=1.0, healthy_min=0)
+    t = t0
+    while t < t0 + 40:
+        t += cluster.cfg.tick_s
+        cluster.step(t)
+    samples = [decode(GpuSample, body) for topic, body in rec.msgs if topic == "gpu.samples"]
+    (inj,) = [i for i in cluster.injections if not i.skipped]
+    before = [s for s in samples if s.event_time < t0 + 20]
+    # 20 s of 24 nodes read every second: 480 readings, of which one in five goes out.
+    assert 24 * 4 <= len(before) <= 24 * 5
+    lost = [s for s in samples if s.node == inj.node and any(g.lost for g in s.gpus)]
+    assert lost, "the lost GPU was published"
+    assert inj.injected_at is not None
+    assert lost[0].event_time - inj.injected_at <= cluster.cfg.gpu_interval_s  # at the next reading, not the summary
+    assert cluster.summary()["gpu_readings_suppressed_at_edge"] > 0
+
+
 @pytest.mark.timeout(420)
 def test_bench_quick_detects_every_fault(tmp_path: Path) -> None:
     proc = subprocess.run(

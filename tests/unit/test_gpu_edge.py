@@ -7,7 +7,13 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from producers.gpu_edge import MAX_EVERY_S, EdgeSummary
+from producers.gpu_edge import (
+    MAX_EVERY_S,
+    ROUTINE_THROTTLE_REASONS,
+    EdgeSummary,
+    payload_health,
+    sample_health,
+)
 from producers.gpu_nvml import NvmlCollector, NvmlProducer
 from schemas.errors import ExitCode
 from schemas.events import GpuMetrics, GpuSample
@@ -110,6 +116,38 @@ def test_throttle_reasons_compare_as_a_set() -> None:
     edge = EdgeSummary(5.0)
     assert edge.publish(sample(0, [healthy(0, throttle_reasons=["power_cap", "hw_thermal"])]), now=0.0)
     assert not edge.publish(sample(1, [healthy(0, throttle_reasons=["hw_thermal", "power_cap"])]), now=1.0)
+
+
+def test_routine_throttle_reasons_wait_for_the_summary() -> None:
+    """A GPU at its power limit flips power_cap all the time: not news; a thermal reason is."""
+    edge = EdgeSummary(5.0)
+    assert edge.publish(sample(0), now=0.0)
+    assert not edge.publish(sample(1, [healthy(0, throttle_reasons=["power_cap"]), healthy(1)]), now=1.0)
+    assert not edge.publish(sample(2, [healthy(0, throttle_reasons=["sw_power_cap", "gpu_idle"]), healthy(1)]), now=2.0)
+    assert edge.publish(sample(3, [healthy(0, throttle_reasons=["power_cap", "hw_thermal"]), healthy(1)]), now=3.0)
+
+
+def test_no_health_condition_reads_a_routine_reason() -> None:
+    """Were the catalog to watch a reason the edge holds back, its streak would start up to a
+    summary period late: the two must not overlap."""
+    from streams.detectors.gpu_health import ThrottleCondition, load_gpu_health_catalog
+
+    read = set()
+    for cond in load_gpu_health_catalog().conditions:
+        if isinstance(cond, ThrottleCondition):
+            read |= set(cond.reasons) | set(cond.unless)
+    assert read, "the catalog has throttle conditions"
+    assert not read & ROUTINE_THROTTLE_REASONS
+
+
+@pytest.mark.parametrize(("name", "change"), HEALTH_CHANGES, ids=[n for n, _ in HEALTH_CHANGES])
+def test_json_objects_have_the_health_of_the_gpus_they_decode_to(name: str, change: dict[str, Any]) -> None:
+    """payload_health (a publisher building JSON objects) reads what sample_health reads of the decoded
+    sample, defaults of left-out fields included."""
+    for gpus in ([healthy(0), healthy(1, **change)], [GpuMetrics(index=0), GpuMetrics(index=1, **change)]):
+        decoded = sample(0, gpus)
+        payload = [g.model_dump(mode="json", exclude_defaults=True) | {"index": g.index} for g in gpus]
+        assert payload_health(payload) == sample_health(decoded), name
 
 
 def test_samples_with_xids_are_always_published() -> None:
