@@ -59,6 +59,7 @@ Hence `MAX_EVERY_S`; 5 s or less keeps every detector's view whole.
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -131,6 +132,12 @@ def payload_health(gpus: list[dict[str, Any]]) -> _Health:
     return health
 
 
+def node_phase(node: str, every_s: float) -> float:
+    """A node's place in the summary period, from its name: stable across restarts, and spread
+    evenly over a fleet, so that a fleet's summaries do not all arrive in the same second."""
+    return (zlib.crc32(node.encode()) % 1000) / 1000 * every_s
+
+
 class EdgeSummary:
     """Decides, sample by sample, which of a node's GPU samples to publish (module docstring).
 
@@ -139,13 +146,16 @@ class EdgeSummary:
     slip to 6 s whenever the published sample was the late one. The producer passes half its interval.
     """
 
-    def __init__(self, every_s: float, slack_s: float = 0.0) -> None:
+    def __init__(self, every_s: float, slack_s: float = 0.0, phase_s: float = 0.0) -> None:
         if not (math.isfinite(every_s) and 0 < every_s <= MAX_EVERY_S):
             raise ValueError(f"every_s must be > 0 and <= {MAX_EVERY_S:g} s, got {every_s}")
         if not (math.isfinite(slack_s) and 0 <= slack_s < every_s):
             raise ValueError(f"slack_s must be >= 0 and < every_s ({every_s:g}), got {slack_s}")
+        if not (math.isfinite(phase_s) and 0 <= phase_s < every_s):
+            raise ValueError(f"phase_s must be >= 0 and < every_s ({every_s:g}), got {phase_s}")
         self.every_s = every_s
         self.slack_s = slack_s
+        self.phase_s = phase_s
         self.published = 0
         self.suppressed = 0
         self._last_at: float | None = None
@@ -158,14 +168,18 @@ class EdgeSummary:
 
     def decide(self, health: _Health, has_xids: bool, now: float) -> bool:
         """publish() for a sample whose health (sample_health or payload_health) is known."""
+        last = self._last_at
+        first = last is None or self._last_health is None
         if (
-            self._last_at is None
-            or self._last_health is None
-            or now - self._last_at >= self.every_s - self.slack_s
+            last is None
+            or first
+            or now - last >= self.every_s - self.slack_s
             or health != self._last_health
             or has_xids
         ):
-            self._last_at, self._last_health = now, health
+            # The first sample starts the summaries `phase_s` early: nodes whose producers start
+            # together (a rollout, the benchmark's simulator) spread their summaries over the period.
+            self._last_at, self._last_health = (now - self.phase_s if first else now), health
             self.published += 1
             return True
         self.suppressed += 1

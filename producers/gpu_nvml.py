@@ -460,12 +460,16 @@ class NvmlProducer:
                 f"summary_every_s ({summary_every_s:g} s) must be >= interval_s ({interval_s:g} s): "
                 "a summary cannot come more often than the samples it is made of"
             )
-        from producers.gpu_edge import EdgeSummary
+        from producers.gpu_edge import EdgeSummary, node_phase
 
-        # After the checks above, so that a bad value leaves no NVML handle open.
-        self.summary = EdgeSummary(summary_every_s, slack_s=interval_s / 2) if summary_every_s is not None else None
-        self.publisher = publisher
         self.node = node or socket.gethostname()
+        # After the checks above, so that a bad value leaves no NVML handle open.
+        self.summary = (
+            EdgeSummary(summary_every_s, slack_s=interval_s / 2, phase_s=node_phase(self.node, summary_every_s))
+            if summary_every_s is not None
+            else None
+        )
+        self.publisher = publisher
         self.interval_s = interval_s
         self.summary_every_s = summary_every_s
         self.clock = clock

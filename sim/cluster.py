@@ -42,7 +42,7 @@ from typing import Any, Literal, Protocol
 import orjson
 
 from bus.publish import Publisher
-from producers.gpu_edge import EdgeSummary, payload_health
+from producers.gpu_edge import EdgeSummary, node_phase, payload_health
 from producers.joblogs import JobLayout, JobLogProducer, split_rank_prefix
 from producers.kernel import KernelLogProducer, parse_kernel_line, to_event
 from producers.progress import ProgressParser
@@ -218,7 +218,10 @@ class SimCluster:
         self.late_gpu_samples = 0  # samples dropped because the loop was more than an interval late
         every = config.gpu_summary_every_s
         self.edge: dict[str, EdgeSummary] = (
-            {n: EdgeSummary(every, slack_s=config.gpu_interval_s / 2) for n in self.node_names}
+            {
+                n: EdgeSummary(every, slack_s=config.gpu_interval_s / 2, phase_s=node_phase(n, every))
+                for n in self.node_names
+            }
             if every is not None
             else {}
         )

@@ -11,6 +11,7 @@ from producers.gpu_edge import (
     MAX_EVERY_S,
     ROUTINE_THROTTLE_REASONS,
     EdgeSummary,
+    node_phase,
     payload_health,
     sample_health,
 )
@@ -226,12 +227,16 @@ class FakeClock:
         return self.t
 
 
+# A node name whose summary phase (node_phase) is 0: its summaries fall every 5 s from its first sample.
+PHASE0_NODE = "gpu-edge-115"
+
+
 def producer(
     fake: FakeNvml, pub: RecordingPublisher, clock: FakeClock, summary_every_s: float | None = 5.0
 ) -> NvmlProducer:
     return NvmlProducer(
         pub,  # type: ignore[arg-type]  # duck-typed: publish and flush
-        "gpu01",
+        PHASE0_NODE,
         interval_s=1.0,
         collector=NvmlCollector(fake),
         summary_every_s=summary_every_s,
@@ -342,8 +347,25 @@ def test_produce_gpu_says_what_summary_every_does(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(produce_cli, "_publisher", lambda *_: pub)
     monkeypatch.setattr(produce_cli, "_stop_event", threading.Event)
     monkeypatch.setattr(produce_cli, "_run_loop", two_polls)
-    result = CliRunner().invoke(app, ["produce", "gpu", "--node", "gpu01", "--summary-every", "5"])
+    result = CliRunner().invoke(app, ["produce", "gpu", "--node", PHASE0_NODE, "--summary-every", "5"])
     assert result.exit_code == 0, result.output
     assert "sampling every 1 s, publishing every 5 s and at once on a health change" in result.output
     assert '"samples": 1, "suppressed": 1, "errors": 0' in result.output
     assert len(pub.sent) == 1
+
+
+def test_a_phase_starts_the_summaries_early_and_spreads_a_fleet() -> None:
+    """Producers started together publish their summaries spread over the period, not together."""
+    edge = EdgeSummary(5.0, phase_s=3.0)
+    assert edge.publish(sample(0), now=100.0)  # the first sample, as always
+    assert not edge.publish(sample(1), now=101.0)
+    assert edge.publish(sample(2), now=102.0)  # 5 s after 97.0
+    assert not edge.publish(sample(6), now=106.0)
+    assert edge.publish(sample(7), now=107.0)  # then every 5 s
+    assert node_phase(PHASE0_NODE, 5.0) == 0.0
+    phases = [node_phase(f"gpu{i:04d}", 5.0) for i in range(1000)]
+    assert all(0 <= p < 5.0 for p in phases)
+    # Each second of the period gets about a fifth of the fleet's summaries.
+    assert all(150 <= sum(1 for p in phases if k <= p < k + 1) <= 250 for k in range(5))
+    with pytest.raises(ValueError, match="phase_s"):
+        EdgeSummary(5.0, phase_s=5.0)
