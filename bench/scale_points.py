@@ -1,6 +1,6 @@
 """Single scale points without the full search (bench.pipeline runs that until a size fails).
 
-Run: .venv/bin/python -m bench.scale_points 1024x1 1024x2 4096x1@5   (NODESxWORKERS, 90 s each;
+Run: .venv/bin/python -m bench.scale_points [--seconds 150] 1024x1 1024x2 4096x1@5   (NODESxWORKERS, 90 s each;
 @S: edge aggregation, each node's GPU samples published every S s and at once on a health change)
 Prints one JSON row per point and writes them to var/bench/scale-points/rows.json.
 """
@@ -20,11 +20,16 @@ def main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     ref: float | None = None
+    seconds = 90.0
+    if argv[:1] == ["--seconds"]:
+        seconds, argv = float(argv[1]), argv[2:]
     for spec in argv:
         size, _, every = spec.partition("@")
         n, w = (int(x) for x in size.split("x"))
-        cfg = scale_config(n, 90.0, str(out / "data"), 7)
+        cfg = scale_config(n, seconds, str(out / "data"), 7)
         cfg.workers = w
+        if spec.endswith("@"):
+            raise SystemExit(f"{spec}: @ needs the summary period in seconds (e.g. {size}@5)")
         cfg.gpu_summary_every_s = float(every) if every else None
         cfg.name = f"scale-{n}-w{w}" + (f"-every{every}" if every else "")
         t = time.time()
@@ -44,6 +49,9 @@ def main(argv: list[str]) -> int:
             "cpu_pct": r["resources"]["cpu_pct"],
             "central_cpu_pct": r["resources"].get("central_cpu_pct"),
             "lag_max_s": r["lag_max_s"],
+            # The probes' lag second by second (after the 10 s warm-up), per agent: a start-up burst
+            # and a steady state read differently.
+            "lag_series": r["lag_series"],
             "input_events_per_s": r["input_events_per_s"],
             "wall_s": round(time.time() - t),
         }

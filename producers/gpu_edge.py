@@ -4,7 +4,8 @@ The node producer (producers/gpu_nvml.NvmlProducer) still reads every GPU every 
 `EdgeSummary` decides which readings go out. It publishes:
 
 - the first sample;
-- a sample `every_s` or more after the last published one (the summary);
+- a sample `every_s` or more after the last published one (the summary; the first summary comes
+  `phase_s` early, so that nodes started together spread theirs over the period);
 - at once, a sample whose HEALTH differs from the last published sample's;
 - always, a sample that carries Xid events.
 
@@ -134,7 +135,7 @@ def payload_health(gpus: list[dict[str, Any]]) -> _Health:
 
 def node_phase(node: str, every_s: float) -> float:
     """A node's place in the summary period, from its name: stable across restarts, and spread
-    evenly over a fleet, so that a fleet's summaries do not all arrive in the same second."""
+    over the period across a fleet, so that a fleet's summaries do not all arrive in the same second."""
     return (zlib.crc32(node.encode()) % 1000) / 1000 * every_s
 
 
@@ -156,6 +157,9 @@ class EdgeSummary:
         self.every_s = every_s
         self.slack_s = slack_s
         self.phase_s = phase_s
+        # A phase within the slack of a full period would make the next reading a summary for all
+        # those nodes at once: it counts as that much before the period's start instead.
+        self._offset_s = phase_s if phase_s < every_s - slack_s else phase_s - every_s
         self.published = 0
         self.suppressed = 0
         self._last_at: float | None = None
@@ -179,7 +183,7 @@ class EdgeSummary:
         ):
             # The first sample starts the summaries `phase_s` early: nodes whose producers start
             # together (a rollout, the benchmark's simulator) spread their summaries over the period.
-            self._last_at, self._last_health = (now - self.phase_s if first else now), health
+            self._last_at, self._last_health = (now - self._offset_s if first else now), health
             self.published += 1
             return True
         self.suppressed += 1

@@ -369,3 +369,16 @@ def test_a_phase_starts_the_summaries_early_and_spreads_a_fleet() -> None:
     assert all(150 <= sum(1 for p in phases if k <= p < k + 1) <= 250 for k in range(5))
     with pytest.raises(ValueError, match="phase_s"):
         EdgeSummary(5.0, phase_s=5.0)
+
+
+def test_a_fleet_started_together_spreads_its_summaries_over_the_period() -> None:
+    """1,000 nodes read every second from the same start, summarised every 5 s with the producer's
+    slack: each second of the period carries about a fifth of the summaries."""
+    edges = [EdgeSummary(5.0, slack_s=0.5, phase_s=node_phase(f"gpu{i:04d}", 5.0)) for i in range(1000)]
+    per_second = [0] * 5
+    for t in range(60):
+        for edge in edges:
+            if edge.publish(sample(t), now=float(t)) and t >= 10:
+                per_second[t % 5] += 1
+    share = [n / sum(per_second) for n in per_second]
+    assert all(0.15 <= x <= 0.25 for x in share), share

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from schemas.events import GpuMetrics, GpuSample
 from streams.catalog import load_xid_catalog
-from streams.detectors.gpu_health import GpuHealthDetector, _GpuState, load_gpu_health_catalog
+from streams.detectors.gpu_health import GpuHealthDetector, load_gpu_health_catalog
 
 # Loaded once: a detector per hypothesis example would otherwise read xid.yaml 600 times.
 CATALOG = load_gpu_health_catalog()
@@ -23,10 +23,9 @@ XIDS = load_xid_catalog().xids
 
 
 class FullEvaluation(GpuHealthDetector):
-    """Evaluates every condition on every sample."""
+    """Evaluates every condition on every sample: no skip, no history collapse."""
 
-    def _settled(self, state: _GpuState, reading: tuple[object, ...], gpu: GpuMetrics) -> bool:
-        return False
+    SHORTCUT = False
 
 
 _REASONS = st.sampled_from([None, [], ["hw_slowdown"], ["sw_thermal"], ["hw_thermal", "sw_power_cap"], ["gpu_idle"]])
@@ -34,9 +33,10 @@ _REASONS = st.sampled_from([None, [], ["hw_slowdown"], ["sw_thermal"], ["hw_ther
 # One GPU's step: how its readings change from the previous sample.
 _step = st.fixed_dictionaries(
     {
-        "gap_s": st.sampled_from([1.0, 1.0, 1.0, 5.0, 30.0, 61.0, 130.0]),
-        "nvlink": st.sampled_from([0, 0, 0, 0, 1, 4, 11, -1]),  # -1: a reset (counter back to 0)
-        "pcie": st.sampled_from([0, 0, 0, 0, 3, 9]),
+        "gap_s": st.sampled_from([1.0, 1.0, 1.0, 5.0, 30.0, 31.0, 59.0, 60.0, 61.0, 130.0]),
+        # -1: a reset (counter back to 0); None: unreadable in this sample
+        "nvlink": st.sampled_from([0, 0, 0, 0, 1, 4, 11, -1, None]),
+        "pcie": st.sampled_from([0, 0, 0, 0, 3, 9, None]),
         "dbe": st.sampled_from([0, 0, 0, 0, 0, 1]),
         "lost": st.sampled_from([False, False, False, False, True]),
         "remap_pending": st.sampled_from([False, False, False, None, True]),
@@ -59,8 +59,10 @@ def _series(steps: list[list[dict[str, Any]]]) -> list[GpuSample]:
         t += float(step[0]["gap_s"])
         gpus = []
         for i, s in enumerate(step):
-            nvlink[i] = 0 if s["nvlink"] == -1 else nvlink[i] + int(s["nvlink"])
-            pcie[i] += int(s["pcie"])
+            if s["nvlink"] is not None:
+                nvlink[i] = 0 if s["nvlink"] == -1 else nvlink[i] + int(s["nvlink"])
+            if s["pcie"] is not None:
+                pcie[i] += int(s["pcie"])
             dbe[i] += int(s["dbe"])
             if s["reasons"] != "same":
                 reasons[i] = s["reasons"]
@@ -75,8 +77,8 @@ def _series(steps: list[list[dict[str, Any]]]) -> list[GpuSample]:
                     throttle_reasons=reasons[i],
                     ecc_dbe_volatile=dbe[i],
                     remapped_rows_pending=s["remap_pending"],
-                    pcie_replay_count=pcie[i],
-                    nvlink_errors=nvlink[i],
+                    pcie_replay_count=None if s["pcie"] is None else pcie[i],
+                    nvlink_errors=None if s["nvlink"] is None else nvlink[i],
                     xid_events=list(s["xid"]),
                 )
             )
@@ -128,3 +130,16 @@ def test_a_quiet_fleet_is_mostly_skipped() -> None:
         )
     )
     assert [(a.facts["condition"], a.facts["nvlink_errors_from"]) for a in found] == [("nvlink_errors", "7")]
+
+
+def test_a_counter_unreadable_while_settled_keeps_the_time_of_its_last_reading() -> None:
+    """nvlink_errors 0 at t=1000, unreadable at 1001, 20 at 1061: a rise over 61 s, outside the
+    60 s window; the shortcut must not move the 0 reading forward to 1001."""
+
+    def at(t: float, nvlink: int | None) -> GpuSample:
+        gpu = GpuMetrics(index=0, uuid="GPU-a", nvlink_errors=nvlink, throttle_reasons=[])
+        return GpuSample(event_id=f"s{t}", event_time=t, node="gpu01", gpus=[gpu])
+
+    for det in (GpuHealthDetector(CATALOG, XIDS), FullEvaluation(CATALOG, XIDS)):
+        found = [a for s in (at(1000, 0), at(1001, None), at(1061, 20)) for a in det.observe(s)]
+        assert found == [], type(det).__name__
