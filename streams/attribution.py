@@ -102,6 +102,16 @@ def _restarts(src: SchedEvent | Incident | _Allocation | None) -> int | None:
     return src.restarts if src is not None else None
 
 
+def _names_the_cause(held_explains: bool, anomaly: Anomaly) -> bool:
+    """Whether `anomaly`, arriving while an incident holds its job, must be an incident of its own:
+    the holding incident found no cause (category unknown: a throughput drop, a crash with no
+    recognised reason) and this is a root cause that isolates a node (a straggler, an Xid). A
+    job-wide slowdown is seen within seconds, the throttled node behind it tens of seconds later:
+    absorbed, the node would never be drained. Anything else stays absorbed (a hang or a timeout
+    after an unexplained crash is its consequence, not a new fault to act on)."""
+    return not held_explains and anomaly.role == "root" and anomaly.isolate
+
+
 class Attributor:
     """Groups anomalies per job (or per node when no job is known).
 
@@ -117,7 +127,8 @@ class Attributor:
         self.collateral_wait_s = collateral_wait_s
         self.hold_s = hold_s
         self._groups: dict[str, _Group] = {}
-        self._closed: dict[str, tuple[float, str]] = {}  # key -> (until, incident id)
+        # key -> (until, incident id, whether it explains the fault: a category other than unknown)
+        self._closed: dict[str, tuple[float, str, bool]] = {}
         self._alloc: dict[str, _Allocation] = {}  # job id -> allocation
         self._node_job: dict[str, str] = {}  # node -> running job id
         self._incident_times: dict[str, float] = {}
@@ -168,7 +179,7 @@ class Attributor:
         node = inc.culprit_node or next((e.node for e in inc.evidence if e.node), None)
         key = inc.job_id or f"node:{node or '?'}"
         until = inc.event_time + self.hold_s
-        self._closed[key] = (until, inc.incident_id)
+        self._closed[key] = (until, inc.incident_id, inc.category != "unknown")
         self._incident_times[inc.incident_id] = inc.event_time
         for aid in inc.anomaly_ids:
             self._attributed[aid] = until
@@ -209,7 +220,9 @@ class Attributor:
             job_id = self._node_job.get(anomaly.node)
         key = job_id or f"node:{anomaly.node or '?'}"
         closed = self._closed.get(key)
-        if (closed and now < closed[0]) or self._attributed.get(anomaly.event_id, 0.0) > now:
+        if (closed and now < closed[0] and not _names_the_cause(closed[2], anomaly)) or self._attributed.get(
+            anomaly.event_id, 0.0
+        ) > now:
             self.absorbed += 1
             return
         group = self._groups.get(key)
@@ -239,7 +252,7 @@ class Attributor:
                         job_group.add(a)
                     continue
             inc = self._incident(g, now)
-            self._closed[g.key] = (now + self.hold_s, inc.incident_id)
+            self._closed[g.key] = (now + self.hold_s, inc.incident_id, inc.category != "unknown")
             self._incident_times[inc.incident_id] = inc.event_time
             for aid in inc.anomaly_ids:
                 self._attributed[aid] = now + self.hold_s
@@ -305,7 +318,7 @@ class Attributor:
                 group.opened_at = min(group.opened_at, node_group.opened_at)
 
     def _expire(self, now: float) -> None:
-        for key in [k for k, (until, _) in self._closed.items() if until <= now]:
+        for key in [k for k, (until, _, _) in self._closed.items() if until <= now]:
             self._incident_times.pop(self._closed.pop(key)[1], None)
         for aid in [a for a, until in self._attributed.items() if until <= now]:
             del self._attributed[aid]

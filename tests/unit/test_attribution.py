@@ -281,3 +281,77 @@ def test_retain_drops_the_groups_of_jobs_another_worker_now_judges() -> None:
     assert att.pending() == 1
     (inc,) = att.flush(12.0)
     assert inc.job_id is None and inc.culprit_node == "gpu09"
+
+
+def _slowdown(t: float) -> Anomaly:
+    """The throughput detector's job-wide slowdown: a root with no known cause."""
+    return Anomaly(
+        event_id="tp-1",
+        event_time=t,
+        detector="throughput",
+        signature="throughput_drop",
+        category="unknown",
+        severity="warning",
+        role="root",
+        source="job_log",
+        job_id="100",
+        node="gpu04",
+        job_nodes=JOB_NODES,
+        partition="gpu",
+        line="throughput 0.71 steps/s over 5 reports, 29% below the baseline",
+    )
+
+
+def _straggler(node: str, t: float) -> Anomaly:
+    return Anomaly(
+        event_id=f"st-{node}",
+        event_time=t,
+        detector="straggler",
+        signature="straggler",
+        category="gpu_hardware",
+        severity="warning",
+        role="root",
+        isolate=True,
+        source="gpu",
+        job_id="100",
+        node=node,
+        job_nodes=JOB_NODES,
+        partition="gpu",
+        line=f"{node}: HW thermal slowdown on GPU 3",
+    )
+
+
+def test_a_cause_found_after_an_unexplained_slowdown_is_its_own_incident() -> None:
+    """The job-wide slowdown is seen at once, the throttled node behind it 30 s later: that node
+    must still be named and isolated, not absorbed into the incident that found no cause."""
+    a = Attributor(settle_s=1.0, collateral_wait_s=5.0)
+    a.add(_slowdown(100.0), now=100.0)
+    (first,) = a.flush(105.5)  # no recognised cause: it waits collateral_wait_s for one
+    assert first.category == "unknown"
+    a.add(_straggler("gpu02", 130.0), now=130.0)
+    (second,) = a.flush(131.5)
+    assert (second.category, second.culprit_node, second.isolate) == ("gpu_hardware", "gpu02", True)
+    assert second.incident_id != first.incident_id
+    # Now the job's fault is explained: what follows is absorbed, as always.
+    a.add(_straggler("gpu03", 140.0), now=140.0)
+    a.add(nccl("gpu01", 0, 141.0), now=141.0)
+    assert a.flush(150.0) == []
+
+
+def test_after_an_unexplained_incident_a_non_isolating_cause_stays_absorbed() -> None:
+    """A hang after an unexplained crash is its consequence: no second incident, no action."""
+    a = Attributor(settle_s=1.0, collateral_wait_s=5.0)
+    a.add(_slowdown(100.0), now=100.0)
+    assert len(a.flush(105.5)) == 1
+    hang = _straggler("gpu02", 130.0).model_copy(
+        update={"event_id": "h-1", "signature": "hang", "category": "hang", "isolate": False, "detector": "hang"}
+    )
+    a.add(hang, now=130.0)
+    assert a.flush(140.0) == []
+    # And after an explained incident an isolating cause is absorbed too (the hold, unchanged).
+    b = Attributor(settle_s=1.0, collateral_wait_s=5.0)
+    b.observe_sched(running("100", JOB_NODES, 50.0), 50.0)
+    b.add(xid("gpu02", 79, 99.0), now=100.0)
+    assert len(b.flush(101.5)) == 1
+    b.add(_straggler("gpu03", 130.0), now=130.0)
+    assert b.flush(140.0) == []
