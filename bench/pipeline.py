@@ -633,7 +633,9 @@ def run_scenario(cfg: ScenarioConfig) -> dict[str, Any]:
 
 def _all_resolved(store: Any, injections: Sequence[Any], cfg: ScenarioConfig) -> bool:
     """Every injection has an incident and, where one was decided, its action result (or ran out of time)."""
-    incidents = store.query(f"SELECT incident_id, job_id, {_secs('event_time')} AS t FROM {{db}}.incidents FINAL")
+    incidents = store.query(
+        f"SELECT incident_id, job_id, category, {_secs('event_time')} AS t FROM {{db}}.incidents FINAL ORDER BY t"
+    )
     decided = {r["incident_id"]: r["kind"] for r in store.query("SELECT incident_id, kind FROM {db}.decisions FINAL")}
     done = {r["incident_id"] for r in store.query("SELECT incident_id FROM {db}.action_results FINAL")}
     now = time.time()
@@ -647,10 +649,20 @@ def _all_resolved(store: Any, injections: Sequence[Any], cfg: ScenarioConfig) ->
         match = [r for r in incidents if r["job_id"] == inj.job_id and float(r["t"]) >= inj.injected_at - 1]
         if not match:
             return False
-        iid = match[0]["incident_id"]
+        judged = _judged(match)
+        if judged["category"] == "unknown":
+            return False  # a cause may still be named (a straggler after the job-wide slowdown)
+        iid = judged["incident_id"]
         if iid not in decided or (decided[iid] == "action" and iid not in done):
             return False
     return True
+
+
+def _judged(match: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Of a job's incidents after a fault (in time order), the one its outcome is judged on: the
+    first that names a cause, else the first. An incident that found none (unknown) is followed by
+    one of its own when an isolating cause is named later (streams/attribution.py)."""
+    return next((r for r in match if r["category"] != "unknown"), match[0])
 
 
 # --- evaluation --------------------------------------------------------------------------------------
@@ -733,19 +745,24 @@ def evaluate(raw: dict[str, Any], assume: BaselineAssumptions | None = None) -> 
         if inj["skipped"] or inj["injected_at"] is None:
             continue
         t_f, t_sig = inj["injected_at"], inj["signal_at"]
-        match = [r for r in incidents if r["job_id"] == inj["job_id"] and float(r["t"]) >= t_f - 1.0]
+        match = sorted(
+            (r for r in incidents if r["job_id"] == inj["job_id"] and float(r["t"]) >= t_f - 1.0),
+            key=lambda r: float(r["t"]),
+        )
         if not match:
             o["detected"] = False
             continue
-        inc = match[0]
-        used.add(inc["incident_id"])
+        inc = _judged(match)
+        used.update(r["incident_id"] for r in match[: match.index(inc) + 1])
         o.update(
             detected=True,
             incident_id=inc["incident_id"],
             category=inc["category"],
             culprit=inc["culprit_node"],
             confidence=float(inc["confidence"]),
-            detection_s=round(float(inc["t"]) - t_sig, 3),
+            # Detection: the first incident (a person is told); the outcome: the judged one.
+            detection_s=round(float(match[0]["t"]) - t_sig, 3),
+            diagnosis_s=round(float(inc["t"]) - t_sig, 3),
             fault_to_incident_s=round(float(inc["t"]) - t_f, 3),
             category_ok=inc["category"] == inj["category"],
             culprit_ok=None if not inj["culprit"] else inc["culprit_node"] == inj["culprit"],
