@@ -291,11 +291,14 @@ class Stack:
         proc = self._workers.get(i)
         return describe_returncode(proc.poll() if proc else None) + f"; log {self.worker_log(i)}.1"
 
-    def _restart_worker(self, i: int) -> None:
+    def _stop_worker(self, i: int) -> None:
         proc = self._workers.get(i)
         if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait(30)
+
+    def _restart_worker(self, i: int) -> None:
+        self._stop_worker(i)
         self._start_worker(i)
         self._wait_worker_ready(i)
 
@@ -303,9 +306,20 @@ class Stack:
         """Memory-only: the new broker is empty. Same port, topics recreated with their partition
         counts, then a fresh streams worker (its offsets and changelogs went with the old broker)."""
         assert self.broker is not None
+        # The workers go first: a live one reconnects to the empty broker at once, and its
+        # metadata requests auto-create its topics with the broker's default partition count
+        # before ensure_topics can create them with ours (seen in CI: 4 partitions, not 12).
+        for i in range(self.config.workers):
+            self._stop_worker(i)
         self.broker.stop()
         self.broker.start()
-        ensure_topics(self.bootstrap, Settings.load().topic_partitions)
+        report = ensure_topics(self.bootstrap, Settings.load().topic_partitions)
+        if report.mismatched:
+            log.error(
+                "after the broker restart these topics exist with another partition count (created by a "
+                "client before trainmedic could): %s",
+                ", ".join(f"{name} ({count})" for name, count in sorted(report.mismatched.items())),
+            )
         log.warning(
             "the embedded broker was restarted on %s: events it held that no consumer had read are lost; "
             "the audit keeps what was recorded",
