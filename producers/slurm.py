@@ -186,6 +186,7 @@ class JobView:
     name: str | None = None
     user: str | None = None
     account: str | None = None
+    comment: str | None = None  # sbatch --comment: the owner's trainmedic=... and the executor's mark
 
 
 @dataclass(frozen=True)
@@ -230,6 +231,7 @@ def parse_squeue(data: Mapping[str, Any]) -> dict[str, JobView]:
             name=j.name,
             user=j.user,
             account=j.account,
+            comment=j.comment[:4096] if j.comment else None,
         )
         for job_id, j in parse_jobs(data, "squeue --json").jobs.items()
     }
@@ -646,6 +648,7 @@ class SlurmProducer:
             user=view.user,
             account=view.account,
             restart_count=view.restart_cnt,
+            comment=view.comment,
         )
 
 

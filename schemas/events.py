@@ -152,6 +152,9 @@ class SchedEvent(Event):
     # How often Slurm has restarted the job (kind "job"; squeue's restart_cnt): policy's restart budget
     # counts it too, so restarts nobody here remembers (a lost broker, an operator's) still count.
     restart_count: int | None = Field(default=None, ge=0)
+    # The job's Comment (kind "job"; sbatch --comment): where a job's owner sets trainmedic=...
+    # for it (streams/policy.py JobSettings), and where the executor leaves its mark beside it.
+    comment: str | None = Field(default=None, max_length=4096)
 
 
 #: How trainmedic's own drain reasons start (streams/policy.make_action): "trainmedic inc-...: category".
@@ -287,6 +290,7 @@ class Incident(Event):
     job_restarts: int | None = Field(default=None, ge=0)  # Slurm's restart count of the job, when seen
     user: str | None = None
     account: str | None = None
+    job_comment: str | None = Field(default=None, max_length=4096)  # the job's Comment, when seen
     category: Category
     severity: Severity
     culprit_node: str | None = None

@@ -21,7 +21,6 @@ from typing import Any
 from schemas.errors import UsageError
 from schemas.events import EVENT_TYPES, SCHEMA_VERSION, Incident
 from schemas.ids import DEFAULT_CLUSTER
-from schemas.vocab import ACTIONS
 
 JsonObject = dict[str, Any]
 Upgrader = Callable[[JsonObject], JsonObject]
@@ -48,6 +47,10 @@ def _v1_to_v2(data: JsonObject) -> JsonObject:
     return {**data, "schema_version": 2, "cluster": DEFAULT_CLUSTER}
 
 
+#: The action kinds of version 1, frozen: `drain` came after it.
+V1_ACTIONS: tuple[str, ...] = ("drain_and_requeue", "requeue", "stop", "none")
+
+
 def _incident_v1_to_v2(data: JsonObject) -> JsonObject:
     out = _v1_to_v2(data)
     # Version 2 leaves the action to policy (streams.policy.choose_action), which reads the fact
@@ -56,8 +59,8 @@ def _incident_v1_to_v2(data: JsonObject) -> JsonObject:
     if "recommended_action" not in out:
         raise UpgradeError("recommended_action", "Field required in version 1")
     action = out.pop("recommended_action")
-    if action not in ACTIONS:
-        raise UpgradeError("recommended_action", f"Input should be one of {', '.join(map(repr, ACTIONS))}")
+    if action not in V1_ACTIONS:
+        raise UpgradeError("recommended_action", f"Input should be one of {', '.join(map(repr, V1_ACTIONS))}")
     out["isolate"] = action == "drain_and_requeue"
     return out
 

@@ -18,7 +18,11 @@ Category = Literal[
     "unknown",
     "healthy",
 ]
-ActionKind = Literal["drain_and_requeue", "requeue", "stop", "none"]
+# drain: the node only, the job left alone - a hardware fault endangers every job the node would
+# get next, but the job's owner said trainmedic must not touch the job (streams/policy.py JobSettings).
+ActionKind = Literal["drain_and_requeue", "requeue", "stop", "drain", "none"]
+#: The actions that take a node out of service.
+DRAINS: tuple[ActionKind, ...] = ("drain_and_requeue", "drain")
 Mode = Literal["monitor", "autonomous"]
 Severity = Literal["info", "warning", "error", "critical"]
 # root: the signal names its own origin as the likely cause (Xid 79 on that node);

@@ -264,6 +264,7 @@ INCIDENTS_T = Table(
         Column("job_name", "Nullable(String)", _a("job_name")),
         Column("user", "Nullable(String)", _a("user")),
         Column("account", "Nullable(String)", _a("account")),
+        Column("job_comment", "Nullable(String)", _a("job_comment")),  # migration 014
     ),
     ("event_time", "incident_id"),
     (_bf("job_id"), _bf("culprit_node"), _bf("incident_id")),

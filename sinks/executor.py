@@ -79,6 +79,19 @@ def _marked_restarts(comment: str | None, action_id: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+# Our mark, with the separator it was written after: an earlier action's is replaced, not stacked.
+_MARK_RE = re.compile(r"(?:\s*\|\s*)?trainmedic act-[0-9A-Za-z_-]+ restarts=\d+")
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]+")
+
+
+def annotated(comment: str | None, mark: str) -> str:
+    """The job's Comment with our mark: what its owner wrote is kept (their trainmedic= setting,
+    their notes), an earlier mark of ours is replaced. Control characters, which no scheduler
+    call may carry, become spaces."""
+    own = _CONTROL_RE.sub(" ", _MARK_RE.sub("", comment or "")).strip()
+    return f"{own} | {mark}" if own else mark
+
+
 @dataclass
 class ExecutorSettings:
     verify_timeout_s: float = 60.0
@@ -124,6 +137,12 @@ class Executor:
                 self._drain(run)
                 if action.job_id:
                     self._requeue(run, exclude=[action.node])
+            elif action.action == "drain":
+                # The node only: the job's owner said trainmedic must not touch the job, and a
+                # drain lets it run on (Slurm drains a node once its jobs end).
+                if not action.node:
+                    raise BackendError("drain needs the culprit's node; none is known")
+                self._drain(run)
             elif action.action == "requeue":
                 if not action.job_id:
                     raise BackendError("requeue needs a job id")
@@ -229,7 +248,8 @@ class Executor:
         else:
             # Recorded before the mark too: a replica that lost the lease writes nothing to the job.
             run.before_call(a, "requeue")
-            self.backend.annotate_job(a.job_id, f"trainmedic {a.action_id} restarts={before.restart_count}")
+            mark = f"trainmedic {a.action_id} restarts={before.restart_count}"
+            self.backend.annotate_job(a.job_id, annotated(before.comment, mark))
             self.backend.requeue_job(a.job_id, exclude)
 
             def requeued() -> bool:

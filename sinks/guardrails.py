@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from schemas.errors import ConfigError
 from schemas.events import Action, ActionAttempt, AttemptCall
-from schemas.vocab import Guardrail
+from schemas.vocab import DRAINS, Guardrail
 from schemas.yamlsafe import YamlError, load_yaml
 from sinks import metrics
 from sinks.backends.base import SchedulerBackend
@@ -202,7 +202,7 @@ class Guardrails:
         """Count every call `action` makes, as if each were attempted at `at` (what-if replays,
         which have no scheduler to call): through count(), like everything else."""
         calls: list[AttemptCall] = []
-        if action.action == "drain_and_requeue" and action.node:
+        if action.action in DRAINS and action.node:
             calls.append("drain")
         if action.action in ("requeue", "drain_and_requeue") and action.job_id:
             calls.append("requeue")
@@ -249,7 +249,7 @@ class Guardrails:
                 f"{s.autonomy_partitions}: recommend only"
             )
         with self._lock:
-            if action.node and action.action == "drain_and_requeue":
+            if action.node and action.action in DRAINS:
                 return self._check_drain(s, action.node, now)
         return None
 

@@ -73,6 +73,7 @@ class _Allocation:
     user: str | None = None
     account: str | None = None
     restarts: int | None = None  # Slurm's restart count of the job
+    comment: str | None = None  # the job's Comment (its owner's trainmedic=... setting)
     # The placement is the scheduler's (a SchedEvent, or an incident that had one), not
     # what a job's log batches claim: only then can a culprit be checked against the job.
     from_scheduler: bool = False
@@ -100,6 +101,14 @@ def _restarts(src: SchedEvent | Incident | _Allocation | None) -> int | None:
     if isinstance(src, Incident):
         return src.job_restarts
     return src.restarts if src is not None else None
+
+
+def _comment(src: SchedEvent | Incident | _Allocation | None) -> str | None:
+    if isinstance(src, SchedEvent):
+        return src.comment
+    if isinstance(src, Incident):
+        return src.job_comment
+    return src.comment if src is not None else None
 
 
 def _names_the_cause(held_explains: bool, anomaly: Anomaly) -> bool:
@@ -301,6 +310,7 @@ class Attributor:
             src.user if src else None,
             src.account if src else None,
             _restarts(src),
+            _comment(src),
             scheduler,
         )
         for n in nodes:
@@ -352,6 +362,7 @@ class Attributor:
             user=alloc.user if alloc else None,
             account=alloc.account if alloc else None,
             job_restarts=alloc.restarts if alloc else None,
+            job_comment=alloc.comment if alloc else None,
             category=v.category,
             severity=v.severity,
             culprit_node=v.culprit_node,

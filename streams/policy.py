@@ -16,13 +16,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from schemas.errors import ConfigError
 from schemas.events import Action, Decision, Incident
 from schemas.ids import stable_id
-from schemas.vocab import CATEGORIES, NEVER_ACTS, SEVERITY_RANK, ActionKind, Category, Mode, Severity
+from schemas.vocab import CATEGORIES, DRAINS, NEVER_ACTS, SEVERITY_RANK, ActionKind, Category, Mode, Severity
 from schemas.yamlsafe import FILE_LIMITS, YamlError, YamlLimits, compose_yaml, construct_yaml, load_yaml
+from streams.job_settings import Effective, JobSetting, JobSettingError, from_comment, merge, parse_value
 
 
 def _default_policy() -> Path:
@@ -63,25 +64,19 @@ class ReadinessSettings(BaseModel):
     )
 
 
-class RuleMatch(BaseModel):
+class JobMatch(BaseModel):
     """Every given condition must hold. Partition, job name, user and account are
     shell-style globs; an incident whose job owner is unknown (no scheduler state
     seen for it) does not match a rule that asks for one."""
 
     model_config = ConfigDict(extra="forbid")
 
-    category: list[Category] | None = None
     partition: str | None = None
-    min_severity: Severity | None = None
-    min_confidence: float | None = Field(default=None, ge=0.0, le=1.0)
-    culprit_known: bool | None = None
     job_name: str | None = None
     user: str | None = None
     account: str | None = None
 
     def matches(self, incident: Incident) -> bool:
-        if self.category is not None and incident.category not in self.category:
-            return False
         for pattern, value in (
             (self.partition, incident.partition),
             (self.job_name, incident.job_name),
@@ -90,6 +85,22 @@ class RuleMatch(BaseModel):
         ):
             if pattern is not None and not fnmatch.fnmatchcase(value or "", pattern):
                 return False
+        return True
+
+
+class RuleMatch(JobMatch):
+    """The job's conditions (JobMatch), and the incident's."""
+
+    category: list[Category] | None = None
+    min_severity: Severity | None = None
+    min_confidence: float | None = Field(default=None, ge=0.0, le=1.0)
+    culprit_known: bool | None = None
+
+    def matches(self, incident: Incident) -> bool:
+        if self.category is not None and incident.category not in self.category:
+            return False
+        if not super().matches(incident):
+            return False
         if self.min_severity is not None and SEVERITY_RANK[incident.severity] < SEVERITY_RANK[self.min_severity]:
             return False
         if self.min_confidence is not None and incident.confidence < self.min_confidence:
@@ -117,6 +128,34 @@ class RestartBudget(BaseModel):
     stop: Literal["cancel", "hold"] = "hold"
 
 
+class JobRule(BaseModel):
+    """An operator's per-job setting by job name, user, account or partition: the values a job's
+    owner writes after trainmedic= in its comment (streams/job_settings.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=64)
+    match: JobMatch
+    set: str = Field(min_length=1, max_length=256)
+
+    @field_validator("set")
+    @classmethod
+    def _readable(cls, value: str) -> str:
+        try:
+            parse_value(value, "set")
+        except JobSettingError as exc:
+            raise ValueError(str(exc)) from None
+        return value
+
+
+class JobSettingsPolicy(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # Read trainmedic=off|monitor|restarts=N from the job's Slurm Comment (sbatch --comment).
+    from_comment: bool = True
+    rules: list[JobRule] = Field(default_factory=list, max_length=256)
+
+
 class Policy(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -134,6 +173,9 @@ class Policy(BaseModel):
     # only. The per-job restart budget is `restart_budget`, the only one.
     guardrails: dict[str, Any] = Field(default_factory=dict)
     readiness: ReadinessSettings = Field(default_factory=ReadinessSettings)
+    # What a job's owner (its comment) or an operator's job rule asks for one job: they govern
+    # the actions on the job, never the drain of a node whose own fault endangers other jobs.
+    job_settings: JobSettingsPolicy = Field(default_factory=JobSettingsPolicy)
 
     def mode_for(self, partition: str | None, category: Category | None = None) -> Mode:
         """Most specific wins: partition+category, partition, category, default."""
@@ -376,7 +418,7 @@ def decide(policy: Policy, incident: Incident, now: float, recent_restarts: int 
         rule += f" ({incident.category} never acts: none)"
         action = "none"
     isolatable, note = isolation(incident)
-    if action == "drain_and_requeue" and not isolatable:
+    if action in DRAINS and not isolatable:
         if incident.culprit_node is not None and incident.culprit_in_job is False:
             # A job's output named a node the scheduler did not give it: draining it would let one
             # job's text take another job's node out of service.
@@ -390,24 +432,36 @@ def decide(policy: Policy, incident: Incident, now: float, recent_restarts: int 
             rule += " (culprit not resolved to a node of the job: recommendation only)"
             reasons.append(f"{note}: recommendation only")
     budget = policy.restart_budget
+    job = job_settings(policy, incident)
+    limit = budget.max_restarts
+    if job.max_restarts is not None:
+        if job.max_restarts <= budget.max_restarts:
+            limit = job.max_restarts
+        else:
+            reasons.append(
+                f"restarts={job.max_restarts} of {job.restarts_source()} capped by the policy's restart budget "
+                f"({budget.max_restarts})"
+            )
     # Ours within the window, or Slurm's own count of the job's restarts (whoever made them: an
     # operator's approval, a worker before a broker restart, Slurm itself): the higher.
     slurm_restarts = incident.job_restarts or 0
     used = max(recent_restarts, slurm_restarts)
-    if action in RESTARTS and incident.job_id and used >= budget.max_restarts:
+    if action in RESTARTS and incident.job_id and used >= limit:
         # The job keeps failing: another restart would burn more GPU-hours. Stop it for a human.
         counted = (
             f"{recent_restarts} restarts in {budget.window_h:g} h"
             if recent_restarts >= slurm_restarts
             else f"Slurm restarted the job {slurm_restarts} times"
         )
-        rule += f" (restart budget: {counted}: stop and escalate)"
+        by = "" if limit == budget.max_restarts else f", limit {limit} set by {job.restarts_source()}"
+        rule += f" (restart budget: {counted}{by}: stop and escalate)"
         action, stop_mode = "stop", budget.stop
+    action, rule, job_hold = _apply_job_settings(job, incident, action, rule, reasons)
     if not incident.job_id and action in ("requeue", "stop"):
         action = "none"
         rule += " (no job known: nothing to restart or stop)"
     mode = policy.mode_for(incident.partition, incident.category)
-    executed = mode == "autonomous" and action != "none" and (hold is None or action != "drain_and_requeue")
+    executed = mode == "autonomous" and action != "none" and (hold is None or action not in DRAINS) and job_hold is None
     if executed and incident.confidence < policy.min_confidence:
         executed = False
         reasons.append(f"below min_confidence {policy.min_confidence:.2f}: recommendation only")
@@ -443,6 +497,48 @@ def decide(policy: Policy, incident: Incident, now: float, recent_restarts: int 
         now=now,
         node_reported_fault=node_reported_fault(incident),
     )
+
+
+def job_settings(policy: Policy, incident: Incident) -> Effective:
+    """The settings of the incident's job: its comment's (when the policy reads comments) and the
+    policy's job rules that match it, merged strictest first (streams/job_settings.py)."""
+    found: list[JobSetting] = []
+    errors: list[str] = []
+    if policy.job_settings.from_comment:
+        try:
+            found.extend(from_comment(incident.job_comment))
+        except JobSettingError as exc:
+            errors.append(str(exc))
+    for r in policy.job_settings.rules:
+        if r.match.matches(incident):
+            found.append(parse_value(r.set, f"job_settings.rules.{r.name}"))
+    return merge(found, errors)
+
+
+def _apply_job_settings(
+    job: Effective, incident: Incident, action: ActionKind, rule: str, reasons: list[str]
+) -> tuple[ActionKind, str, str | None]:
+    """What the job's settings leave of `action`, the rule text, and why what is left may only be
+    recommended (None: the mode decides). They govern the job, not the node: a node whose own
+    fault calls for its isolation is still drained (`drain`: the node only), since it would
+    fail the next jobs placed on it."""
+    if action == "none" or (job.mode is None and not job.errors):
+        return action, rule, None
+    if job.mode == "off":
+        why = f"trainmedic=off by {job.mode_source()}"
+        if action in DRAINS and incident.isolate:
+            if action == "drain_and_requeue":
+                reasons.append(f"{why}: job {incident.job_id} is not requeued")
+            return "drain", rule + f" ({why}: the node only, the job is not touched)", None
+        return "none", rule + f" ({why}: the job is not touched)", None
+    why = f"trainmedic=monitor by {job.mode_source()}" if job.mode == "monitor" else f"unreadable {job.errors[0]}"
+    if action in DRAINS and incident.isolate:
+        if action == "drain_and_requeue":
+            reasons.append(f"{why}: requeue of job {incident.job_id} recommended, not done")
+            rule += f" ({why}: the node only, the job's requeue is recommended)"
+        return "drain", rule, None
+    reasons.append(f"{why}: recommendation only")
+    return action, rule + f" ({why}: recommendation only)", why
 
 
 def make_action(
@@ -486,6 +582,7 @@ def explain(policy: Policy, incident: Incident) -> list[str]:
     lines.append(f"  facts call for: {chosen} ({by})")
     isolatable, note = isolation(incident)
     lines.append(f"  isolation: {'allowed' if isolatable else 'not allowed'} ({note})")
+    lines.append(f"  job settings: {job_settings(policy, incident).describe()}")
     decision, action = decide(policy, incident, now=incident.event_time)
     lines.append(f"  decision: {decision.action} by {decision.rule}")
     lines.append(f"  mode: {decision.mode} ({decision.reason})")

@@ -44,6 +44,12 @@ def check(path: Annotated[Path, typer.Argument(help="Policy YAML.")]) -> None:
         f"then {policy.restart_budget.then} ({policy.restart_budget.stop}); min_confidence "
         f"{policy.min_confidence}"
     )
+    js = policy.job_settings
+    typer.echo(
+        f"  job settings: {'read from job comments (trainmedic=...)' if js.from_comment else 'comments ignored'}"
+    )
+    for jr in js.rules:
+        typer.echo(f"  job rule {jr.name}: {jr.match.model_dump(exclude_none=True)} -> trainmedic={jr.set}")
     typer.echo(f"  guardrails {rails.model_dump()}")
 
 

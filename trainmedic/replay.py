@@ -85,6 +85,7 @@ def _incident(row: dict[str, Any]) -> Incident:
         job_name=row.get("job_name"),
         user=row.get("user"),
         account=row.get("account"),
+        job_comment=row.get("job_comment"),
         category=row["category"],
         severity=row["severity"],
         culprit_node=row["culprit_node"] or None,  # the table keeps '' for none

@@ -46,9 +46,9 @@ def _events(t0: float) -> list[Event]:
     return events
 
 
-# Columns added by migrations after the layout (009, 010, 012): absent from the old tables, NULL or
+# Columns added by migrations after the layout (009, 010, 012, 014): absent from the old tables, NULL or
 # their default after.
-ADDED_AFTER_LAYOUT = {"reason_user", "reason_time", "reservation", "cluster", "isolate"}
+ADDED_AFTER_LAYOUT = {"reason_user", "reason_time", "reservation", "cluster", "isolate", "job_comment"}
 
 
 def _contents(store: AuditStore) -> dict[str, list[tuple[Any, ...]]]:

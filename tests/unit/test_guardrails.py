@@ -309,3 +309,14 @@ def test_an_isolation_without_a_node_is_not_turned_into_a_plain_requeue() -> Non
     result = Executor(sched, ExecutorSettings(verify_timeout_s=5)).execute(action(None, job), recording([]))
     assert result.status == "failed" and "needs the culprit's node" in (result.error or "")
     assert sched.calls == [] and sched.job_state(job).state == "RUNNING"
+
+
+def test_a_drain_of_the_node_only_is_capped_like_any_drain() -> None:
+    """`drain` (a job whose owner said trainmedic=off) takes a node out: the blast radius counts it."""
+    sched = SimulatedScheduler(NODES)
+    g = rails(sched, max_drains_per_window=1, drain_window_s=600, max_drain_fraction=1.0)
+    first = action("gpu01", "7", kind="drain", incident="inc-1")
+    assert g.check(first, 10.0) is None
+    g.record(first, 10.0)
+    trip = g.check(action("gpu02", "8", kind="drain", incident="inc-2"), 20.0)
+    assert trip is not None and trip[0] == "blast_radius" and "gpu01" in trip[1]
