@@ -471,6 +471,38 @@ class DeadLetter(Event):
     payload_b64: str
 
 
+class JobAttempt(Event):
+    """One run of a job in its lineage (streams/lineage.py): the first run, then one per restart.
+
+    Published when the attempt starts, when policy orders the restart that ends it (its cause),
+    and when it ends; the audit keeps the latest of each (lineage id, attempt)."""
+
+    type_name: ClassVar[str] = "job_attempt"
+    lineage_id: str = Field(min_length=1, max_length=128)  # cluster + job id + first seen
+    job_id: str = Field(min_length=1, max_length=64)
+    job_name: str | None = None
+    user: str | None = None
+    first_seen: Timestamp
+    attempt: int = Field(ge=1)
+    restart_count: int = Field(ge=0)  # Slurm's restart count when the attempt started
+    started_at: Timestamp
+    ended_at: Timestamp | None = None
+    end_reason: str | None = Field(default=None, max_length=256)
+    cause_incident_id: str | None = None  # the incident policy restarted the job for
+    cause_category: Category | None = None
+    cause_node: str | None = None
+    excluded_nodes: list[str] = Field(default_factory=list)  # excluded so far in the lineage
+    # Progress: the lineage's best step and last checkpoint before the attempt, the attempt's own
+    # best step, and whether it saved a checkpoint beyond the last one.
+    start_step: int | None = Field(default=None, ge=0)
+    start_checkpoint: int | None = Field(default=None, ge=0)
+    max_step: int | None = Field(default=None, ge=0)
+    new_checkpoint: bool = False
+    # True: a higher step or a new checkpoint; False: neither; None: not judged yet (the attempt
+    # runs) or unknown (the job never reported progress).
+    progressed: bool | None = None
+
+
 EVENT_TYPES: tuple[type[Event], ...] = (
     GpuSample,
     LogBatch,
@@ -489,4 +521,5 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     NodeReturn,
     GuardrailTrip,
     DeadLetter,
+    JobAttempt,
 )

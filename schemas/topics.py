@@ -17,6 +17,7 @@ from schemas.events import (
     GuardrailTrip,
     HealthEvent,
     Incident,
+    JobAttempt,
     KernelEvent,
     LogBatch,
     ModeChange,
@@ -63,6 +64,7 @@ MODE_CHANGES = Topic("mode.changes", ModeChange, "partition")
 NODE_RETURNS = Topic("node.returns", NodeReturn, "node")
 GUARDRAIL_TRIPS = Topic("guardrail.trips", GuardrailTrip, "job id, else node")
 DEADLETTER = Topic("deadletter", DeadLetter, "original topic")
+JOB_ATTEMPTS = Topic("job.attempts", JobAttempt, "job id")
 
 ALL_TOPICS: tuple[Topic, ...] = (
     GPU_SAMPLES,
@@ -84,6 +86,7 @@ ALL_TOPICS: tuple[Topic, ...] = (
     NODE_RETURNS,
     GUARDRAIL_TRIPS,
     DEADLETTER,
+    JOB_ATTEMPTS,
 )
 TOPIC_BY_NAME = {t.name: t for t in ALL_TOPICS}
 INPUT_TOPICS = (GPU_SAMPLES, NODE_KERNEL, JOB_LOGS, JOB_PROGRESS, SCHED_EVENTS, HEALTH_EXTERNAL)

@@ -10,7 +10,8 @@ the models describe one version only.
 Each step takes one version to the next for one event type; `UPGRADERS` is keyed by
 (type name, from version). Every type has a step from each accepted older version,
 even when nothing but the version number changes, so a type added to
-schemas.events without one fails `upgrade` loudly instead of decoding by accident.
+schemas.events without one fails `upgrade` loudly instead of decoding by accident -
+unless `INTRODUCED` says it did not exist in that version (no payload of it can be older).
 """
 
 from __future__ import annotations
@@ -65,8 +66,16 @@ def _incident_v1_to_v2(data: JsonObject) -> JsonObject:
     return out
 
 
+#: Types that did not exist before a version: no payload of theirs is older, so no upgrade.
+INTRODUCED: dict[str, int] = {"job_attempt": 2}
+
+
+def existed(type_name: str, version: int) -> bool:
+    return INTRODUCED.get(type_name, 1) <= version
+
+
 UPGRADERS: dict[tuple[str, int], Upgrader] = {
-    **{(t.type_name, 1): _v1_to_v2 for t in EVENT_TYPES},
+    **{(t.type_name, 1): _v1_to_v2 for t in EVENT_TYPES if existed(t.type_name, 1)},
     (Incident.type_name, 1): _incident_v1_to_v2,
 }
 
@@ -76,6 +85,7 @@ def upgrade(type_name: str, data: JsonObject) -> JsonObject:
     for version in range(data["schema_version"], SCHEMA_VERSION):
         step = UPGRADERS.get((type_name, version))
         if step is None:
-            raise UpgradeError("schema_version", f"no upgrade of a version {version} {type_name}")
+            since = f" ({type_name} exists since version {INTRODUCED[type_name]})" if type_name in INTRODUCED else ""
+            raise UpgradeError("schema_version", f"no upgrade of a version {version} {type_name}{since}")
         data = step(data)
     return data

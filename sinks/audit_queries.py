@@ -356,8 +356,27 @@ def job_timeline(store: AuditStore, job_id: str) -> dict[str, Any]:
         "job_id": job_id,
         "incidents": incs,
         "restarts": restarts[0]["restarts"] if restarts else 0,
+        "attempts": job_attempts(store, job_id),
         "timeline": timeline,
     }
+
+
+def job_attempts(store: AuditStore, job_id: str) -> list[dict[str, Any]]:
+    """The job's attempts (streams/lineage.py), lineage by lineage, each as its latest record says."""
+    return _rows(
+        store,
+        "SELECT lineage_id, first_seen, argMax(job_name, event_time) AS job_name, argMax(user, event_time) AS user, "
+        "attempt, argMax(restart_count, event_time) AS restart_count, min(started_at) AS started_at, "
+        "argMax(ended_at, event_time) AS ended_at, argMax(end_reason, event_time) AS end_reason, "
+        "argMax(cause_incident_id, event_time) AS cause_incident_id, "
+        "argMax(cause_category, event_time) AS cause_category, argMax(cause_node, event_time) AS cause_node, "
+        "argMax(excluded_nodes, event_time) AS excluded_nodes, argMax(start_step, event_time) AS start_step, "
+        "argMax(start_checkpoint, event_time) AS start_checkpoint, argMax(max_step, event_time) AS max_step, "
+        "argMax(new_checkpoint, event_time) AS new_checkpoint, argMax(progressed, event_time) AS progressed "
+        "FROM {db}.job_attempts FINAL WHERE job_id = {j:String} "
+        "GROUP BY lineage_id, first_seen, attempt ORDER BY first_seen, attempt",
+        {"j": job_id},
+    )
 
 
 def node_history(store: AuditStore, node: str, limit: int = 1000) -> dict[str, Any]:

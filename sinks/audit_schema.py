@@ -33,6 +33,7 @@ from schemas.topics import (
     GUARDRAIL_TRIPS,
     HEALTH_EXTERNAL,
     INCIDENTS,
+    JOB_ATTEMPTS,
     MODE_CHANGES,
     NODE_RETURNS,
     SCHED_EVENTS,
@@ -534,6 +535,41 @@ HEALTH_EVENTS_T = Table(
     "raw",
 )
 
+JOB_ATTEMPTS_T = Table(
+    "job_attempts",
+    JOB_ATTEMPTS,
+    "event_id",
+    (
+        Column("event_id", "String", _a("event_id")),
+        Column("event_time", T64, _t("event_time")),
+        Column("lineage_id", "String", _a("lineage_id")),
+        key("job_id", low=False),
+        Column("job_name", "Nullable(String)", _a("job_name")),
+        Column("user", "Nullable(String)", _a("user")),
+        Column("first_seen", T64, _t("first_seen")),
+        Column("attempt", "UInt32", _a("attempt")),
+        Column("restart_count", "UInt32", _a("restart_count")),
+        Column("started_at", T64, _t("started_at")),
+        Column("ended_at", f"Nullable({T64})", _t("ended_at")),
+        Column("end_reason", "Nullable(String)", _a("end_reason")),
+        Column("cause_incident_id", "Nullable(String)", _a("cause_incident_id")),
+        Column("cause_category", "LowCardinality(Nullable(String))", _a("cause_category")),
+        Column("cause_node", "Nullable(String)", _a("cause_node")),
+        Column("excluded_nodes", "Array(String)", _a("excluded_nodes")),
+        Column("start_step", "Nullable(Int64)", _a("start_step")),
+        Column("start_checkpoint", "Nullable(Int64)", _a("start_checkpoint")),
+        Column("max_step", "Nullable(Int64)", _a("max_step")),
+        Column("new_checkpoint", "Bool", _a("new_checkpoint")),
+        Column("progressed", "Nullable(Bool)", _a("progressed")),
+    ),
+    # A job's lineage reads by job id (bloom filter) over its time; each record is one state of
+    # one attempt: the latest per (lineage_id, attempt) is the attempt (sinks/audit_queries.py).
+    ("event_time", "event_id"),
+    (_bf("job_id"), _bf("lineage_id")),
+    "record",
+    granularity=1024,
+)
+
 # Topic name -> table, for every topic the sink audits.
 DECLARED: dict[str, Table] = {
     t.topic.name: t
@@ -551,6 +587,7 @@ DECLARED: dict[str, Table] = {
         GUARDRAIL_TRIPS_T,
         DEAD_LETTERS_T,
         HEALTH_EVENTS_T,
+        JOB_ATTEMPTS_T,
     )
 }
 BY_NAME: dict[str, Table] = {t.name: t for t in DECLARED.values()}

@@ -33,6 +33,7 @@ from schemas.events import (
     GpuSample,
     HealthEvent,
     Incident,
+    JobAttempt,
     KernelEvent,
     LogBatch,
     ProgressBatch,
@@ -49,6 +50,7 @@ from schemas.topics import (
     GPU_SAMPLES_BY_JOB,
     HEALTH_EXTERNAL,
     INCIDENTS,
+    JOB_ATTEMPTS,
     JOB_LOGS,
     JOB_PROGRESS,
     MODE_CHANGES,
@@ -68,8 +70,10 @@ from streams.detectors.signatures import SignatureDetector
 from streams.detectors.straggler import GPU_SAMPLE_EVERY_S, StragglerDetector
 from streams.detectors.throughput import ThroughputDetector
 from streams.detectors.xid import XidDetector
+from streams.lineage import Lineages
 from streams.modes import ModeState
 from streams.placement import PlacementIndex, placement_change
+from streams.policy import RESTARTS
 from streams.policy_store import PolicyStore
 from streams.recovery import read_actions, read_history
 from streams.watermark import PartitionClocks, Watermark
@@ -145,7 +149,8 @@ attribution_topic = _topic(ANOMALIES.name, ANOMALIES_BY_JOB.name, SCHED_EVENTS.n
 incidents_topic = _topic(INCIDENTS.name)
 # What the agents publish to, by topic name (bus.publish.prepare checks each event against its topic).
 _outputs = {INCIDENTS.name: incidents_topic} | {
-    t.name: _topic(t.name) for t in (ANOMALIES, ANOMALIES_BY_JOB, GPU_SAMPLES_BY_JOB, DECISIONS, ACTIONS, DEADLETTER)
+    t.name: _topic(t.name)
+    for t in (ANOMALIES, ANOMALIES_BY_JOB, GPU_SAMPLES_BY_JOB, DECISIONS, ACTIONS, DEADLETTER, JOB_ATTEMPTS)
 }
 
 # node -> the jobs running there, on every worker: a GlobalTable keyed by job id (each job's changes
@@ -211,6 +216,10 @@ restart_budget = app.Table(
     "restart_budget", partitions=PARTITIONS, use_partitioner=True, help="job id -> restarts ordered"
 )
 policies = PolicyStore(str(SETTINGS.policy) if SETTINGS.policy else None, SETTINGS.mode, modes, restart_budget)
+# job id -> its attempt lineage (streams/lineage.py): written by the agents reading the job's
+# progress, job states and incidents, all on the job's partition, so it moves with the job.
+job_lineage = app.Table("job_lineage", partitions=PARTITIONS, use_partitioner=True, help="job id -> attempt lineage")
+lineages = Lineages(job_lineage)
 
 
 @restart_budget.on_recover
@@ -350,6 +359,7 @@ async def _partitions_assigned(sender: Any, /, *args: Any, signal: Any, **kwargs
             actual,
         )
     attributor.retain(owns)
+    lineages.retain(owns)
     if received and _recovered:
         _attribution_open.clear()
         asyncio.ensure_future(_take_over(received))
@@ -533,7 +543,9 @@ async def detect_signals(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
         if isinstance(signal, ProgressBatch):
             progress_clocks.see(event.message.partition, min(signal.event_time, now))
         found: list[Anomaly] = []
+        attempts: list[JobAttempt] = []
         if isinstance(signal, ProgressBatch):
+            attempts = lineages.observe_progress(signal)
             hang_detector.observe_progress(signal, now)
             straggler_detector.observe_progress(signal, now)
             found = divergence_detector.observe(signal) + throughput_detector.observe(signal)
@@ -541,6 +553,7 @@ async def detect_signals(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
             hang_detector.observe_gpu(signal, now)
             straggler_detector.observe_gpu(signal, now)
         elif isinstance(signal, SchedEvent):
+            attempts = lineages.observe_sched(signal)
             hang_detector.observe_sched(signal, now)
             straggler_detector.observe_sched(signal, now)
             if signal.kind == "job" and signal.job_id and job_state_kind(signal.state) == "ended":
@@ -549,7 +562,15 @@ async def detect_signals(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
                 throughput_detector.forget(signal.job_id)
         for anomaly in found:
             await publish(ANOMALIES, anomaly)
+        for attempt in attempts:
+            await publish(JOB_ATTEMPTS, attempt)
         yield None
+
+
+@app.timer(interval=10.0)
+async def flush_lineages() -> None:
+    # Step counts are written at most this often (a changelog record per job), not per batch.
+    lineages.flush()
 
 
 @app.timer(interval=1.0)
@@ -630,7 +651,7 @@ async def apply_policy(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
     async for event in stream.events():
         if (incident := await accept(event, Incident, "apply_policy", "streams.policy")) is None:
             continue
-        decision, action = policies.decide(incident, time.time())
+        decision, action = policies.decide(incident, time.time(), lineages.history(incident.job_id))
         metrics.DECISIONS.labels(decision.action, "action" if decision.executed else "recommendation").inc()
         if incident.isolate and action is None:
             # An isolation that is not carried out says why (culprit unresolved or outside the job).
@@ -640,6 +661,10 @@ async def apply_policy(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
         await publish(DECISIONS, decision)
         if action is not None:
             await publish(ACTIONS, action)
+            if action.action in (*RESTARTS, "stop"):
+                excluded = action.node if action.action == "drain_and_requeue" else None
+                for attempt in lineages.ended_by(incident, excluded):
+                    await publish(JOB_ATTEMPTS, attempt)
         yield None
 
 

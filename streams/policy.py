@@ -24,6 +24,7 @@ from schemas.ids import stable_id
 from schemas.vocab import CATEGORIES, DRAINS, NEVER_ACTS, SEVERITY_RANK, ActionKind, Category, Mode, Severity
 from schemas.yamlsafe import FILE_LIMITS, YamlError, YamlLimits, compose_yaml, construct_yaml, load_yaml
 from streams.job_settings import Effective, JobSetting, JobSettingError, from_comment, merge, parse_value
+from streams.lineage import RestartHistory, root_signature
 
 
 def _default_policy() -> Path:
@@ -124,6 +125,9 @@ class RestartBudget(BaseModel):
 
     max_restarts: int = Field(default=3, ge=1)
     window_h: float = Field(default=6.0, gt=0)
+    # Restarts in a row after which the job made no progress (no higher step, no new checkpoint;
+    # streams/lineage.py): at this many, the next restart is not made - stop and escalate.
+    no_progress_limit: int = Field(default=3, ge=1)
     then: Literal["stop"] = "stop"
     stop: Literal["cancel", "hold"] = "hold"
 
@@ -393,7 +397,13 @@ def choose_action(policy: Policy, incident: Incident) -> tuple[ActionKind, str]:
     return "requeue", rule + ("" if configured == "requeue" else " (not a fault of the node: requeue)")
 
 
-def decide(policy: Policy, incident: Incident, now: float, recent_restarts: int = 0) -> tuple[Decision, Action | None]:
+def decide(
+    policy: Policy,
+    incident: Incident,
+    now: float,
+    recent_restarts: int = 0,
+    history: RestartHistory | None = None,
+) -> tuple[Decision, Action | None]:
     """Turn an incident into a decision, and an action when autonomy allows it.
 
     The action is `choose_action`'s, unless a rule matches first: a rule is an operator's
@@ -401,7 +411,8 @@ def decide(policy: Policy, incident: Incident, now: float, recent_restarts: int 
     no job), the restart budget, the mode and min_confidence.
 
     `recent_restarts`: restarts this policy already ordered for the job within the
-    restart budget's window (the caller counts them).
+    restart budget's window (the caller counts them). `history`: the job's attempt lineage
+    (streams/lineage.py): restarts in a row without progress, and what ended the previous attempt.
     """
     matched = next((r for r in policy.rules if r.match.matches(incident)), None)
     action: ActionKind
@@ -456,12 +467,35 @@ def decide(policy: Policy, incident: Incident, now: float, recent_restarts: int 
         by = "" if limit == budget.max_restarts else f", limit {limit} set by {job.restarts_source()}"
         rule += f" (restart budget: {counted}{by}: stop and escalate)"
         action, stop_mode = "stop", budget.stop
+    history = history or RestartHistory()
+    if action in RESTARTS and incident.job_id and history.no_progress >= budget.no_progress_limit:
+        # Restarts that buy no progress burn the allocation: NVRx's rule, counted across attempts.
+        rule += (
+            f" (no progress: {history.no_progress} restarts in a row without a higher step or a new checkpoint, "
+            f"limit {budget.no_progress_limit}: stop and escalate)"
+        )
+        action, stop_mode = "stop", budget.stop
+    same = _same_cause_elsewhere(history, incident)
+    if action in DRAINS and incident.job_id and same is not None:
+        # One cause following the job from node to node is the job's (or its configuration's), not the
+        # nodes': draining another healthy node would not help. A person decides.
+        rule += f" ({same}: the job or its configuration, not the nodes: stop recommended)"
+        reasons.append(f"{same}: recommendation only")
+        action, stop_mode = "stop", budget.stop
+    else:
+        same = None
     action, rule, job_hold = _apply_job_settings(job, incident, action, rule, reasons)
     if not incident.job_id and action in ("requeue", "stop"):
         action = "none"
         rule += " (no job known: nothing to restart or stop)"
     mode = policy.mode_for(incident.partition, incident.category)
-    executed = mode == "autonomous" and action != "none" and (hold is None or action not in DRAINS) and job_hold is None
+    executed = (
+        mode == "autonomous"
+        and action != "none"
+        and (hold is None or action not in DRAINS)
+        and job_hold is None
+        and same is None
+    )
     if executed and incident.confidence < policy.min_confidence:
         executed = False
         reasons.append(f"below min_confidence {policy.min_confidence:.2f}: recommendation only")
@@ -496,6 +530,21 @@ def decide(policy: Policy, incident: Incident, now: float, recent_restarts: int 
         requested_by="policy",
         now=now,
         node_reported_fault=node_reported_fault(incident),
+    )
+
+
+def _same_cause_elsewhere(history: RestartHistory, incident: Incident) -> str | None:
+    """The previous attempt ended for the same cause (category and root signature) on another
+    node: said in words, else None."""
+    prev = history.previous
+    if prev is None or prev.node is None or incident.culprit_node is None or prev.node == incident.culprit_node:
+        return None
+    signature = root_signature(incident)
+    if prev.category != incident.category or prev.signature != signature:
+        return None
+    return (
+        f"same cause ({incident.category}, {signature or 'no signature'}) as the previous attempt "
+        f"({prev.incident_id} on {prev.node}), now on {incident.culprit_node}"
     )
 
 

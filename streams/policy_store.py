@@ -11,6 +11,7 @@ from typing import Any
 from schemas.events import Action, Decision, Incident
 from schemas.vocab import MODES, Mode
 from streams import metrics
+from streams.lineage import RestartHistory
 from streams.modes import ModeState
 from streams.policy import DEFAULT_POLICY, RESTARTS, Policy, PolicyError, decide, load_policy
 
@@ -129,11 +130,13 @@ class PolicyStore:
             and self.restarts.count(a.job_id, a.action_id, a.event_time)
         )
 
-    def decide(self, incident: Incident, now: float) -> tuple[Decision, Action | None]:
+    def decide(
+        self, incident: Incident, now: float, history: RestartHistory | None = None
+    ) -> tuple[Decision, Action | None]:
         policy = self.policy
         window_s = policy.restart_budget.window_h * 3600
         recent = self.restarts.recent(incident.job_id, now, window_s) if incident.job_id else 0
-        decision, action = decide(policy, incident, now, recent_restarts=recent)
+        decision, action = decide(policy, incident, now, recent_restarts=recent, history=history)
         if action is not None and action.action in RESTARTS and incident.job_id:
             # An incident delivered twice decides the same action id: one restart, not two.
             self.restarts.count(incident.job_id, action.action_id, now)

@@ -177,6 +177,40 @@ def incidents(
     Console().print(_table(f"{len(rows)} incident(s)", _with_outcome(rows), _INCIDENT_COLUMNS))
 
 
+_ATTEMPT_COLUMNS = (
+    ("lineage", "lineage"),
+    ("attempt", "#"),
+    ("restart_count", "Slurm restarts"),
+    ("started_at", "started (UTC)"),
+    ("ended", "ended"),
+    ("cause", "ended by"),
+    ("excluded", "excluded so far"),
+    ("progress", "progress"),
+)
+
+
+def _attempt_rows(attempts: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for a in attempts:
+        verdict = {True: "made progress", False: "NO progress", None: "-"}[a["progressed"]]
+        steps = f"step {_fmt(a['start_step'])} -> {_fmt(a['max_step'])}"
+        ckpt = f", checkpoint after {_fmt(a['start_checkpoint'])}" if a["new_checkpoint"] else ""
+        cause = a["cause_incident_id"]
+        out.append(
+            {
+                "lineage": a["lineage_id"],
+                "attempt": a["attempt"],
+                "restart_count": a["restart_count"],
+                "started_at": a["started_at"],
+                "ended": f"{_fmt(a['ended_at'])} {a['end_reason'] or ''}".strip() if a["ended_at"] else "running",
+                "cause": f"{cause} {a['cause_category']} on {_fmt(a['cause_node'])}" if cause else "-",
+                "excluded": ",".join(a["excluded_nodes"]) or "-",
+                "progress": f"{verdict} ({steps}{ckpt})",
+            }
+        )
+    return out
+
+
 @audit_app.command()
 def job(
     job_id: Annotated[str, typer.Argument(metavar="JOBID", help="Scheduler job id.")],
@@ -201,6 +235,8 @@ def job(
             f"detection {_fmt(inc['detection_latency_s'])} s  action {_fmt(inc['action_latency_s'])} s"
         )
     console.print(f"restarts by trainmedic: {data['restarts']}")
+    if data["attempts"]:
+        console.print(_table("attempts (lineage across restarts)", _attempt_rows(data["attempts"]), _ATTEMPT_COLUMNS))
     console.print(
         _table(
             f"job {job_id}: {len(data['timeline'])} event(s)",

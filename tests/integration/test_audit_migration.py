@@ -88,7 +88,7 @@ def test_migration_keeps_every_row_and_a_second_run_changes_nothing(
 
         applied = store.migrate()
         assert [m.version for m in applied] == [m.version for m in load_migrations() if m.version > 5]
-        assert _contents(store) == before | {"action_attempts": [], "health_events": []}
+        assert _contents(store) == before | {"action_attempts": [], "health_events": [], "job_attempts": []}
         # Rows from before the cluster name are the default cluster's (migration 010).
         assert store.query("SELECT DISTINCT cluster FROM {db}.incidents") == [{"cluster": "default"}]
         for table in BY_NAME.values():
@@ -161,7 +161,7 @@ def test_a_failed_migration_leaves_the_old_table_serving(chdb_url: str, database
         fixed = AuditStore(chdb_url, database, LayoutSettings())
         before = _contents(fixed)
         assert [m.version for m in fixed.migrate()] == [m.version for m in load_migrations() if m.version > 5]
-        assert _contents(fixed) == before | {"action_attempts": [], "health_events": []}
+        assert _contents(fixed) == before | {"action_attempts": [], "health_events": [], "job_attempts": []}
     finally:
         store.close()
 

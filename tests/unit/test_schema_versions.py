@@ -32,12 +32,15 @@ from schemas.codec import DecodeError, decode, encode
 from schemas.events import EVENT_TYPES, SCHEMA_VERSION, ActionAttempt, Event, Incident, SchedEvent
 from schemas.ids import DEFAULT_CLUSTER, current_cluster, set_cluster
 from schemas.topics import ACTION_ATTEMPTS, ACTIONS, ALL_TOPICS, ANOMALIES, INCIDENTS, SCHED_EVENTS, Topic
-from schemas.upgrade import ACCEPTED_VERSIONS, PREVIOUS_VERSION, UPGRADERS, UpgradeError, upgrade
+from schemas.upgrade import ACCEPTED_VERSIONS, INTRODUCED, PREVIOUS_VERSION, UPGRADERS, UpgradeError, existed, upgrade
 from sinks.backends.simulated import SimulatedScheduler
 from sinks.guardrails import GuardrailFile, Guardrails
 
 PREVIOUS = generate.PREVIOUS_DIR
-BY_NAME = {t.type_name: t for t in EVENT_TYPES}
+# The types the previous version had (schemas.upgrade.INTRODUCED names the newer ones).
+OLD_TYPES = tuple(t for t in EVENT_TYPES if existed(t.type_name, PREVIOUS_VERSION))
+OLD_TOPICS = tuple(t for t in ALL_TOPICS if existed(t.event_type.type_name, PREVIOUS_VERSION))
+BY_NAME = {t.type_name: t for t in OLD_TYPES}
 
 
 def _example(type_name: str) -> dict[str, Any]:
@@ -89,7 +92,8 @@ def other_cluster() -> Iterator[str]:
 def test_the_previous_version_is_kept_for_every_type() -> None:
     assert (SCHEMA_VERSION, PREVIOUS_VERSION) == (2, 1)
     assert ACCEPTED_VERSIONS == (PREVIOUS_VERSION, SCHEMA_VERSION)
-    names = {t.type_name for t in EVENT_TYPES}
+    names = {t.type_name for t in OLD_TYPES}
+    assert {t.type_name for t in EVENT_TYPES} - names == set(INTRODUCED)
     assert {p.name.removesuffix(".schema.json") for p in PREVIOUS.glob("*.schema.json")} == names
     assert {p.stem for p in (PREVIOUS / "examples").glob("*.json")} == names
     # Generating the current version writes none of the previous version's files.
@@ -112,7 +116,7 @@ def test_each_previous_example_is_valid_in_its_own_version(type_name: str) -> No
 # --- the codec ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("topic", ALL_TOPICS, ids=lambda t: t.name)
+@pytest.mark.parametrize("topic", OLD_TOPICS, ids=lambda t: t.name)
 def test_previous_examples_decode_on_every_topic_into_the_current_type(topic: Topic) -> None:
     name = topic.event_type.type_name
     event = decode(topic.event_type, _example_bytes(name))
@@ -130,7 +134,7 @@ def test_upgraded_events_round_trip_at_the_current_version(type_name: str) -> No
 
 
 def test_every_type_has_an_upgrade_from_the_previous_version() -> None:
-    for t in EVENT_TYPES:
+    for t in OLD_TYPES:
         step = UPGRADERS[(t.type_name, PREVIOUS_VERSION)]
         assert step(_example(t.type_name))["schema_version"] == SCHEMA_VERSION, t.type_name
     assert all(version == PREVIOUS_VERSION for _, version in UPGRADERS)
@@ -190,7 +194,7 @@ def test_an_invalid_previous_version_payload_names_the_field(  # type: ignore[no
 
 @pytest.mark.parametrize("version", [0, 3, -1, "1", "2", 1.0, True, None])
 def test_other_versions_are_refused_naming_the_accepted_ones(version: object) -> None:
-    for t in EVENT_TYPES:
+    for t in OLD_TYPES:
         data = {**_example(t.type_name), "schema_version": version}
         with pytest.raises(DecodeError) as err:
             decode(t, orjson.dumps(data))
@@ -274,15 +278,11 @@ class _NoConsumer:
 def test_the_audit_sink_makes_rows_of_the_previous_version(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sinks.audit, "group_consumer", _NoConsumer)
     sink = sinks.audit.AuditSink("unused:9092", cast(sinks.audit.AuditStore, _Store()))
-    msgs = [
-        _Msg(name, _example_bytes(t.event_type.type_name), i)
-        for i, (name, (t, *_)) in enumerate(sinks.audit.TABLES.items())
-    ]
+    old = {name: v for name, v in sinks.audit.TABLES.items() if existed(v[0].event_type.type_name, PREVIOUS_VERSION)}
+    msgs = [_Msg(name, _example_bytes(t.event_type.type_name), i) for i, (name, (t, *_)) in enumerate(old.items())]
     rows = sink._rows(cast(list[Message], msgs))
     assert sink.undecodable == 0
-    assert {table: len(r) for table, r in rows.items()} == Counter(
-        table for _, table, _, _ in sinks.audit.TABLES.values()
-    )
+    assert {table: len(r) for table, r in rows.items()} == Counter(table for _, table, _, _ in old.values())
     for _, table, _, columns in sinks.audit.TABLES.values():
         assert all(len(row) == len(columns) for row in rows[table])
 
@@ -341,4 +341,23 @@ def test_the_previous_versions_files_ship_as_package_data() -> None:
     pyproject = tomllib.loads((package.parent / "pyproject.toml").read_text())
     patterns = pyproject["tool"]["setuptools"]["package-data"]["schemas"]
     shipped = [p for p in PREVIOUS.rglob("*.json") if any(fnmatch(str(p.relative_to(package)), g) for g in patterns)]
-    assert len(shipped) == 2 * len(EVENT_TYPES)
+    assert len(shipped) == 2 * len(OLD_TYPES)
+
+
+def test_a_type_new_in_this_version_refuses_a_previous_version_payload_saying_why() -> None:
+    from schemas.events import JobAttempt
+
+    payload = {
+        "schema_version": PREVIOUS_VERSION,
+        "event_id": "att-1",
+        "event_time": 1.0,
+        "lineage_id": "lin-1",
+        "job_id": "7",
+        "first_seen": 1.0,
+        "attempt": 1,
+        "restart_count": 0,
+        "started_at": 1.0,
+    }
+    with pytest.raises(DecodeError, match="job_attempt exists since version 2"):
+        decode(JobAttempt, orjson.dumps(payload))
+    assert decode(JobAttempt, orjson.dumps({**payload, "schema_version": SCHEMA_VERSION})).attempt == 1

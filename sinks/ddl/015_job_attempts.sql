@@ -1,0 +1,7 @@
+-- trainmedic audit trail, version 15: job attempts (topic job.attempts, streams/lineage.py): a
+-- job's runs across its restarts, keyed by lineage (cluster + job id + first seen, carried
+-- across requeues), with the incident that ended each, the nodes excluded so far and the
+-- progress each made (best step, checkpoints). Each record is one state of one attempt; the
+-- latest per (lineage_id, attempt) is the attempt. Record retention, like incidents. The
+-- runner creates the table from its declaration in sinks/audit_schema.py (the layout of 007).
+-- rebuild: job_attempts
