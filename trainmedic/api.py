@@ -442,7 +442,15 @@ def create_api(
         return {"node": node, "incident_id": incident_id, "status": "resumed"}
 
     # The Recovery Console: its page, its live event stream and the reads it needs.
-    api.include_router(console_router(store, [token, *([viewer_token] if viewer_token else [])], feed, health))
+    api.include_router(
+        console_router(
+            store,
+            [token, *([viewer_token] if viewer_token else [])],
+            feed,
+            health,
+            bootstrap=getattr(publisher, "bootstrap", None),
+        )
+    )
     return api
 
 

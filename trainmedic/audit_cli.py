@@ -177,6 +177,44 @@ def incidents(
     Console().print(_table(f"{len(rows)} incident(s)", _with_outcome(rows), _INCIDENT_COLUMNS))
 
 
+@audit_app.command()
+def incident(
+    incident_id: Annotated[str, typer.Argument(metavar="ID", help="Incident id (inc-...).")],
+    bundle: Annotated[
+        Optional[Path],
+        typer.Option(help="Write its evidence bundle to this FILE.tar.gz (docs/bundle.md) for the repair hand-off."),
+    ] = None,
+    bootstrap: Annotated[
+        Optional[str],
+        typer.Option(help="Kafka, for the GPU samples the topics still hold (default: the setting bootstrap)."),
+    ] = None,
+    window_s: Annotated[float, typer.Option(min=1.0, help="Seconds of evidence around the fault.")] = 300.0,
+    data_dir: DataDir = Path("var"),
+    clickhouse: ClickHouse = None,
+    database: Database = "trainmedic",
+    as_json: AsJson = False,
+) -> None:
+    """One incident: what was found, decided and done - and with --bundle, its evidence bundle."""
+    from trainmedic.bundle import build_bundle, write_bundle
+
+    address = settings(bootstrap=bootstrap).bootstrap
+    with _store(data_dir, clickhouse, database) as store:
+        built = build_bundle(store, incident_id, address or None, window_s=window_s)
+    if bundle is not None:
+        written = write_bundle(built, bundle)
+        counts = ", ".join(f"{k} {v}" for k, v in built.counts().items())
+        typer.echo(f"{written}: {counts}")
+        for gap in built.gaps:
+            typer.echo(f"  gap: {gap}")
+        return
+    if as_json:
+        _print_json(built.manifest())
+        return
+    from trainmedic.bundle import readme
+
+    typer.echo(readme(built))
+
+
 _ATTEMPT_COLUMNS = (
     ("lineage", "lineage"),
     ("attempt", "#"),

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from sinks.audit import AuditStore
 
 run_app = new_app(
-    help="Run one deployable (streams, executor, audit-sink, api, ingest) against external Kafka and ClickHouse."
+    help="Run one deployable (streams, executor, audit-sink, api, ingest, notifier) against external Kafka and ClickHouse."
 )
 log = logging.getLogger("trainmedic.run")
 
@@ -395,3 +395,37 @@ def ingest(
         if probes is not None:
             probes.stop()
     typer.echo(f"ingest stopped: {stats}; still queued {left}")
+
+
+@run_app.command("notifier")
+def notifier(
+    webhooks: Annotated[
+        Path,
+        typer.Option(
+            "--webhooks",
+            envvar="TRAINMEDIC_WEBHOOKS",
+            help="The notifier's YAML: endpoints, templates, tokens, retries (docs/notifier.md).",
+        ),
+    ],
+    bootstrap: BootstrapOpt = None,
+    group: Annotated[str, typer.Option(help="Consumer group; replicas share the partitions.")] = "trainmedic-notifier",
+    metrics_address: MetricsOpt = None,
+) -> None:
+    """Incidents, guardrail trips and escalations POSTed to webhooks (Slack, PagerDuty, generic JSON)."""
+    from sinks.notifier import Notifier, load_config
+
+    _logging()
+    config = load_config(webhooks)  # a bad file exits 2 naming the line and field
+    address = _bootstrap(bootstrap, "the notifier")
+    probes = start_probes(metrics_address)
+    service = Notifier(address, config, group)
+    _on_term(service.stop)
+    typer.echo(
+        f"notifier up: group {group}, {len(config.endpoints)} endpoint(s) "
+        f"({', '.join(e.label for e in config.endpoints)}), probes {probes.url if probes else 'off'}"
+    )
+    try:
+        _run_until_stopped("notifier", service.run, service.stop_event)
+    finally:
+        if probes is not None:
+            probes.stop()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hmac
 import math
 import mimetypes
+import re
 import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, date, datetime, timedelta
@@ -34,6 +35,7 @@ from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request
 from fastapi import Path as PathParam
 from fastapi.responses import FileResponse, Response, StreamingResponse
 
+from schemas.errors import NotFound
 from sinks.audit import AuditStore
 from trainmedic.console.live import LiveFeed
 from trainmedic.limits import bounded_since
@@ -207,6 +209,7 @@ def console_router(
     health: Callable[[], dict[str, Any]] | None = None,
     *,
     static_dir: Path = STATIC_DIR,
+    bootstrap: str | None = None,
 ) -> APIRouter:
     """The console's routes: include with `api.include_router(console_router(store, token, feed))`."""
     router = APIRouter()
@@ -309,6 +312,22 @@ def console_router(
                 continue
             out.append(_jsonable(row))
         return out
+
+    @router.get("/api/incidents/{incident_id}/bundle", dependencies=auth)
+    def incident_bundle(incident_id: Annotated[str, PathParam(min_length=1, max_length=64)]) -> Response:
+        """The incident's evidence bundle (trainmedic/bundle.py) as a .tar.gz download."""
+        from trainmedic.bundle import build_bundle, bundle_bytes
+
+        try:
+            built = build_bundle(store, incident_id, bootstrap)
+        except NotFound as exc:
+            raise HTTPException(status_code=404, detail=str(exc)) from None
+        name = re.sub(r"[^A-Za-z0-9_-]", "_", incident_id)
+        return Response(
+            bundle_bytes(built),
+            media_type="application/gzip",
+            headers={**SECURITY_HEADERS, "Content-Disposition": f'attachment; filename="{name}.tar.gz"'},
+        )
 
     @router.get("/api/jobs/{job_id}/timeline", dependencies=auth)
     def job_timeline(job_id: Annotated[str, PathParam(min_length=1, max_length=64)]) -> dict[str, Any]:
