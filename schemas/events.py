@@ -443,6 +443,11 @@ class NodeReturn(Event):
     drain_reason: str
     operator: str = Field(min_length=1, max_length=128)
     comment: str = Field(default="", max_length=4096)
+    # Refused returns are recorded too: a lemon, a failed or missing health check.
+    outcome: Literal["resumed", "refused"] = "resumed"
+    check: str | None = Field(default=None, max_length=4096)  # the health check as run
+    check_passed: bool | None = None  # None: no check ran
+    detail: str = Field(default="", max_length=8192)  # why refused; the check's output tail
 
 
 class GuardrailTrip(Event):

@@ -439,6 +439,11 @@ NODE_RETURNS_T = Table(
         Column("drain_reason", "String", _a("drain_reason")),
         Column("operator", "String", _a("operator")),
         Column("comment", "String", _a("comment")),
+        # migration 017: refused returns, and the health check before each
+        Column("outcome", LC, _a("outcome"), default="'resumed'"),
+        Column("check", "Nullable(String)", _a("check")),
+        Column("check_passed", "Nullable(Bool)", _a("check_passed")),
+        Column("detail", "String", _a("detail"), default="''"),
     ),
     ("node", "event_time", "event_id"),
     (),

@@ -132,6 +132,24 @@ class RestartBudget(BaseModel):
     stop: Literal["cancel", "hold"] = "hold"
 
 
+class ReturnToService(BaseModel):
+    """When a node trainmedic drained may go back into service (`trainmedic nodes resume`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # The node's health check, run from the API's host before a resume, as an argv: "{node}" in any
+    # item becomes the node's name. Over SSH, say: [ssh, -o, BatchMode=yes, "{node}", dcgmi, diag,
+    # -r, "2"], or NHC. Exit status 0 passes. Not srun: Slurm refuses a drained node's steps.
+    # None: a node drained for a fault of its own (every trainmedic drain but a job rule's) is not
+    # resumed at all - it needs a passing check.
+    health_check: list[str] | None = Field(default=None, min_length=1, max_length=64)
+    timeout_s: float = Field(default=900.0, gt=0, le=86400)
+    # A lemon: this many isolating faults blamed on the node within the window keep it drained,
+    # labelled for repair, whatever its check says.
+    lemon_faults: int = Field(default=2, ge=1)
+    lemon_window_days: float = Field(default=7.0, gt=0)
+
+
 class JobRule(BaseModel):
     """An operator's per-job setting by job name, user, account or partition: the values a job's
     owner writes after trainmedic= in its comment (streams/job_settings.py)."""
@@ -180,6 +198,7 @@ class Policy(BaseModel):
     # What a job's owner (its comment) or an operator's job rule asks for one job: they govern
     # the actions on the job, never the drain of a node whose own fault endangers other jobs.
     job_settings: JobSettingsPolicy = Field(default_factory=JobSettingsPolicy)
+    return_to_service: ReturnToService = Field(default_factory=ReturnToService)
 
     def mode_for(self, partition: str | None, category: Category | None = None) -> Mode:
         """Most specific wins: partition+category, partition, category, default."""

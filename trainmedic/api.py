@@ -48,6 +48,7 @@ from trainmedic.console import LiveFeed, console_router
 from trainmedic.limits import MAX_LOOKBACK_DAYS
 from trainmedic.readiness import readiness, verdict_for
 from trainmedic.replay import replay
+from trainmedic.return_to_service import judge, repair_reason
 
 log = logging.getLogger("trainmedic.api")
 READINESS_WINDOW_S = 30 * 86400.0
@@ -422,6 +423,8 @@ def create_api(
             if incident_id is None:
                 # Someone else drained it for their own reason: not ours to undo.
                 raise HTTPException(status_code=409, detail=f"{node} was drained by someone else ({state.reason!r})")
+            settings = load_policy(policy_path).return_to_service
+            verdict = judge(settings, store, node, incident_id)
             event = NodeReturn(
                 event_id=stable_id("ret", node, state.reason, time.time()),
                 event_time=time.time(),
@@ -430,16 +433,28 @@ def create_api(
                 drain_reason=state.reason or "",
                 operator=body.operator,
                 comment=body.comment,
+                outcome="resumed" if verdict.allowed else "refused",
+                check=verdict.check.command if verdict.check else None,
+                check_passed=verdict.check.passed if verdict.check else None,
+                detail=verdict.reason[:8192],
             )
             publisher.publish(NODE_RETURNS, event)
             if publisher.flush(10):
                 raise HTTPException(status_code=503, detail="Kafka did not confirm; nothing changed")
+            if not verdict.allowed:
+                if verdict.lemon_incidents and state.reason:
+                    try:  # labelled for repair in Slurm itself, where the next operator looks
+                        backend.relabel_node(node, repair_reason(state.reason, verdict))
+                    except BackendError as exc:
+                        log.error("could not label %s for repair: %s", node, exc)
+                log.warning("resume of %s refused: %s", node, verdict.reason)
+                raise HTTPException(status_code=409, detail=f"{node} stays drained: {verdict.reason}")
             try:
                 backend.resume_node(node)
             except BackendError as exc:
                 raise HTTPException(status_code=502, detail=f"scheduler refused: {exc}") from None
-        log.info("resumed %s (drained for %s) by %s", node, incident_id, body.operator)
-        return {"node": node, "incident_id": incident_id, "status": "resumed"}
+        log.info("resumed %s (drained for %s) by %s: %s", node, incident_id, body.operator, verdict.reason)
+        return {"node": node, "incident_id": incident_id, "status": "resumed", "check": verdict.reason}
 
     # The Recovery Console: its page, its live event stream and the reads it needs.
     api.include_router(

@@ -45,4 +45,4 @@ def resume(
         f"/api/nodes/{node}/resume",
         {"operator": operator or whoami(), "comment": comment},
     )
-    typer.echo(f"resumed {node} (it was drained for {r['incident_id']})")
+    typer.echo(f"resumed {node} (it was drained for {r['incident_id']}): {r.get('check', '')}")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from schemas.errors import Refused, Unavailable
+from schemas.events import incident_in_reason
 
 
 class BackendError(Unavailable, RuntimeError):
@@ -89,6 +90,12 @@ class JobState:
     extra: dict[str, str] = field(default_factory=dict)
 
 
+def refuse_relabel(node: str, state: NodeState) -> None:
+    """A relabel is for trainmedic's own drain only (see SchedulerBackend.relabel_node)."""
+    if not state.drained or incident_in_reason(state.reason) is None:
+        raise ActionRefused(f"not relabelling {node}: it is not drained by trainmedic (reason {state.reason!r})")
+
+
 @runtime_checkable
 class SchedulerBackend(Protocol):
     name: str
@@ -96,6 +103,11 @@ class SchedulerBackend(Protocol):
     def drain_node(self, node: str, reason: str) -> None: ...
 
     def resume_node(self, node: str) -> None: ...
+
+    def relabel_node(self, node: str, reason: str) -> None:
+        """Change the reason of a node trainmedic drained (it stays drained). Refused (ActionRefused,
+        nothing sent) unless the node is drained under a trainmedic reason: never someone else's."""
+        ...
 
     def requeue_job(self, job_id: str, exclude_nodes: Sequence[str]) -> None:
         """Requeue the job so that its next allocation avoids exclude_nodes."""

@@ -43,7 +43,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from sinks.backends.base import BackendError, JobState, NodeState, refuse_node_action
+from sinks.backends.base import BackendError, JobState, NodeState, refuse_node_action, refuse_relabel
 
 # The private helpers are shared on purpose: the two backends must normalise
 # Slurm's placeholders, counters and hold markers identically.
@@ -186,6 +186,13 @@ class PyslurmBackend:
         validate_node_name(node)
         changes = self._ps.Node(state="RESUME")
         self._call(f"resume node {node}", lambda: self._ps.Node(node).modify(changes))
+
+    def relabel_node(self, node: str, reason: str) -> None:
+        validate_node_name(node)
+        validate_reason(reason)
+        refuse_relabel(node, self.node_state(node))
+        changes = self._ps.Node(state="DRAIN", reason=reason)
+        self._call(f"relabel node {node} (reason {reason!r})", lambda: self._ps.Node(node).modify(changes))
 
     def node_state(self, node: str) -> NodeState:
         validate_node_name(node)

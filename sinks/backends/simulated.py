@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from sinks.backends.base import BackendError, JobState, NodeState
+from sinks.backends.base import BackendError, JobState, NodeState, refuse_relabel
 
 Listener = Callable[[str, str, JobState | NodeState], None]  # (kind, change, new state)
 
@@ -132,6 +132,13 @@ class SimulatedScheduler:
             n.drained, n.reason = True, reason
             self._called(f"drain {node}")
             self._emit("node", "DRAIN", self._node_view(n))
+
+    def relabel_node(self, node: str, reason: str) -> None:
+        with self._lock:
+            n = self._node(node)
+            refuse_relabel(node, self._node_view(n))
+            n.reason = reason
+            self._called(f"relabel {node}")
 
     def resume_node(self, node: str) -> None:
         self._slow()

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import NoReturn
 
 from schemas.errors import NotFound
-from sinks.backends.base import BackendError, JobState, NodeState, NotPermitted, refuse_node_action
+from sinks.backends.base import BackendError, JobState, NodeState, NotPermitted, refuse_node_action, refuse_relabel
 from slurmio.hostlist import HostlistError
 from slurmio.hostlist import expand_hostlist as _expand_hostlist
 from slurmio.nodes import in_force, read_all_nodes
@@ -131,6 +131,12 @@ class SlurmCliBackend:
     def resume_node(self, node: str) -> None:
         validate_node_name(node)
         self._run(["scontrol", "update", f"NodeName={node}", "State=RESUME"])
+
+    def relabel_node(self, node: str, reason: str) -> None:
+        validate_node_name(node)
+        validate_reason(reason)
+        refuse_relabel(node, self.node_state(node))
+        self._run(["scontrol", "update", f"NodeName={node}", "State=DRAIN", f"Reason={reason}"])
 
     def node_state(self, node: str) -> NodeState:
         validate_node_name(node)

@@ -34,7 +34,7 @@ import httpx
 
 from schemas.errors import Refused
 from schemas.yamlsafe import YamlError, load_yaml
-from sinks.backends.base import BackendError, JobState, NodeState, NotPermitted, refuse_node_action
+from sinks.backends.base import BackendError, JobState, NodeState, NotPermitted, refuse_node_action, refuse_relabel
 from sinks.backends.slurm_cli import (
     _NOT_PERMITTED,  # what slurmctld answers a user without the rights: the CLI's list, one list
     JobNotFoundError,
@@ -276,6 +276,12 @@ class SlurmRestBackend:
     def resume_node(self, node: str) -> None:
         validate_node_name(node)
         self._call("POST", self._path("node/{n}", n=node), {"state": ["RESUME"]})
+
+    def relabel_node(self, node: str, reason: str) -> None:
+        validate_node_name(node)
+        validate_reason(reason)
+        refuse_relabel(node, self.node_state(node))
+        self._call("POST", self._path("node/{n}", n=node), {"state": ["DRAIN"], "reason": reason})
 
     def node_state(self, node: str) -> NodeState:
         validate_node_name(node)

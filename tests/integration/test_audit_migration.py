@@ -32,7 +32,7 @@ def _insert_old(store: AuditStore, events: list[Event]) -> None:
     keys = {"job_id", "node", "partition", "culprit_node", "category"}
     for event in events:
         table, to_row, cols = by_type[type(event)]
-        old = [(c, v) for c, v in zip(cols, to_row(event), strict=True) if c not in ADDED_AFTER_LAYOUT]
+        old = [(c, v) for c, v in zip(cols, to_row(event), strict=True) if not added_after_layout(table, c)]
         row = [None if (c in keys and v == "" and table != "mode_changes") else v for c, v in old]
         store.insert(table, [row], [c for c, _ in old])
 
@@ -46,9 +46,18 @@ def _events(t0: float) -> list[Event]:
     return events
 
 
-# Columns added by migrations after the layout (009, 010, 012, 014): absent from the old tables, NULL or
-# their default after.
-ADDED_AFTER_LAYOUT = {"reason_user", "reason_time", "reservation", "cluster", "isolate", "job_comment"}
+# Columns added by migrations after the layout (009, 010, 012, 014, 017), by table ("*": every
+# table): absent from the old tables, NULL or their default after.
+ADDED_AFTER_LAYOUT = {
+    "*": {"cluster"},
+    "sched_events": {"reason_user", "reason_time", "reservation"},
+    "incidents": {"isolate", "job_comment"},
+    "node_returns": {"outcome", "check", "check_passed", "detail"},
+}
+
+
+def added_after_layout(table: str, column: str) -> bool:
+    return column in ADDED_AFTER_LAYOUT["*"] | ADDED_AFTER_LAYOUT.get(table, set())
 
 
 def _contents(store: AuditStore) -> dict[str, list[tuple[Any, ...]]]:
@@ -66,7 +75,7 @@ def _contents(store: AuditStore) -> dict[str, list[tuple[Any, ...]]]:
         cols = ", ".join(
             f"ifNull(toString(`{c.name}`), '')" if c.default == "''" else f"toString(`{c.name}`)"
             for c in table.columns
-            if c.name in old and c.name not in ADDED_AFTER_LAYOUT
+            if c.name in old and not added_after_layout(table.name, c.name)
         )
         rows = store.query(f"SELECT {cols} FROM {{db}}.{table.name} FINAL ORDER BY {table.id_column}")
         out[table.name] = [tuple(r.values()) for r in rows]

@@ -273,8 +273,18 @@ def test_resume_only_nodes_trainmedic_drained_and_audit_it(
     sched = SimulatedScheduler(NODES)
     sched.drain_node("gpu01", "trainmedic inc-0123456789abcdef0123: gpu_hardware")
     sched.drain_node("gpu03", "admin: bad PSU")
+    # A node drained for a fault of its own returns only after a passing health check.
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(DEFAULT_POLICY.read_text() + "return_to_service: {health_check: [test, -n, '{node}']}\n")
     stack = Stack(
-        StackConfig(data_dir=tmp_path, bootstrap=broker.bootstrap, clickhouse=chdb_url, database=database, api_port=0),
+        StackConfig(
+            data_dir=tmp_path,
+            bootstrap=broker.bootstrap,
+            clickhouse=chdb_url,
+            database=database,
+            api_port=0,
+            policy=policy,
+        ),
         sched,
     ).start()
     try:
@@ -294,6 +304,7 @@ def test_resume_only_nodes_trainmedic_drained_and_audit_it(
         assert r["status"] == "resumed" and not sched.node_state("gpu01").drained
         row = wait_for("the return in the audit", lambda: store.query("SELECT * FROM {db}.node_returns FINAL"))[0]
         assert (row["node"], row["incident_id"], row["operator"]) == ("gpu01", "inc-0123456789abcdef0123", "alice")
+        assert (row["outcome"], row["check"], row["check_passed"]) == ("resumed", "test -n gpu01", True)
     finally:
         stack.stop()
 
