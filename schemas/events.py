@@ -291,6 +291,10 @@ class Incident(Event):
     user: str | None = None
     account: str | None = None
     job_comment: str | None = Field(default=None, max_length=4096)  # the job's Comment, when seen
+    # A fleet incident (streams/fleet.py): the shared component whose nodes failed together
+    # ("switch:leaf3", a rack), and all its nodes; None for a job's incident.
+    domain: str | None = Field(default=None, max_length=256)
+    domain_nodes: list[str] = Field(default_factory=list)
     category: Category
     severity: Severity
     culprit_node: str | None = None

@@ -51,6 +51,10 @@ ANOMALIES_BY_JOB = Topic(
 )
 GPU_SAMPLES_BY_JOB = Topic("gpu.samples.by_job", GpuSample, "job id running on the node", keyed_by_router=True)
 INCIDENTS = Topic("incidents", Incident, "job id, else node")
+# A node's incident, once per topology domain of its node (streams/fleet.py), keyed by the domain.
+INCIDENTS_BY_DOMAIN = Topic(
+    "incidents.by_domain", Incident, "topology domain of the culprit node", keyed_by_router=True
+)
 DECISIONS = Topic("decisions", Decision, "job id, else node")
 ACTIONS = Topic("actions", Action, "job id, else node")
 ACTION_RESULTS = Topic("action.results", ActionResult, "job id, else node")
@@ -77,6 +81,7 @@ ALL_TOPICS: tuple[Topic, ...] = (
     ANOMALIES_BY_JOB,
     GPU_SAMPLES_BY_JOB,
     INCIDENTS,
+    INCIDENTS_BY_DOMAIN,
     DECISIONS,
     ACTIONS,
     ACTION_RESULTS,

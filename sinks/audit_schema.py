@@ -266,6 +266,9 @@ INCIDENTS_T = Table(
         Column("user", "Nullable(String)", _a("user")),
         Column("account", "Nullable(String)", _a("account")),
         Column("job_comment", "Nullable(String)", _a("job_comment")),  # migration 014
+        # migration 018: a fleet incident's shared component and its nodes (streams/fleet.py)
+        Column("domain", "Nullable(String)", _a("domain")),
+        Column("domain_nodes", "Array(String)", _a("domain_nodes")),
     ),
     ("event_time", "incident_id"),
     (_bf("job_id"), _bf("culprit_node"), _bf("incident_id")),

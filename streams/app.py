@@ -50,6 +50,7 @@ from schemas.topics import (
     GPU_SAMPLES_BY_JOB,
     HEALTH_EXTERNAL,
     INCIDENTS,
+    INCIDENTS_BY_DOMAIN,
     JOB_ATTEMPTS,
     JOB_LOGS,
     JOB_PROGRESS,
@@ -70,6 +71,7 @@ from streams.detectors.signatures import SignatureDetector
 from streams.detectors.straggler import GPU_SAMPLE_EVERY_S, StragglerDetector
 from streams.detectors.throughput import ThroughputDetector
 from streams.detectors.xid import XidDetector
+from streams.fleet import DomainCorrelator, TopologyCache, watched
 from streams.lineage import Lineages
 from streams.modes import ModeState
 from streams.placement import PlacementIndex, placement_change
@@ -147,10 +149,20 @@ sched_topic = _topic(SCHED_EVENTS.name)
 anomalies_topic = _topic(ANOMALIES.name)
 attribution_topic = _topic(ANOMALIES.name, ANOMALIES_BY_JOB.name, SCHED_EVENTS.name)
 incidents_topic = _topic(INCIDENTS.name)
+domains_topic = _topic(INCIDENTS_BY_DOMAIN.name)
 # What the agents publish to, by topic name (bus.publish.prepare checks each event against its topic).
 _outputs = {INCIDENTS.name: incidents_topic} | {
     t.name: _topic(t.name)
-    for t in (ANOMALIES, ANOMALIES_BY_JOB, GPU_SAMPLES_BY_JOB, DECISIONS, ACTIONS, DEADLETTER, JOB_ATTEMPTS)
+    for t in (
+        ANOMALIES,
+        ANOMALIES_BY_JOB,
+        GPU_SAMPLES_BY_JOB,
+        DECISIONS,
+        ACTIONS,
+        DEADLETTER,
+        JOB_ATTEMPTS,
+        INCIDENTS_BY_DOMAIN,
+    )
 }
 
 # node -> the jobs running there, on every worker: a GlobalTable keyed by job id (each job's changes
@@ -220,6 +232,11 @@ policies = PolicyStore(str(SETTINGS.policy) if SETTINGS.policy else None, SETTIN
 # progress, job states and incidents, all on the job's partition, so it moves with the job.
 job_lineage = app.Table("job_lineage", partitions=PARTITIONS, use_partitioner=True, help="job id -> attempt lineage")
 lineages = Lineages(job_lineage)
+# topology domain -> its recent faults (streams/fleet.py): written by the agent reading the domain's
+# partition of incidents.by_domain, so it moves with the domain.
+domain_faults = app.Table("domain_faults", partitions=PARTITIONS, use_partitioner=True, help="domain -> recent faults")
+correlator = DomainCorrelator(domain_faults)
+topologies = TopologyCache()
 
 
 @restart_budget.on_recover
@@ -665,6 +682,27 @@ async def apply_policy(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
                 excluded = action.node if action.action == "drain_and_requeue" else None
                 for attempt in lineages.ended_by(incident, excluded):
                     await publish(JOB_ATTEMPTS, attempt)
+        fleet = policies.policy.fleet
+        if watched(fleet, incident):
+            # Spans jobs: counted by the worker owning each of the node's domains (correlate_domains).
+            for domain in topologies.get(fleet).domains_of(incident.culprit_node):
+                await publish(INCIDENTS_BY_DOMAIN, incident, domain.encode())
+        yield None
+
+
+@app.agent(domains_topic)
+async def correlate_domains(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
+    """Node incidents by topology domain: several nodes of one domain failing together are one
+    fleet incident on the shared component (streams/fleet.py)."""
+    async for event in stream.events():
+        if (incident := await accept(event, Incident, "correlate_domains", "streams.fleet")) is None:
+            continue
+        domain = (event.message.key or b"").decode(errors="replace")
+        fleet = policies.policy.fleet
+        nodes = topologies.get(fleet).nodes_of.get(domain, [])
+        if domain and nodes and (found := correlator.observe(domain, incident, fleet, nodes)) is not None:
+            log.info("fleet incident %s on %s: %s", found.incident_id, domain, found.explanation)
+            await publish(INCIDENTS, found)
         yield None
 
 

@@ -23,6 +23,7 @@ from schemas.events import Action, Decision, Incident
 from schemas.ids import stable_id
 from schemas.vocab import CATEGORIES, DRAINS, NEVER_ACTS, SEVERITY_RANK, ActionKind, Category, Mode, Severity
 from schemas.yamlsafe import FILE_LIMITS, YamlError, YamlLimits, compose_yaml, construct_yaml, load_yaml
+from slurmio.hostlist import HostlistError, expand_hostlist
 from streams.job_settings import Effective, JobSetting, JobSettingError, from_comment, merge, parse_value
 from streams.lineage import RestartHistory, root_signature
 
@@ -132,6 +133,35 @@ class RestartBudget(BaseModel):
     stop: Literal["cancel", "hold"] = "hold"
 
 
+_FLEET_CATEGORIES: tuple[Category, ...] = ("interconnect",)
+
+
+class FleetPolicy(BaseModel):
+    """Faults that span jobs: several nodes under one shared component (a leaf switch, a rack)
+    failing within a window become one fleet incident on the component (streams/fleet.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # Slurm's topology.conf (topology/tree): each leaf switch is a domain ("switch:NAME").
+    topology_file: Path | None = None
+    # Domains by hand, name -> Slurm hostlist ({rack12: "gpu[01-16]"}): racks, PDUs, anything shared.
+    domains: dict[str, str] = Field(default_factory=dict, max_length=10_000)
+    categories: list[Category] = Field(default_factory=lambda: list(_FLEET_CATEGORIES), min_length=1)
+    min_nodes: int = Field(default=2, ge=2)
+    window_s: float = Field(default=600.0, gt=0, le=86400)
+
+    @field_validator("domains")
+    @classmethod
+    def _hostlists(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, nodes in value.items():
+            try:
+                if not expand_hostlist(nodes):
+                    raise ValueError(f"domain {name}: no nodes in {nodes!r}")
+            except HostlistError as exc:
+                raise ValueError(f"domain {name}: {exc}") from None
+        return value
+
+
 class ReturnToService(BaseModel):
     """When a node trainmedic drained may go back into service (`trainmedic nodes resume`)."""
 
@@ -199,6 +229,7 @@ class Policy(BaseModel):
     # the actions on the job, never the drain of a node whose own fault endangers other jobs.
     job_settings: JobSettingsPolicy = Field(default_factory=JobSettingsPolicy)
     return_to_service: ReturnToService = Field(default_factory=ReturnToService)
+    fleet: FleetPolicy = Field(default_factory=FleetPolicy)
 
     def mode_for(self, partition: str | None, category: Category | None = None) -> Mode:
         """Most specific wins: partition+category, partition, category, default."""
@@ -433,6 +464,8 @@ def decide(
     restart budget's window (the caller counts them). `history`: the job's attempt lineage
     (streams/lineage.py): restarts in a row without progress, and what ended the previous attempt.
     """
+    if incident.domain is not None:
+        return _fleet_decision(incident, now), None
     matched = next((r for r in policy.rules if r.match.matches(incident)), None)
     action: ActionKind
     if matched is not None:
@@ -549,6 +582,30 @@ def decide(
         requested_by="policy",
         now=now,
         node_reported_fault=node_reported_fault(incident),
+    )
+
+
+def _fleet_decision(incident: Incident, now: float) -> Decision:
+    """A fleet incident (streams/fleet.py) names a shared component: it is recommended for repair,
+    never acted on here. Its nodes' own incidents decided their drains, each under the guardrails."""
+    decision_id = stable_id("dec", incident.incident_id)
+    nodes = ", ".join(incident.domain_nodes) or "-"
+    return Decision(
+        event_id=decision_id,
+        event_time=now,
+        decision_id=decision_id,
+        incident_id=incident.incident_id,
+        job_id=None,
+        partition=incident.partition,
+        category=incident.category,
+        culprit_node=None,
+        action="none",
+        mode="monitor",
+        executed=False,
+        rule=f"fleet: {incident.domain}: repair the shared component",
+        reason=f"{incident.explanation}; its nodes: {nodes}: recommendation only",
+        first_signal_time=incident.first_signal_time,
+        incident_time=incident.event_time,
     )
 
 

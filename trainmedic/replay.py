@@ -86,6 +86,8 @@ def _incident(row: dict[str, Any]) -> Incident:
         user=row.get("user"),
         account=row.get("account"),
         job_comment=row.get("job_comment"),
+        domain=row.get("domain"),
+        domain_nodes=list(row.get("domain_nodes") or []),
         category=row["category"],
         severity=row["severity"],
         culprit_node=row["culprit_node"] or None,  # the table keeps '' for none
