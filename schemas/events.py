@@ -15,7 +15,18 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_serializer
 
 from schemas.ids import CLUSTER_RE, current_cluster
-from schemas.vocab import ActionKind, Category, Guardrail, Mode, RejectReason, ResultStatus, Role, Severity, Source
+from schemas.vocab import (
+    ActionKind,
+    Category,
+    Guardrail,
+    Mode,
+    RejectReason,
+    Remediation,
+    ResultStatus,
+    Role,
+    Severity,
+    Source,
+)
 
 SCHEMA_VERSION = 2
 
@@ -335,6 +346,9 @@ class Decision(Event):
     mode: Mode
     executed: bool  # True: an action event was emitted; False: recommendation only
     stop_mode: Literal["cancel", "hold"] = "cancel"  # how `stop` stops: cancel, or hold for a human
+    # After the drain: a reboot or a repair label, by the fault's resolution bucket (policy `remediation`).
+    remediation: Remediation | None = None
+    remediation_bucket: str | None = Field(default=None, max_length=64)
     rule: str
     reason: str
     first_signal_time: Timestamp
@@ -353,6 +367,8 @@ class Action(Event):
     partition: str | None = None
     action: ActionKind
     stop_mode: Literal["cancel", "hold"] = "cancel"
+    remediation: Remediation | None = None  # after the drain (the decision's)
+    remediation_bucket: str | None = Field(default=None, max_length=64)
     reason: str
     requested_by: str
     incident_time: Timestamp
@@ -364,7 +380,7 @@ class Action(Event):
 
 
 # Scheduler calls that may change the cluster, as recorded before they are made.
-AttemptCall = Literal["drain", "requeue", "cancel", "hold"]
+AttemptCall = Literal["drain", "requeue", "cancel", "hold", "reboot", "relabel"]
 
 
 class ActionAttempt(Event):

@@ -21,6 +21,9 @@ Category = Literal[
 # drain: the node only, the job left alone - a hardware fault endangers every job the node would
 # get next, but the job's owner said trainmedic must not touch the job (streams/policy.py JobSettings).
 ActionKind = Literal["drain_and_requeue", "requeue", "stop", "drain", "none"]
+# What follows a drain for the node's fault, by its NVIDIA resolution bucket (streams/policy.py):
+# reboot: `scontrol reboot ASAP` (the node comes back drained); repair: relabelled for a person.
+Remediation = Literal["reboot", "repair"]
 #: The actions that take a node out of service.
 DRAINS: tuple[ActionKind, ...] = ("drain_and_requeue", "drain")
 Mode = Literal["monitor", "autonomous"]

@@ -79,6 +79,8 @@ def _marked_restarts(comment: str | None, action_id: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+# Slurm's flags of a node whose reboot is asked for or under way.
+_REBOOT_PENDING = frozenset({"REBOOT_REQUESTED", "REBOOT_ISSUED", "REBOOT"})
 # Our mark, with the separator it was written after: an earlier action's is replaced, not stacked.
 _MARK_RE = re.compile(r"(?:\s*\|\s*)?trainmedic act-[0-9A-Za-z_-]+ restarts=\d+")
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]+")
@@ -137,12 +139,14 @@ class Executor:
                 self._drain(run)
                 if action.job_id:
                     self._requeue(run, exclude=[action.node])
+                self._remediate(run)
             elif action.action == "drain":
                 # The node only: the job's owner said trainmedic must not touch the job, and a
                 # drain lets it run on (Slurm drains a node once its jobs end).
                 if not action.node:
                     raise BackendError("drain needs the culprit's node; none is known")
                 self._drain(run)
+                self._remediate(run)
             elif action.action == "requeue":
                 if not action.job_id:
                     raise BackendError("requeue needs a job id")
@@ -220,6 +224,36 @@ class Executor:
 
         self._wait(f"{a.node} DRAIN with reason naming {a.incident_id}", drained)
         run.steps.append(f"drain {a.node}: verified DRAIN, reason {a.reason!r}")
+
+    def _remediate(self, run: _Run) -> None:
+        """After the drain: what the fault's resolution bucket calls for (the decision's remediation).
+        Each step recognises itself done (a redelivered action issues nothing twice)."""
+        a = run.action
+        if a.remediation is None or not a.node:
+            return
+        bucket = a.remediation_bucket or "?"
+        state = self.backend.node_state(a.node)
+        if a.remediation == "repair":
+            label = f"repair: {bucket}"
+            if label in (state.reason or ""):
+                run.steps.append(f"repair label on {a.node}: already there")
+                return
+            run.before_call(a, "relabel")
+            self.backend.relabel_node(a.node, f"{state.reason or a.reason} | {label}")
+            run.steps.append(f"repair label on {a.node}: {label} (stays drained for a person)")
+            return
+        if _REBOOT_PENDING & set(state.flags):
+            run.steps.append(f"reboot {a.node}: already requested ({'+'.join(state.flags)})")
+            return
+        run.before_call(a, "reboot")
+        next_state = self.backend.reboot_node(a.node, f"{a.reason} | reboot ({bucket})")
+        self._wait(
+            f"{a.node} reboot requested",
+            lambda: bool(_REBOOT_PENDING & set(self.backend.node_state(a.node or "").flags)),
+        )
+        run.steps.append(
+            f"reboot {a.node}: requested ASAP ({bucket}), back as {next_state} until its health check passes"
+        )
 
     def _requeue(self, run: _Run, exclude: list[str]) -> None:
         a = run.action

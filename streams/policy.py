@@ -21,7 +21,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from schemas.errors import ConfigError
 from schemas.events import Action, Decision, Incident
 from schemas.ids import stable_id
-from schemas.vocab import CATEGORIES, DRAINS, NEVER_ACTS, SEVERITY_RANK, ActionKind, Category, Mode, Severity
+from schemas.vocab import (
+    CATEGORIES,
+    DRAINS,
+    NEVER_ACTS,
+    SEVERITY_RANK,
+    ActionKind,
+    Category,
+    Mode,
+    Remediation,
+    Severity,
+)
 from schemas.yamlsafe import FILE_LIMITS, YamlError, YamlLimits, compose_yaml, construct_yaml, load_yaml
 from slurmio.hostlist import HostlistError, expand_hostlist
 from streams.job_settings import Effective, JobSetting, JobSettingError, from_comment, merge, parse_value
@@ -133,6 +143,29 @@ class RestartBudget(BaseModel):
     stop: Literal["cancel", "hold"] = "hold"
 
 
+# NVIDIA's resolution buckets (streams/catalog/xid.yaml) and what follows the drain for each.
+_REMEDIATIONS: dict[str, Remediation] = {
+    "RESTART_BM": "reboot",
+    "WORKFLOW_NVLINK_ERR": "reboot",
+    "RESET_GPU": "repair",
+    "WORKFLOW_XID_48": "repair",
+    "CONTACT_SUPPORT": "repair",
+    "CHECK_MECHANICALS": "repair",
+    "UPDATE_SWFW": "repair",
+}
+
+
+class RemediationPolicy(BaseModel):
+    """After trainmedic drains a node for its own fault: what the fault's resolution bucket calls for.
+    reboot: `scontrol reboot ASAP` with the node kept out of service after it (it returns through
+    `nodes resume` and its health check); repair: the drain reason says what a person must do."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = False
+    buckets: dict[str, Remediation] = Field(default_factory=lambda: dict(_REMEDIATIONS))
+
+
 _FLEET_CATEGORIES: tuple[Category, ...] = ("interconnect",)
 
 
@@ -230,6 +263,7 @@ class Policy(BaseModel):
     job_settings: JobSettingsPolicy = Field(default_factory=JobSettingsPolicy)
     return_to_service: ReturnToService = Field(default_factory=ReturnToService)
     fleet: FleetPolicy = Field(default_factory=FleetPolicy)
+    remediation: RemediationPolicy = Field(default_factory=RemediationPolicy)
 
     def mode_for(self, partition: str | None, category: Category | None = None) -> Mode:
         """Most specific wins: partition+category, partition, category, default."""
@@ -554,6 +588,9 @@ def decide(
     if mode == "monitor":
         reasons.append(f"mode monitor for partition {incident.partition or '(default)'}: recommendation only")
     decision_id = stable_id("dec", incident.incident_id)
+    remedy = remediation_for(policy, incident) if action in DRAINS else None
+    if remedy is not None:
+        reasons.append(f"then {remedy[0]} the node ({remedy[1]})")
     decision = Decision(
         event_id=decision_id,
         event_time=now,
@@ -569,6 +606,8 @@ def decide(
         mode=mode,
         executed=executed,
         stop_mode=stop_mode,
+        remediation=remedy[0] if remedy else None,
+        remediation_bucket=remedy[1] if remedy else None,
         rule=rule,
         reason="; ".join(reasons),
         first_signal_time=incident.first_signal_time,
@@ -607,6 +646,23 @@ def _fleet_decision(incident: Incident, now: float) -> Decision:
         first_signal_time=incident.first_signal_time,
         incident_time=incident.event_time,
     )
+
+
+def remediation_for(policy: Policy, incident: Incident) -> tuple[Remediation, str] | None:
+    """The remediation and resolution bucket of the incident's deciding Xid, when the policy
+    enables remediation and maps that bucket; None otherwise (no Xid, or a bucket with none)."""
+    if not policy.remediation.enabled or incident.culprit_node is None:
+        return None
+    from streams.catalog import default_xids
+
+    xids = default_xids()
+    for e in incident.evidence:
+        if e.role != "root" or e.node != incident.culprit_node or not e.signature.startswith("xid_"):
+            continue
+        entry = xids.get(int(e.signature[4:])) if e.signature[4:].isdigit() else None
+        if entry is not None and (kind := policy.remediation.buckets.get(entry.bucket)) is not None:
+            return kind, entry.bucket
+    return None
 
 
 def _same_cause_elsewhere(history: RestartHistory, incident: Incident) -> str | None:
@@ -682,6 +738,8 @@ def make_action(
         partition=decision.partition,
         action=decision.action,
         stop_mode=decision.stop_mode,
+        remediation=decision.remediation,
+        remediation_bucket=decision.remediation_bucket,
         reason=f"trainmedic {incident_id}: {decision.category}",
         requested_by=requested_by,
         incident_time=decision.incident_time,

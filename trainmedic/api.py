@@ -417,8 +417,13 @@ def create_api(
                 state = backend.node_state(node)
             except (BackendError, ValueError) as exc:
                 raise HTTPException(status_code=404, detail=str(exc)) from None
-            if not state.drained:
+            ours_down = state.state == "DOWN" and incident_in_reason(state.reason) is not None
+            if not state.drained and not ours_down:  # DOWN: back from our reboot on a Slurm without nextstate=DRAIN
                 raise HTTPException(status_code=409, detail=f"{node} is not drained")
+            if pending := {"REBOOT_REQUESTED", "REBOOT_ISSUED"} & set(state.flags):
+                raise HTTPException(
+                    status_code=409, detail=f"{node}: its reboot is not done yet ({', '.join(sorted(pending))})"
+                )
             incident_id = incident_in_reason(state.reason)
             if incident_id is None:
                 # Someone else drained it for their own reason: not ours to undo.

@@ -277,6 +277,10 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SlurmdParameters=config_overrides
 ReturnToService=1
+# trainmedic's reboot remediation (scontrol reboot ASAP) needs a RebootProgram. These nodes are
+# emulated: nothing reboots, so slurmctld gives up after ResumeTimeout and sets the node DOWN.
+RebootProgram=/bin/true
+ResumeTimeout=30
 SlurmdTimeout=10
 KillWait=2
 MinJobAge=600

@@ -104,6 +104,12 @@ class SchedulerBackend(Protocol):
 
     def resume_node(self, node: str) -> None: ...
 
+    def reboot_node(self, node: str, reason: str) -> str:
+        """Ask for the node's reboot as soon as it is idle, kept out of service after it (Slurm:
+        `scontrol reboot ASAP nextstate=DRAIN`, DOWN where the version has no DRAIN); returns that
+        next state. Only for a node trainmedic drained (ActionRefused otherwise)."""
+        ...
+
     def relabel_node(self, node: str, reason: str) -> None:
         """Change the reason of a node trainmedic drained (it stays drained). Refused (ActionRefused,
         nothing sent) unless the node is drained under a trainmedic reason: never someone else's."""

@@ -187,6 +187,10 @@ class PyslurmBackend:
         changes = self._ps.Node(state="RESUME")
         self._call(f"resume node {node}", lambda: self._ps.Node(node).modify(changes))
 
+    def reboot_node(self, node: str, reason: str) -> str:
+        # Not read through pyslurm yet: refused, nothing sent (the node stays drained).
+        raise BackendError(f"not rebooting {node}: the pyslurm backend does not reboot nodes; use the CLI backend")
+
     def relabel_node(self, node: str, reason: str) -> None:
         validate_node_name(node)
         validate_reason(reason)

@@ -24,6 +24,7 @@ class _Node:
     drained: bool = False
     reason: str | None = None
     down: bool = False
+    reboot: bool = False  # a reboot was asked for (reboot_node); it stays drained
 
 
 @dataclass
@@ -133,6 +134,14 @@ class SimulatedScheduler:
             self._called(f"drain {node}")
             self._emit("node", "DRAIN", self._node_view(n))
 
+    def reboot_node(self, node: str, reason: str) -> str:
+        with self._lock:
+            n = self._node(node)
+            refuse_relabel(node, self._node_view(n))
+            n.reason, n.reboot = reason, True
+            self._called(f"reboot {node}")
+        return "DRAIN"
+
     def relabel_node(self, node: str, reason: str) -> None:
         with self._lock:
             n = self._node(node)
@@ -216,7 +225,8 @@ class SimulatedScheduler:
     def _node_view(self, n: _Node) -> NodeState:
         busy = n.name in self._busy()
         state = "DOWN" if n.down else ("ALLOCATED" if busy else "IDLE")
-        return NodeState(n.name, state, ("DRAIN",) if n.drained else (), n.reason, (n.partition,))
+        flags = (("DRAIN",) if n.drained else ()) + (("REBOOT_REQUESTED",) if n.reboot else ())
+        return NodeState(n.name, state, flags, n.reason, (n.partition,))
 
     def _job_view(self, j: _Job) -> JobState:
         return JobState(

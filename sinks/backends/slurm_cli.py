@@ -132,6 +132,21 @@ class SlurmCliBackend:
         validate_node_name(node)
         self._run(["scontrol", "update", f"NodeName={node}", "State=RESUME"])
 
+    def reboot_node(self, node: str, reason: str) -> str:
+        validate_node_name(node)
+        validate_reason(reason)
+        refuse_relabel(node, self.node_state(node))
+        base = ["scontrol", "reboot", "ASAP"]
+        try:
+            self._run([*base, "nextstate=DRAIN", f"reason={reason}", node])
+            return "DRAIN"
+        except BackendError as exc:
+            # 22.05 knows DOWN and RESUME only ("Invalid state: DRAIN"): DOWN keeps it out too.
+            if "Invalid state" not in str(exc):
+                raise
+        self._run([*base, "nextstate=DOWN", f"reason={reason}", node])
+        return "DOWN"
+
     def relabel_node(self, node: str, reason: str) -> None:
         validate_node_name(node)
         validate_reason(reason)

@@ -277,6 +277,10 @@ class SlurmRestBackend:
         validate_node_name(node)
         self._call("POST", self._path("node/{n}", n=node), {"state": ["RESUME"]})
 
+    def reboot_node(self, node: str, reason: str) -> str:
+        # slurmrestd has no reboot endpoint in the versions we read (v0.0.38-v0.0.42).
+        raise RestApiGap(f"not rebooting {node}: slurmrestd offers no reboot; use the CLI or SSH backend")
+
     def relabel_node(self, node: str, reason: str) -> None:
         validate_node_name(node)
         validate_reason(reason)

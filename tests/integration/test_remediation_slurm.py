@@ -1,0 +1,109 @@
+"""Remediation after a drain on the REAL Slurm 22.05 and 24.11 clusters (#20 item 4).
+
+An Xid 79 (NVIDIA's RESTART_BM bucket) on gpu02 under a policy with remediation enabled: the
+running stack drains gpu02, requeues the job elsewhere, and asks Slurm to reboot gpu02 as soon as
+it is idle (`scontrol reboot ASAP nextstate=DRAIN`, DOWN on 22.05), once - the attempt is recorded
+before the call and the audit holds it - and the node stays out of service. The local nodes are
+emulated: nothing reboots, so slurmctld gives up after ResumeTimeout (infra/slurm/start.sh) and
+sets the node DOWN; the test waits for that before the cluster is cleaned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sinks.backends.slurm_cli import SlurmCliBackend
+from streams.policy import DEFAULT_POLICY
+from tests.conftest import Cluster, wait_for
+from tests.integration.scenario import NODES, publish_cascade, wait_incident
+from tests.integration.test_slurm_coexistence import _clean, _sh
+from trainmedic.broker import EmbeddedBroker
+from trainmedic.runtime import Stack, StackConfig
+
+pytestmark = pytest.mark.slurm
+REBOOTING = {"REBOOT_REQUESTED", "REBOOT_ISSUED"}
+
+
+@pytest.fixture
+def cluster(slurm_any: Cluster) -> Iterator[Cluster]:
+    _clean(slurm_any)
+    yield slurm_any
+    _clean(slurm_any)
+
+
+def _policy(tmp: Path) -> Path:
+    data = yaml.safe_load(DEFAULT_POLICY.read_text())
+    data.update(mode="autonomous", remediation={"enabled": True})
+    path = tmp / "policy.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_a_reboot_remediation_is_issued_once_and_audited(
+    broker: EmbeddedBroker, cluster: Cluster, chdb_url: str, database: str, tmp_path: Path
+) -> None:
+    backend = SlurmCliBackend(cluster.runner())
+    out = _sh(cluster, "sbatch", "--parsable", "--nodes=3-4", "--requeue", "--output=/dev/null", "--wrap", "sleep 600")
+    job = out.strip().split(";")[0]
+    wait_for(f"job {job} RUNNING on 4 nodes", lambda: len(backend.job_state(job).nodes) == 4, timeout=60)
+    stack = Stack(
+        StackConfig(
+            data_dir=tmp_path / "stack",
+            bootstrap=broker.bootstrap,
+            clickhouse=chdb_url,
+            database=database,
+            policy=_policy(tmp_path),
+            settle_s=1.0,
+            collateral_wait_s=3.0,
+            verify_timeout_s=60.0,
+        ),
+        backend,
+    ).start()
+    try:
+        store = stack.store
+        assert store is not None
+        publish_cascade(broker.bootstrap, tmp_path, job, NODES, culprit="gpu02")
+        inc = wait_incident(store, job)
+        result = wait_for(
+            "the action result",
+            lambda: store.query(
+                "SELECT * FROM {db}.action_results FINAL WHERE incident_id = {i:String}", {"i": inc["incident_id"]}
+            ),
+            timeout=120,
+        )[0]
+        assert result["status"] == "done", result
+        steps = " | ".join(result["steps"])
+        assert "reboot gpu02: requested ASAP (RESTART_BM), back as " in steps, steps
+        state = backend.node_state("gpu02")
+        assert state.drained or state.state == "DOWN"
+        assert str(inc["incident_id"]) in (state.reason or "") and "reboot (RESTART_BM)" in (state.reason or "")
+        attempts = wait_for(
+            "the attempts in the audit",
+            lambda: (
+                (
+                    rows := store.query(
+                        "SELECT call FROM {db}.action_attempts FINAL WHERE incident_id = {i:String} ORDER BY event_time",
+                        {"i": inc["incident_id"]},
+                    )
+                )
+                and "reboot" in [r["call"] for r in rows]
+                and rows
+            ),
+            timeout=60,
+        )
+        assert [r["call"] for r in attempts] == ["drain", "requeue", "reboot"]
+        after = backend.job_state(job)
+        assert after.state == "RUNNING" and "gpu02" not in after.nodes
+    finally:
+        stack.stop()
+        # Nothing reboots an emulated node: wait for slurmctld to give up (DOWN) before cleaning.
+        wait_for(
+            "gpu02's reboot over",
+            lambda: not REBOOTING & set(backend.node_state("gpu02").flags),
+            timeout=120,
+            interval=1.0,
+        )
