@@ -20,7 +20,7 @@ are not followed (a redirect could carry the bearer token elsewhere): a 3xx is a
 Pure layer (unit-testable without a broker): `kind_of`, `summary`, `render`,
 `idempotency_key`, `request_headers`, `deliver`; configuration: `NotifierConfig`,
 `parse_config`, `load_config`, `read_token`; service: `Notifier` (`run`/`stop`/`poll_once`).
-Run it: `trainmedic run notifier --config-file notifier.yaml` (docs/notifier.md).
+Run it: `trainmedic run notifier --webhooks notifier.yaml` (docs/notifier.md).
 """
 
 from __future__ import annotations

@@ -403,7 +403,6 @@ def notifier(
         Path,
         typer.Option(
             "--webhooks",
-            envvar="TRAINMEDIC_WEBHOOKS",
             help="The notifier's YAML: endpoints, templates, tokens, retries (docs/notifier.md).",
         ),
     ],

@@ -1,14 +1,17 @@
 """Start what the Helm chart starts: every container of every rendered Deployment, DaemonSet and
 Job, run as its pod would run it, until its readiness endpoint answers (Jobs: until exit 0).
 
-The chart is rendered by Helm's own engine (as in test_helm.py) with the default values plus
-the options that enable every workload (ingest with TLS, the logs producer; the dcgm variant of
-the GPU producer in its own render). For each container the harness takes the rendered command
-and args, and the rendered env with Kubernetes' own rules ($(VAR) expansion, valueFrom
-fieldRef / secretKeyRef / configMapKeyRef); it materialises every volume the container mounts
-(Secrets from test values, the rendered ConfigMaps, emptyDirs, hostPaths the test provides)
-under tmp_path and rewrites the paths the env and args name inside those mounts (several
-replicas, the streams workers' group, start as that many copies, each with its own mounts).
+The chart is rendered by Helm's own engine (as in test_helm.py) with the default values plus the
+options that enable every workload (ingest with TLS, the logs producer, the notifier with a
+token endpoint; the dcgm variant of the GPU producer in its own render). For each container the
+harness takes the rendered command and args, and the rendered env with Kubernetes' own rules
+($(VAR) expansion, valueFrom fieldRef / secretKeyRef / configMapKeyRef); it materialises every
+volume the container mounts (Secrets from test values with the mode the kubelet gives them -
+defaultMode or the item's mode, plus group read under the pod's fsGroup -, the rendered
+ConfigMaps, emptyDirs, hostPaths the test provides) under tmp_path and rewrites the paths the
+env and args name inside those mounts; the pod's init containers run first, in order, on the
+same volumes, and must exit 0 (several replicas, the streams workers' group, start as that many
+copies, each with its own mounts).
 Only what the test machine forces is overridden, each said where it happens: the bootstrap (the
 test's broker), the metrics address (127.0.0.1 and a free port: the chart's 0.0.0.0 and fixed
 ports are checked first), the service ports (free ports), the ClickHouse URL (a chDB folder per
@@ -30,12 +33,13 @@ import re
 import shutil
 import socket
 import ssl
+import stat
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,9 +48,11 @@ import orjson
 import pytest
 import yaml
 
+from bus.publish import Publisher
 from schemas.codec import decode
-from schemas.events import KernelEvent
-from schemas.topics import DEFAULT_PARTITIONS, JOB_LOGS
+from schemas.events import Evidence, Incident, KernelEvent
+from schemas.topics import DEFAULT_PARTITIONS, INCIDENTS, JOB_LOGS
+from sinks.notifier import NotifierConfigError, read_token
 from tests.conftest import FIXTURES, Cluster, read_topic
 from tests.launch import probe, self_signed_certificate, start, stop, wait_ready
 from trainmedic.broker import EmbeddedBroker, free_port
@@ -66,10 +72,28 @@ XID_LINE = (
     "Dec  2 05:00:01 gpu01 kernel: [ 5012.345678] NVRM: Xid (PCI:0000:18:00): 79, pid=0, GPU has fallen off the bus."
 )
 
+NOTIFIER_TOKEN = "n0t1f1er-hook-token-0123456789abcdef"
+
+
+def notifier_values(url: str) -> dict[str, Any]:
+    """The notifier on, with one endpoint at `url` whose bearer token is a key of its Secret."""
+    return {
+        "enabled": True,
+        "webhooks": {
+            "endpoints": [{"name": "receiver", "url": url, "token_file": "receiver"}],
+            "retry": {"attempts": 3, "base_delay_s": 0.1, "max_delay_s": 0.5},
+        },
+        "tokenSecret": "trainmedic-notifier-tokens",
+    }
+
+
 # Default values plus what turns on every workload.
 VALUES: dict[str, Any] = {
     "ingest": {"enabled": True, "tls": {"existingSecret": "trainmedic-ingest-tls"}},
     "nodeProducers": {"logs": {"enabled": True}},
+    # Plain http to loopback is allowed without `insecure`; nothing listens there: no event is
+    # published in the generic start (test_notifier_delivers_... gives it a receiver).
+    "notifier": notifier_values("http://127.0.0.1:9/hook"),
 }
 # The components whose start needs Slurm (slurm.access=local, against the local cluster).
 NEEDS_SLURM = {"slurm-producer/slurm-producer", "node-producers/logs", "executor/executor", "api/api"}
@@ -92,6 +116,8 @@ class Target:
     container: dict[str, Any]
     volumes: dict[str, dict[str, Any]]
     docs: list[Manifest] = field(repr=False)
+    init_containers: list[dict[str, Any]] = field(default_factory=list, repr=False)
+    pod_security: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def id(self) -> str:
@@ -105,8 +131,17 @@ def targets(docs: list[Manifest]) -> dict[str, Target]:
             continue
         spec = d["spec"]["template"]["spec"]
         component = d["metadata"]["labels"]["app.kubernetes.io/component"]
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
         for c in spec["containers"]:
-            t = Target(d["kind"], component, c, {v["name"]: v for v in spec.get("volumes", [])}, docs)
+            t = Target(
+                d["kind"],
+                component,
+                c,
+                volumes,
+                docs,
+                spec.get("initContainers", []),
+                spec.get("securityContext", {}),
+            )
             out[t.id] = t
     return out
 
@@ -149,6 +184,7 @@ class Pod:
             ("trainmedic-api-tls", "tls.key"): self.certificate[1],
             ("trainmedic-ingest-tls", "tls.crt"): self.certificate[0],
             ("trainmedic-ingest-tls", "tls.key"): self.certificate[1],
+            ("trainmedic-notifier-tokens", "receiver"): NOTIFIER_TOKEN,
             # KAFKA_SASL_MTLS below.
             ("tm-kafka-user", "password"): "kafka-password",
             ("tm-kafka-tls", "ca.crt"): self.certificate[0],
@@ -178,6 +214,16 @@ def _configmap(docs: list[Manifest], name: str) -> dict[str, str]:
 
 
 @dataclass
+class Init:
+    """An init container as this machine runs it: before the container, on the same volumes."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    cwd: Path
+
+
+@dataclass
 class Prepared:
     argv: list[str]
     env: dict[str, str]
@@ -185,11 +231,22 @@ class Prepared:
     ready_url: str
     ports: dict[str, int]  # service port name -> the free port given instead
     mounts: dict[str, Path]
+    init: list[Init] = field(default_factory=list)
 
 
-def prepare(t: Target, pod: Pod, bootstrap: str) -> Prepared:
-    """The container's argv, env and working directory on this machine (see the module docstring)."""
-    c = t.container
+def _secret_mode(t: Target, secret: dict[str, Any], item: dict[str, Any]) -> int:
+    """The mode the kubelet gives a Secret key's file: the item's mode, else defaultMode (0644 by
+    the API's default); under the pod's fsGroup, group read is added whatever they say
+    (kubernetes/kubernetes#57923)."""
+    mode = int(item.get("mode", secret.get("defaultMode", 0o644)))
+    if t.pod_security.get("fsGroup") is not None:
+        mode |= 0o440
+    return mode
+
+
+def _mounts(t: Target, c: dict[str, Any], pod: Pod) -> dict[str, Path]:
+    """Container c's volume mounts (mount path -> local folder), materialised; a volume is one
+    local folder per pod, whichever of its containers mounts it."""
     mounts: dict[str, Path] = {}
     for m in c.get("volumeMounts", []):
         vol = t.volumes[m["name"]]
@@ -201,7 +258,9 @@ def prepare(t: Target, pod: Pod, bootstrap: str) -> Prepared:
             assert vol["secret"].get("items"), f"{t.id}: Secret {name} mounted whole: name the keys it needs"
             for item in vol["secret"]["items"]:
                 (local / item["path"]).parent.mkdir(parents=True, exist_ok=True)
+                (local / item["path"]).unlink(missing_ok=True)
                 (local / item["path"]).write_text(pod.secret(name, item["key"]) + "\n")
+                (local / item["path"]).chmod(_secret_mode(t, vol["secret"], item))
         elif "configMap" in vol:
             local.mkdir(parents=True, exist_ok=True)
             for key, text in _configmap(t.docs, vol["configMap"]["name"]).items():
@@ -214,12 +273,50 @@ def prepare(t: Target, pod: Pod, bootstrap: str) -> Prepared:
         else:
             pytest.fail(f"{t.id}: volume {m['name']} of a kind the harness does not know: {vol}")
         mounts[m["mountPath"]] = local
+    return mounts
 
+
+def _localiser(mounts: dict[str, Path]) -> Callable[[str], str]:
     def localise(value: str) -> str:
         for mount_path in sorted(mounts, key=len, reverse=True):
             if value == mount_path or value.startswith(mount_path.rstrip("/") + "/"):
                 return str(mounts[mount_path]) + value[len(mount_path) :]
         return value
+
+    return localise
+
+
+def _init(t: Target, c: dict[str, Any], pod: Pod) -> Init:
+    """An init container: its command from the image (found on this machine's PATH), its mounts
+    and plain env values localised."""
+    mounts = _mounts(t, c, pod)
+    localise = _localiser(mounts)
+    env: dict[str, str] = {}
+    for e in c.get("env", []):
+        assert "value" in e, f"{t.id}: init container {c['name']}: env {e['name']} from a source the harness lacks"
+        env[e["name"]] = localise(expand(str(e["value"]), env))
+    argv = [localise(expand(a, env)) for a in c["command"] + c.get("args", [])]
+    found = shutil.which(argv[0])
+    assert found, f"{t.id}: init container {c['name']} runs {argv[0]}, which this machine lacks"
+    env.update(PATH=os.environ.get("PATH", "/usr/bin:/bin"), LC_ALL="C.UTF-8")
+    cwd = Path(localise(c["workingDir"])) if "workingDir" in c else pod.tmp
+    return Init(c["name"], [found, *argv[1:]], env, cwd)
+
+
+def run_init(p: Prepared, log: Path) -> None:
+    """The pod's init containers, in order: each must exit 0 before the containers start."""
+    for i in p.init:
+        done = subprocess.run(i.argv, env=i.env, cwd=i.cwd, capture_output=True, text=True, timeout=60)
+        log.with_name(f"{log.stem}-init-{i.name}.log").write_text(done.stdout + done.stderr)
+        assert done.returncode == 0, f"init container {i.name} exited {done.returncode}: {done.stderr}"
+
+
+def prepare(t: Target, pod: Pod, bootstrap: str) -> Prepared:
+    """The container's argv, env and working directory on this machine (see the module docstring)."""
+    c = t.container
+    mounts = _mounts(t, c, pod)
+    localise = _localiser(mounts)
+    init = [_init(t, ic, pod) for ic in t.init_containers]
 
     env: dict[str, str] = {}
     for e in c.get("env", []):
@@ -274,10 +371,11 @@ def prepare(t: Target, pod: Pod, bootstrap: str) -> Prepared:
     )
     cwd = Path(localise(c["workingDir"]))
     assert cwd != Path(c["workingDir"]), f"{t.id}: its working directory {c['workingDir']} is not a mounted volume"
-    return Prepared(argv, env, cwd, ready_url, ports, mounts)
+    return Prepared(argv, env, cwd, ready_url, ports, mounts, init)
 
 
 def run_job(p: Prepared, log: Path, timeout: float = 180.0) -> subprocess.CompletedProcess[str]:
+    run_init(p, log)
     proc = subprocess.run(p.argv, env=p.env, cwd=p.cwd, capture_output=True, text=True, timeout=timeout)
     log.write_text(proc.stdout + proc.stderr)
     return proc
@@ -286,6 +384,7 @@ def run_job(p: Prepared, log: Path, timeout: float = 180.0) -> subprocess.Comple
 @contextlib.contextmanager
 def running(p: Prepared, log: Path) -> Iterator[dict[str, object]]:
     """Started, ready (its own /readyz says 200) for the body, then stopped with SIGTERM: exit 0."""
+    run_init(p, log)
     launched = start(p.argv, p.env, log, cwd=p.cwd)
     try:
         ready = wait_ready(launched, p.ready_url, READY_TIMEOUT)
@@ -356,6 +455,7 @@ def test_every_rendered_container_is_started_here() -> None:
         "audit-sink/audit-sink",
         "api/api",
         "ingest/ingest",
+        "notifier/notifier",
         "slurm-producer/slurm-producer",
         "node-producers/gpu",
         "node-producers/kernel",
@@ -624,3 +724,86 @@ def test_kafka_sasl_and_mtls_reach_each_process_settings(target: str, pod: Pod) 
     assert settings["kafka_sasl_password"]["origin"].startswith("file named by TRAINMEDIC_KAFKA_SASL_PASSWORD_FILE")
     for name in ("kafka_ssl_ca", "kafka_ssl_certificate", "kafka_ssl_key"):
         assert Path(settings[name]["value"]).is_file(), (name, settings[name])
+
+
+class _Receiver(http.server.BaseHTTPRequestHandler):
+    """A webhook receiver: records every POST (path, lower-cased headers, JSON body), answers 200."""
+
+    got: list[tuple[str, dict[str, str], dict[str, Any]]] = []
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.got.append((self.path, {k.lower(): v for k, v in self.headers.items()}, orjson.loads(body)))
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's name
+        pass
+
+
+@pytest.fixture
+def webhook() -> Iterator[tuple[str, list[tuple[str, dict[str, str], dict[str, Any]]]]]:
+    got: list[tuple[str, dict[str, str], dict[str, Any]]] = []
+    handler = type("Receiver", (_Receiver,), {"got": got})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/hook", got
+    server.shutdown()
+    server.server_close()
+
+
+def test_notifier_delivers_an_incident_with_the_token_from_its_secret(
+    pod: Pod, broker: EmbeddedBroker, webhook: tuple[str, list[tuple[str, dict[str, str], dict[str, Any]]]]
+) -> None:
+    """notifier.enabled with a receiver: the Secret key as the kubelet mounts it under fsGroup
+    (0440) is refused by the notifier as it is, so the init container copies the YAML and the
+    token into the memory emptyDir 0400; the notifier gets ready there, POSTs a published
+    incident with the bearer token, and exits 0 on SIGTERM."""
+    url, got = webhook
+    values = copy.deepcopy(VALUES)
+    values["notifier"] = notifier_values(url)
+    t = targets(render(values))["notifier/notifier"]
+    p = prepare(t, pod, broker.bootstrap)
+    copies = p.mounts["/etc/trainmedic/notifier"]
+    assert p.argv[1:] == ["run", "notifier", "--webhooks", str(copies / "notifier.yaml")]
+    assert [i.name for i in p.init] == ["webhooks"]
+    mounted = pod.tmp / "mounts" / "notifier-tokens" / "receiver"
+    assert stat.S_IMODE(mounted.stat().st_mode) == 0o440
+    with pytest.raises(NotifierConfigError, match="0440"):
+        read_token(mounted)
+    incident_id = "inc-chart-notifier-1"
+    with running(p, pod.tmp / "notifier.log") as ready:
+        assert ready["ready"] is True
+        assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in copies.iterdir()} == {
+            "notifier.yaml": 0o400,
+            "receiver": 0o400,
+        }
+        now = time.time()
+        incident = Incident(
+            event_id=incident_id,
+            event_time=now,
+            incident_id=incident_id,
+            job_id="4242",
+            partition="gpu",
+            category="gpu_hardware",
+            severity="critical",
+            culprit_node=NODE,
+            confidence=0.9,
+            explanation=f"Xid 79 on {NODE}",
+            evidence=[
+                Evidence(source="kernel", signature="xid_79", node=NODE, time=now - 2, line=XID_LINE, role="root")
+            ],
+            anomaly_ids=["anm-4242-1"],
+            first_signal_time=now - 2,
+        )
+        pub = Publisher(broker.bootstrap, "test", learn_limits=False)
+        pub.publish(INCIDENTS, incident)
+        assert pub.flush(10) == 0
+        deadline = time.monotonic() + 60
+        while not [g for g in got if g[2].get("event", {}).get("event_id") == incident_id]:
+            assert time.monotonic() < deadline, f"no POST of {incident_id} within 60 s: {got}"
+            time.sleep(0.2)
+    ((path, headers, body),) = [g for g in got if g[2].get("event", {}).get("event_id") == incident_id]
+    assert path == "/hook" and body["kind"] == "incident"
+    assert headers["authorization"] == f"Bearer {NOTIFIER_TOKEN}"

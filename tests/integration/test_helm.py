@@ -26,6 +26,7 @@ import yaml
 
 from schemas.topics import DEFAULT_PARTITIONS
 from sinks.guardrails import parse_guardrails
+from sinks.notifier import NotifierConfigError, load_config
 from streams.policy import DEFAULT_POLICY, load_policy
 from trainmedic.settings import Settings, unknown_env
 
@@ -60,6 +61,19 @@ KAFKA_SASL_MTLS: dict[str, Any] = {
         "ports": [9093],
     }
 }
+# The notifier with a token endpoint (its key in an existing Secret) and a Slack one (none).
+NOTIFIER: dict[str, Any] = {
+    "enabled": True,
+    "webhooks": {
+        "endpoints": [
+            {"name": "oncall", "url": "https://alerts.example.org/trainmedic", "token_file": "oncall"},
+            {"name": "slack", "url": "https://hooks.slack.com/services/T0/B0/XXXX", "template": "slack"},
+        ],
+        "retry": {"attempts": 4, "base_delay_s": 2, "max_delay_s": 30},
+        "max_age_s": 3600,
+    },
+    "tokenSecret": "tm-notifier-tokens",
+}
 EVERYTHING: dict[str, Any] = {
     "mode": "autonomous",
     "cluster": "west",
@@ -87,6 +101,7 @@ EVERYTHING: dict[str, Any] = {
         "nodeName": {"from": "hostname", "map": {"ip-10-0-3-17.ec2.internal": "gpu017"}, "stripDomain": True},
     },
     "streams": {"env": [{"name": "TRAINMEDIC_SETTLE_S", "value": "2"}], "nodeSelector": {"role": "infra"}},
+    "notifier": {**NOTIFIER, "egress": {"ports": [443, 8443], "cidrs": ["192.0.2.0/24"]}},
     **KAFKA_SASL_MTLS,
 }
 # slurm.conf from a ConfigMap instead of the node (no hostPath for it).
@@ -114,6 +129,10 @@ CASES: dict[str, dict[str, Any]] = {
     "api-insecure": {"api": {"insecure": True, "tls": {"existingSecret": ""}}},
     "api-off": {"api": {"enabled": False}, "auditSink": {"enabled": False}},
     "streams-group": {"streams": {"replicas": 3}},
+    "notifier": {"notifier": NOTIFIER},
+    "notifier-no-token": {
+        "notifier": {"enabled": True, "webhooks": {"endpoints": [{"url": "https://hooks.slack.com/services/T/B/X"}]}}
+    },
     "ssh-everything": {**EVERYTHING, **SSH},
     "local-everything": EVERYTHING,
     "rest-everything": {**EVERYTHING, **REST},
@@ -126,6 +145,7 @@ COMMANDS = {
     "audit-sink": ["trainmedic", "run", "audit-sink"],
     "api": ["trainmedic", "run", "api"],
     "ingest": ["trainmedic", "run", "ingest"],
+    "notifier": ["trainmedic", "run", "notifier"],
     "slurm-producer": ["trainmedic", "produce", "slurm"],
     "topics": ["trainmedic", "topics", "create"],
     "audit-migrate": ["trainmedic", "audit", "db", "migrate"],
@@ -337,6 +357,13 @@ def test_chart_version_and_app_version_agree() -> None:
         ({"api": {"tls": {"existingSecret": ""}}}, "insecure"),
         ({"api": {"token": {"existingSecret": ""}}}, "existingSecret"),
         ({"ingest": {"enabled": True}}, "insecure"),
+        ({"notifier": {"enabled": True}}, "endpoints"),
+        ({"notifier": {**NOTIFIER, "tokenSecret": ""}}, "tokenSecret"),
+        (
+            {"notifier": {**NOTIFIER, "webhooks": {"endpoints": [{"url": "https://x", "token_file": "/t"}]}}},
+            "token_file",
+        ),
+        ({"notifier": {"egress": {"port": 443}}}, "port"),
         ({"streams": {"replicas": 0}}, "replicas"),
         ({"streams": {"replicas": DEFAULT_PARTITIONS + 1}}, "replicas"),
         ({"streams": {"replicas": 1.5}}, "replicas"),
@@ -820,3 +847,123 @@ def test_network_policies_admit_the_services_and_metrics_and_egress_only_to_depe
 def test_node_producers_sharing_a_metrics_port_are_refused(chart: Any) -> None:
     with pytest.raises(helm.HelmError, match="metricsPort must differ"):
         render(chart, {"nodeProducers": {"logs": {"enabled": True, "metricsPort": 9481}}})
+
+
+# --- the webhook notifier (optional) -------------------------------------------------------------
+
+
+def _notifier_objects(docs: list[Manifest]) -> list[str]:
+    return [f"{d['kind']}/{d['metadata']['name']}" for d in docs if d["metadata"]["name"].endswith("-notifier")]
+
+
+def test_notifier_is_off_by_default_and_renders_nothing(chart: Any) -> None:
+    assert chart.values["notifier"]["enabled"] is False
+    assert _notifier_objects(render(chart)) == []
+    # Nor its PodMonitor and NetworkPolicy when those are on.
+    assert _notifier_objects(render(chart, {k: v for k, v in EVERYTHING.items() if k != "notifier"})) == []
+    assert _notifier_objects(render(chart, {"notifier": NOTIFIER})) == [
+        "ConfigMap/tm-trainmedic-notifier",
+        "Deployment/tm-trainmedic-notifier",
+    ]
+
+
+def test_notifier_runs_its_command_on_copies_of_its_yaml_and_tokens(chart: Any, tmp_path: Path) -> None:
+    """The container runs `trainmedic run notifier --webhooks` on the memory emptyDir the init
+    container fills with 0400 copies of the ConfigMap's YAML and the Secret's token keys (the
+    token_files of the endpoints, nothing else); its probes ask the metrics port."""
+    docs = render(chart, {"notifier": NOTIFIER})
+    d = find(docs, "Deployment", "-notifier")
+    spec = pod_spec(d)
+    c = container(d, "notifier")
+    assert c["command"] + c["args"] == [
+        "trainmedic",
+        "run",
+        "notifier",
+        "--webhooks",
+        "/etc/trainmedic/notifier/notifier.yaml",
+    ]
+    env = env_of(c)
+    assert (env["TRAINMEDIC_BOOTSTRAP"], env["TRAINMEDIC_CLUSTER"]) == ("kafka:9092", "default")
+    assert (env["TRAINMEDIC_METRICS_HOST"], env["TRAINMEDIC_METRICS_PORT"]) == ("0.0.0.0", "9479")
+    assert c["ports"] == [{"name": "metrics", "containerPort": 9479, "protocol": "TCP"}]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert c["startupProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert {"name": "notifier", "mountPath": "/etc/trainmedic/notifier", "readOnly": True} in c["volumeMounts"]
+    assert not {"notifier-config", "notifier-tokens"} & {m["name"] for m in c["volumeMounts"]}, "only the copies"
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["notifier"]["emptyDir"]["medium"] == "Memory"
+    assert volumes["notifier-config"]["configMap"] == {"name": "tm-trainmedic-notifier"}
+    assert volumes["notifier-tokens"]["secret"] == {
+        "secretName": "tm-notifier-tokens",
+        "defaultMode": 0o440,
+        "items": [{"key": "oncall", "path": "oncall"}],
+    }
+    (init,) = spec["initContainers"]
+    assert (init["image"], init["securityContext"]) == (c["image"], c["securityContext"])
+    assert init["command"] == [
+        "install",
+        "-m",
+        "0400",
+        "-t",
+        "/etc/trainmedic/notifier",
+        "/etc/trainmedic/notifier-config/notifier.yaml",
+        "/etc/trainmedic/notifier-tokens/oncall",
+    ]
+    mounts = {m["name"]: (m["mountPath"], m.get("readOnly", False)) for m in init["volumeMounts"]}
+    assert mounts == {
+        "notifier": ("/etc/trainmedic/notifier", False),
+        "notifier-config": ("/etc/trainmedic/notifier-config", True),
+        "notifier-tokens": ("/etc/trainmedic/notifier-tokens", True),
+    }
+    # The ConfigMap's YAML is what the notifier's own loader accepts, the token beside it 0400.
+    text = find(docs, "ConfigMap", "-notifier")["data"]["notifier.yaml"]
+    (tmp_path / "notifier.yaml").write_text(text)
+    token = tmp_path / "oncall"
+    token.write_text("t0ken-0123456789abcdef\n")
+    token.chmod(0o400)
+    config = load_config(tmp_path / "notifier.yaml")
+    assert [(e.label, e.template) for e in config.endpoints] == [("oncall", "generic"), ("slack", "slack")]
+    assert config.endpoints[0].token_file == token
+    assert (config.retry.attempts, config.retry.max_delay_s, config.max_age_s) == (4, 30, 3600)
+    token.chmod(0o440)  # as the kubelet mounts a Secret key under fsGroup: refused, hence the copies
+    with pytest.raises(NotifierConfigError, match="0440"):
+        load_config(tmp_path / "notifier.yaml")
+
+
+def test_notifier_without_tokens_mounts_no_secret(chart: Any) -> None:
+    d = find(render(chart, CASES["notifier-no-token"]), "Deployment", "-notifier")
+    assert "notifier-tokens" not in {v["name"] for v in pod_spec(d)["volumes"]}
+    (init,) = pod_spec(d)["initContainers"]
+    assert init["command"][-1] == "/etc/trainmedic/notifier-config/notifier.yaml"
+    assert "notifier-tokens" not in {m["name"] for m in init["volumeMounts"]}
+
+
+def test_notifier_rolls_when_its_webhooks_change(chart: Any) -> None:
+    def annotations(notifier: dict[str, Any]) -> dict[str, str]:
+        d = find(render(chart, {"notifier": notifier, "podAnnotations": {"a": "b"}}), "Deployment", "-notifier")
+        found: dict[str, str] = d["spec"]["template"]["metadata"]["annotations"]
+        return found
+
+    changed = copy.deepcopy(NOTIFIER)
+    changed["webhooks"]["retry"]["attempts"] = 5
+    assert annotations(NOTIFIER)["a"] == "b"
+    assert annotations(NOTIFIER)["checksum/webhooks"] == annotations(copy.deepcopy(NOTIFIER))["checksum/webhooks"]
+    assert annotations(NOTIFIER)["checksum/webhooks"] != annotations(changed)["checksum/webhooks"]
+
+
+def test_notifier_is_scraped_and_may_reach_its_webhooks(chart: Any) -> None:
+    docs = render(chart, EVERYTHING)
+    monitor = find(docs, "PodMonitor", "-notifier")
+    labels = find(docs, "Deployment", "-notifier")["spec"]["template"]["metadata"]["labels"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["metrics"]
+    egress = find(docs, "NetworkPolicy", "-notifier")
+    assert egress["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    assert egress["spec"]["policyTypes"] == ["Egress"]
+    assert egress["spec"]["egress"] == [
+        {
+            "ports": [{"port": 443, "protocol": "TCP"}, {"port": 8443, "protocol": "TCP"}],
+            "to": [{"ipBlock": {"cidr": "192.0.2.0/24"}}],
+        }
+    ]

@@ -11,7 +11,12 @@
    environment; /opt/trainmedic/bin/trainmedic rewritten to this venv's. The bootstrap comes
    from the config file (the broker fixture), the ClickHouse URL from its credential (a chDB
    folder, one process at a time), each probe port is free. Long-running commands must answer
-   /readyz 200 and exit 0 on SIGTERM (tests/launch.py); one-shots must exit 0.
+   /readyz 200 and exit 0 on SIGTERM (tests/launch.py); one-shots must exit 0. ExecStartPre=
+   runs first, with the unit's UMask=, in its RuntimeDirectory= (%t materialised too).
+   Credentials are written as systemd writes them: 0400, and, where its credentials file system
+   takes ACLs (tmpfs noswap: systemd 255+ on Linux 6.4+), readable by the service's user through
+   an ACL, which makes them show as 0440 (Site.credential_acl). The notifier is started with a
+   webhooks YAML and a token credential, and must deliver an incident to a local receiver.
 
 Not tested here (PID 1 is not systemd on these machines): systemd itself - dependency
 ordering and Requires= failure propagation, LoadCredential= as systemd does it, the sandbox
@@ -28,17 +33,25 @@ import re
 import shlex
 import shutil
 import ssl
+import stat
+import struct
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import orjson
 import pytest
 
-from schemas.topics import ALL_TOPICS
+from bus.publish import Publisher
+from schemas.events import Evidence, Incident
+from schemas.topics import ALL_TOPICS, INCIDENTS
+from sinks.notifier import NotifierConfigError, read_token
 from tests.conftest import FIXTURES, REPO, Cluster, read_topic, wait_for
 from tests.launch import Launched, self_signed_certificate, start, stop, wait_ready
 from trainmedic.broker import EmbeddedBroker, free_port
@@ -54,7 +67,7 @@ SYSTEMD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # Variables the units' command lines use that are not settings (documented in the units).
 UNIT_VARIABLES = {"KERNEL_SOURCE", "DCGM_URL", "INGEST_HOST", "INGEST_PORT", "INGEST_TLS", "LOGS_ARGS"}
 OTHER_VARIABLES = {"SLURM_CONF", "PYTHONUNBUFFERED"}
-CENTRAL = ("streams", "executor", "audit-sink", "api", "ingest", "slurm-producer")
+CENTRAL = ("streams", "executor", "audit-sink", "api", "ingest", "notifier", "slurm-producer")
 NODE = ("gpu", "dcgm", "kernel", "logs")
 ONE_SHOTS = ("topics", "audit-migrate")
 # Settings a bare-metal site does not set, and why.
@@ -88,10 +101,14 @@ class UnitFile:
 
 
 def parse_unit(path: Path) -> UnitFile:
-    unit = UnitFile(path.name)
+    return parse_unit_text(path.name, path.read_text())
+
+
+def parse_unit_text(name: str, text: str) -> UnitFile:
+    unit = UnitFile(name)
     section: str | None = None
     pending = ""
-    for raw in path.read_text().splitlines():
+    for raw in text.splitlines():
         line = pending + raw.strip() if pending else raw.strip()
         pending = ""
         if not line or line[0] in "#;":
@@ -104,7 +121,7 @@ def parse_unit(path: Path) -> UnitFile:
             unit.sections.setdefault(section, [])
             continue
         key, sep, value = line.partition("=")
-        assert sep and section, f"{path}: not a key=value line in a section: {raw!r}"
+        assert sep and section, f"{name}: not a key=value line in a section: {raw!r}"
         unit.sections[section].append((key.strip(), value.strip()))
     return unit
 
@@ -337,11 +354,15 @@ class Site:
     root: Path
     bootstrap: str
     credentials: dict[str, str] = field(default_factory=dict)
+    # Credentials as systemd 255+ hands them over on a file system with ACLs (tmpfs noswap):
+    # 0400 plus an ACL entry granting the service's user read, which stat shows as 0440.
+    credential_acl: bool = False
 
     def __post_init__(self) -> None:
         self.etc = self.root / "etc" / "trainmedic"
         self.etc.mkdir(parents=True, exist_ok=True)
         self.state = self.root / "var-lib"
+        self.run = self.root / "run"
         (self.etc / "config.yaml").write_text(f"bootstrap: {self.bootstrap}\n")
 
 
@@ -351,6 +372,8 @@ class Command:
     env: dict[str, str]
     cwd: Path | None
     metrics: str
+    pre: list[list[str]] = field(default_factory=list)  # ExecStartPre=, in order
+    umask: int = 0o022  # UMask=
 
 
 def _specifiers(value: str, unit: str, site: Site) -> str:
@@ -360,6 +383,8 @@ def _specifiers(value: str, unit: str, site: Site) -> str:
             return str(site.root / "credentials" / unit)
         if spec == "S":
             return str(site.state)
+        if spec == "t":
+            return str(site.run)
         if spec == "%":
             return "%"
         raise AssertionError(f"{unit}: specifier %{spec} is not materialised by this test")
@@ -381,23 +406,82 @@ def _read_env_file(path: Path) -> dict[str, str]:
     return out
 
 
+# POSIX ACL extended attribute (linux/posix_acl_xattr.h): version 2, then (tag, perm, id) entries.
+_ACL_USER_OBJ, _ACL_USER, _ACL_GROUP_OBJ, _ACL_MASK, _ACL_OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
+_ACL_UNDEFINED_ID = 0xFFFFFFFF
+
+
+def _grant_read_by_acl(path: Path, uid: int) -> None:
+    """What systemd's write_credential() does on a file system with ACLs: an entry `user:UID:r`
+    (the mask becomes r--, so stat's group bits read r--); without ACLs here, the same mode."""
+    entries = [
+        (_ACL_USER_OBJ, 4, _ACL_UNDEFINED_ID),
+        (_ACL_USER, 4, uid),
+        (_ACL_GROUP_OBJ, 0, _ACL_UNDEFINED_ID),
+        (_ACL_MASK, 4, _ACL_UNDEFINED_ID),
+        (_ACL_OTHER, 0, _ACL_UNDEFINED_ID),
+    ]
+    data = struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries)
+    try:
+        os.setxattr(path, "system.posix_acl_access", data)
+    except OSError:
+        path.chmod(0o440)
+
+
+def write_credential(path: Path, value: str, acl: bool) -> None:
+    """A credential as systemd writes it for the unit: the value, mode 0400 (then the ACL)."""
+    path.unlink(missing_ok=True)
+    path.write_text(value + "\n")
+    path.chmod(0o400)
+    if acl:
+        _grant_read_by_acl(path, os.getuid())
+
+
+def _exec_words(line: str, unit: str, site: Site, env: dict[str, str]) -> list[str]:
+    """An Exec*= command line as systemd splits it: specifiers, then ${VAR} in words and $VAR alone
+    split into words (none when empty)."""
+    argv: list[str] = []
+    for word in shlex.split(_specifiers(line.lstrip("-@+!:"), unit, site)):
+        whole = re.fullmatch(r"\$(\w+)", word)
+        if whole:
+            argv.extend(env.get(whole.group(1), "").split())
+        else:
+            argv.append(re.sub(r"\$\{(\w+)\}", lambda m: env.get(m.group(1), ""), word))
+    return argv
+
+
 def unit_command(
-    short: str, site: Site, overrides: dict[str, str] | None = None, dropins: tuple[str, ...] = ()
+    short: str,
+    site: Site,
+    overrides: dict[str, str] | None = None,
+    dropins: tuple[str, ...] = (),
+    site_dropins: tuple[str, ...] = (),
 ) -> Command:
-    """The process systemd would start for trainmedic-<short>.service on `site`."""
+    """The process systemd would start for trainmedic-<short>.service on `site`: with the named
+    drop-ins of infra/systemd/dropins, then the site's own (drop-in texts, `systemctl edit`)."""
     path = unit_path(short)
-    unit = parse_unit(path).merged(*(parse_unit(DROPINS / d) for d in dropins))
+    unit = parse_unit(path).merged(
+        *(parse_unit(DROPINS / d) for d in dropins),
+        *(parse_unit_text(f"{path.name}.d/site-{i}.conf", t) for i, t in enumerate(site_dropins)),
+    )
     svc = "Service"
     for state in unit.values(svc, "StateDirectory"):
         (site.state / state).mkdir(parents=True, exist_ok=True)
+    runtime_mode = int(unit.value(svc, "RuntimeDirectoryMode") or "0755", 8)
+    runtime = [site.run / d for d in unit.values(svc, "RuntimeDirectory")]
+    for folder in runtime:
+        folder.mkdir(parents=True, exist_ok=True)
+        folder.chmod(runtime_mode)
     creds = site.root / "credentials" / path.name
     creds.mkdir(parents=True, exist_ok=True)
     for spec in unit.values(svc, "LoadCredential"):
         name, _, source = spec.partition(":")
-        assert source.startswith("/etc/trainmedic/credentials/"), f"{path.name}: credential {name} from {source}"
+        assert source.startswith("/etc/trainmedic/"), f"{path.name}: credential {name} from {source}"
         assert name in site.credentials, f"the test has no value for credential {name} of {path.name}"
-        (creds / name).write_text(site.credentials[name] + "\n")
+        write_credential(creds / name, site.credentials[name], site.credential_acl)
     env = {"PATH": SYSTEMD_PATH, "LANG": "C.UTF-8", "HOME": str(site.root), "CREDENTIALS_DIRECTORY": str(creds)}
+    if runtime:
+        env["RUNTIME_DIRECTORY"] = ":".join(str(f) for f in runtime)
     # The installed default /etc/trainmedic/config.yaml is this site's.
     env["TRAINMEDIC_CONFIG"] = str(site.etc / "config.yaml")
     for name, value in _env_assignments(unit).items():
@@ -416,15 +500,12 @@ def unit_command(
         env.update(_read_env_file(local))  # EnvironmentFile= wins over Environment=
     exec_start = unit.value(svc, "ExecStart")
     assert exec_start, f"{path.name}: no ExecStart"
-    argv: list[str] = []
-    for word in shlex.split(_specifiers(exec_start.lstrip("-@+!:"), path.name, site)):
-        whole = re.fullmatch(r"\$(\w+)", word)
-        if whole:  # systemd: $VAR alone is split into words (none when empty)
-            argv.extend(env.get(whole.group(1), "").split())
-        else:
-            argv.append(re.sub(r"\$\{(\w+)\}", lambda m: env.get(m.group(1), ""), word))
+    argv = _exec_words(exec_start, path.name, site, env)
     assert argv[0] == INSTALLED, f"{path.name}: ExecStart runs {argv[0]}"
     argv[0] = TRAINMEDIC
+    pre = [_exec_words(line, path.name, site, env) for line in unit.values(svc, "ExecStartPre")]
+    for words in pre:
+        assert Path(words[0]).is_absolute() and Path(words[0]).exists(), f"{path.name}: ExecStartPre runs {words[0]}"
     cwd = unit.value(svc, "WorkingDirectory")
     host = env.get("TRAINMEDIC_METRICS_HOST", "127.0.0.1")
     return Command(
@@ -432,10 +513,22 @@ def unit_command(
         env,
         Path(_specifiers(cwd, path.name, site)) if cwd else None,
         f"http://{host}:{env.get('TRAINMEDIC_METRICS_PORT', port)}",
+        pre,
+        int(unit.value(svc, "UMask") or "0022", 8),
     )
 
 
+def run_pre(cmd: Command) -> None:
+    """ExecStartPre=, as the service's user with its UMask=: each must exit 0 (else no start)."""
+    for words in cmd.pre:
+        done = subprocess.run(
+            words, env=cmd.env, cwd=cmd.cwd, capture_output=True, text=True, timeout=60, umask=cmd.umask
+        )
+        assert done.returncode == 0, f"ExecStartPre {' '.join(words)} exited {done.returncode}: {done.stderr}"
+
+
 def run_one_shot(cmd: Command, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    run_pre(cmd)
     return subprocess.run(cmd.argv, env=cmd.env, cwd=cmd.cwd, capture_output=True, text=True, timeout=timeout)
 
 
@@ -447,6 +540,7 @@ class Running:
 
 
 def started(cmd: Command, log: Path, timeout: float = 120.0) -> Running:
+    run_pre(cmd)
     launched = start(cmd.argv, cmd.env, log, cwd=cmd.cwd)
     try:
         return Running(launched, wait_ready(launched, f"{cmd.metrics}/readyz", timeout), cmd)
@@ -627,3 +721,133 @@ def test_slurm_producer_and_job_logs_with_the_local_cluster(
     assert (site.state / "trainmedic" / "slurm-producer" / "state.json").is_file()
     logs = started(unit_command("logs", site, conf), tmp_path / "logs.log")
     stopped_cleanly(logs)
+
+
+# -- the webhook notifier (optional) ----------------------------------------------------------
+
+# What docs/deploy-bare-metal.md has a site add for an endpoint's bearer token
+# (`systemctl edit trainmedic-notifier`); the webhooks YAML then says `token_file: hook-token`.
+NOTIFIER_TOKEN_LINE = "LoadCredential=hook-token:/etc/trainmedic/credentials/hook-token"
+NOTIFIER_TOKEN_DROPIN = f"[Service]\n{NOTIFIER_TOKEN_LINE}\n"
+HOOK_TOKEN = "n0t1f1er-hook-token-0123456789abcdef"
+
+
+@needs_analyze
+def test_the_notifier_token_dropin_of_the_docs_verifies(tmp_path: Path) -> None:
+    dropin = {"trainmedic-notifier.service.d/hook-token.conf": NOTIFIER_TOKEN_DROPIN}
+    assert analyze_verify(installed_copy(tmp_path / "units", dropin), ["trainmedic-notifier.service"]) == []
+    assert NOTIFIER_TOKEN_LINE in (REPO / "docs" / "deploy-bare-metal.md").read_text()
+
+
+@dataclass
+class Hook:
+    path: str
+    headers: dict[str, str]  # names lower-cased
+    body: dict[str, Any]
+
+
+@pytest.fixture
+def webhook() -> Iterator[tuple[str, list[Hook]]]:
+    """A webhook receiver on 127.0.0.1 (plain http is allowed to loopback) recording every POST."""
+    got: list[Hook] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - the http.server API
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            got.append(Hook(self.path, {k.lower(): v for k, v in self.headers.items()}, orjson.loads(body)))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/hook", got
+    server.shutdown()
+    server.server_close()
+
+
+def _notifier_site(root: Path, bootstrap: str, url: str, acl: bool) -> Site:
+    site = Site(root, bootstrap, credential_acl=acl)
+    site.credentials = {
+        "notifier.yaml": (
+            f"endpoints:\n  - name: receiver\n    url: {url}\n    token_file: hook-token\n"
+            "retry: {attempts: 3, base_delay_s: 0.1, max_delay_s: 0.5}\n"
+        ),
+        "hook-token": HOOK_TOKEN,
+    }
+    return site
+
+
+def _incident(incident_id: str) -> Incident:
+    now = time.time()
+    return Incident(
+        event_id=incident_id,
+        event_time=now,
+        incident_id=incident_id,
+        job_id="4242",
+        partition="gpu",
+        job_nodes=["gpu01", "gpu02"],
+        category="gpu_hardware",
+        severity="critical",
+        culprit_node="gpu02",
+        culprit_gpu=1,
+        confidence=0.9,
+        isolate=True,
+        explanation="Xid 79 on gpu02",
+        evidence=[
+            Evidence(source="kernel", signature="xid_79", node="gpu02", time=now - 2, line="NVRM: Xid 79", role="root")
+        ],
+        anomaly_ids=["anm-4242-1"],
+        first_signal_time=now - 2,
+    )
+
+
+@pytest.mark.parametrize("acl", [False, True], ids=["credentials-0400", "credentials-acl-0440"])
+def test_notifier_delivers_an_incident_with_its_token_credential(
+    broker: EmbeddedBroker, tmp_path: Path, webhook: tuple[str, list[Hook]], acl: bool
+) -> None:
+    """The unit with the token drop-in, its YAML and token as credentials (as systemd 252 writes
+    them, 0400, and as systemd 255+ does on tmpfs, 0400 plus an ACL: 0440): ExecStartPre copies
+    them into the RuntimeDirectory 0400, the notifier gets ready, POSTs a published incident
+    with the token, and exits 0 on SIGTERM."""
+    url, got = webhook
+    site = _notifier_site(tmp_path, broker.bootstrap, url, acl)
+    cmd = unit_command("notifier", site, site_dropins=(NOTIFIER_TOKEN_DROPIN,))
+    runtime = Path(cmd.env["RUNTIME_DIRECTORY"])
+    assert cmd.argv[1:] == ["run", "notifier", "--webhooks", str(runtime / "notifier.yaml")]
+    raw = Path(cmd.env["CREDENTIALS_DIRECTORY"]) / "hook-token"
+    if acl:  # why the copy: the notifier refuses the credential as systemd 255+ hands it over
+        assert stat.S_IMODE(raw.stat().st_mode) == 0o440
+        with pytest.raises(NotifierConfigError, match="0440"):
+            read_token(raw)
+    notifier = started(cmd, tmp_path / "notifier.log")
+    try:
+        assert stat.S_IMODE(runtime.stat().st_mode) == 0o700
+        copies = {p.name: stat.S_IMODE(p.stat().st_mode) for p in runtime.iterdir()}
+        assert copies == {"notifier.yaml": 0o400, "hook-token": 0o400}
+        pub = Publisher(broker.bootstrap, "test", learn_limits=False)
+        pub.publish(INCIDENTS, _incident("inc-systemd-unit-1"))
+        assert pub.flush(10) == 0
+        hooks = wait_for(
+            "the incident at the webhook",
+            lambda: [h for h in got if h.body.get("event", {}).get("event_id") == "inc-systemd-unit-1"],
+            timeout=60,
+        )
+        assert hooks[0].path == "/hook" and hooks[0].body["kind"] == "incident"
+        assert hooks[0].headers["authorization"] == f"Bearer {HOOK_TOKEN}"
+        assert hooks[0].headers["idempotency-key"].startswith("ntf-")
+    finally:
+        stopped_cleanly(notifier)
+
+
+def test_notifier_without_its_token_credential_exits_2_naming_the_field(broker: EmbeddedBroker, tmp_path: Path) -> None:
+    """A YAML naming a token the unit does not load (the drop-in forgotten): exit 2, which
+    RestartPreventExitStatus= does not restart, and the journal names the file, line and field."""
+    site = _notifier_site(tmp_path, broker.bootstrap, "http://127.0.0.1:9/hook", acl=True)
+    done = run_one_shot(unit_command("notifier", site), timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "notifier.yaml: line 4: field 'endpoints.0.token_file'" in done.stderr, done.stderr
+    assert "Usage:" not in done.stderr
