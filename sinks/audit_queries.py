@@ -18,7 +18,7 @@ import os
 import re
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from schemas.errors import ConfigError
 from schemas.vocab import CATEGORIES
@@ -39,6 +39,8 @@ VIEWS: dict[str, str | None] = {
     "job_restarts": None,
     "gpu_hours_saved": "detected_at",
     "timeline": "time",
+    "incident_goodput": "detected_at",
+    "job_goodput": None,
 }
 RELATIONS: dict[str, str | None] = {**BASE_TABLES, **VIEWS}
 
@@ -524,3 +526,272 @@ def export(
         store.write_raw(sql, EXPORT_FORMATS[fmt], f, params)
     os.replace(part, out)
     return {"table": table, "format": fmt, "rows": rows, "out": str(out), "bytes": out.stat().st_size}
+
+
+# --- goodput (sinks/ddl/016_goodput.sql, docs/audit.md "Goodput") --------------------------------
+
+# What goodput assumes: the audit records a job's nodes, not its GPUs (the same 8 as gpu_hours_saved).
+GOODPUT_GPUS_PER_NODE = cast(int, GPU_HOURS_ASSUMPTIONS["gpus_per_node"])
+GOODPUT_ASSUMPTIONS = {
+    "gpus_per_node": GOODPUT_GPUS_PER_NODE,
+    "fault": "the incident's first_signal_time: the earliest evidence of the fault",
+    "running_again": "the first scheduler RUNNING report of the job's next attempt (the first attempt started "
+    "after the fault), else that attempt's start, else the first RUNNING report of the job after the fault; "
+    "none: not (yet) running again, and no GPU-hours lost are counted",
+    "gpu_hours_lost": "len(job_nodes) * 8 * (running again - fault) / 3600",
+    "productive": "the whole duration of each attempt that progressed (a higher step or a new checkpoint)",
+    "effective_ratio": "productive / (lineage wall time - time of attempts whose progress is unknown)",
+}
+
+
+def _secs(later: str, earlier: str) -> str:
+    """Seconds between two DateTime64(3) expressions, to the millisecond."""
+    return f"(toUnixTimestamp64Milli({later}) - toUnixTimestamp64Milli({earlier})) / 1000.0"
+
+
+_NOW = "now64(3, 'UTC')"
+
+
+def attempts_sql(where: str) -> str:
+    """One row per (job, lineage, attempt) among the job_attempts records `where` selects, as the latest
+    record says. Ties in event_time (the record of the restart's cause shares its attempt's start) go to the
+    later state: ended, then with a cause. The Nullable values ride in tuples, which argMax never skips."""
+    latest = "(event_time, ended_at IS NOT NULL, cause_incident_id IS NOT NULL)"
+    return f"""SELECT job_id, lineage_id, attempt, started_at,
+        tupleElement(last, 1) AS ended_at, tupleElement(last, 2) AS progressed
+    FROM (
+        SELECT job_id, lineage_id, attempt, min(started_at) AS started_at,
+            argMax(tuple(ended_at, progressed), {latest}) AS last
+        FROM {{db}}.job_attempts FINAL
+        WHERE job_id != '' AND ({where})
+        GROUP BY job_id, lineage_id, attempt
+    )"""
+
+
+def incident_goodput_sql(
+    where_i: str = "1", where_r: str = "1", where_a: str = "1", where_s: str = "1", gpus_per_node: int = 8
+) -> str:
+    """The `incident_goodput` view (sinks/ddl/016_goodput.sql) for the incidents `where_i` selects, reading
+    their action results, the job attempts and the scheduler's RUNNING reports that `where_r`, `where_a`
+    and `where_s` select (all "1": the view itself; a test checks that the two are the same text)."""
+    return f"""WITH
+    faults AS (
+        SELECT incident_id, job_id, first_signal_time FROM {{db}}.incidents FINAL WHERE job_id != '' AND ({where_i})
+    ),
+    attempts AS (
+    {attempts_sql(where_a)}
+    ),
+    next_attempt AS (
+        SELECT f.incident_id AS incident_id, toNullable(min(a.started_at)) AS started_at,
+            tupleElement(argMin(tuple(a.ended_at), a.started_at), 1) AS ended_at
+        FROM faults AS f
+        INNER JOIN attempts AS a ON a.job_id = f.job_id
+        WHERE a.started_at > f.first_signal_time
+        GROUP BY f.incident_id
+    ),
+    running AS (
+        SELECT f.incident_id AS incident_id,
+            minIfOrNull(s.event_time, s.event_time > f.first_signal_time) AS after_fault,
+            minIfOrNull(
+                s.event_time,
+                n.started_at IS NOT NULL AND s.event_time >= n.started_at AND (n.ended_at IS NULL OR s.event_time <= n.ended_at)
+            ) AS in_next_attempt
+        FROM faults AS f
+        INNER JOIN (
+            SELECT job_id, event_time FROM {{db}}.sched_events FINAL
+            WHERE kind = 'job' AND state = 'RUNNING' AND job_id != '' AND ({where_s})
+        ) AS s ON s.job_id = f.job_id
+        LEFT JOIN next_attempt AS n ON n.incident_id = f.incident_id
+        GROUP BY f.incident_id
+    )
+SELECT
+    i.incident_id AS incident_id,
+    nullIf(i.job_id, '') AS job_id,
+    i.category AS category,
+    nullIf(i.culprit_node, '') AS culprit_node,
+    toUInt32(length(i.job_nodes)) * {gpus_per_node} AS gpus,
+    i.first_signal_time AS fault_at,
+    i.event_time AS detected_at,
+    r.acted_at AS acted_at,
+    coalesce(g.in_next_attempt, n.started_at, g.after_fault) AS running_again_at,
+    multiIf(
+        g.in_next_attempt IS NOT NULL, 'next attempt RUNNING',
+        n.started_at IS NOT NULL, 'next attempt start',
+        g.after_fault IS NOT NULL, 'RUNNING after the fault',
+        NULL
+    ) AS running_again_from,
+    {_secs("i.event_time", "i.first_signal_time")} AS time_to_detect_s,
+    if(acted_at IS NULL, NULL, {_secs("assumeNotNull(acted_at)", "i.event_time")}) AS time_to_act_s,
+    if(running_again_at IS NULL, NULL, {_secs("assumeNotNull(running_again_at)", "i.first_signal_time")}) AS time_to_recover_s,
+    gpus * time_to_recover_s / 3600.0 AS gpu_hours_lost
+FROM (SELECT * FROM {{db}}.incidents FINAL WHERE {where_i}) AS i
+LEFT JOIN (
+    SELECT incident_id, minIf(verified_at, status = 'done') AS acted_at
+    FROM {{db}}.action_results FINAL WHERE {where_r} GROUP BY incident_id
+) AS r ON r.incident_id = i.incident_id
+LEFT JOIN next_attempt AS n ON n.incident_id = i.incident_id
+LEFT JOIN running AS g ON g.incident_id = i.incident_id"""
+
+
+def job_goodput_sql(where_a: str = "1", incidents: str = "{db}.incident_goodput") -> str:
+    """The `job_goodput` view (sinks/ddl/016_goodput.sql) for the jobs whose attempt records `where_a`
+    selects, with the incidents of `incidents` (a relation with incident_goodput's columns)."""
+    judged = "j.attempts_progressed + j.attempts_no_progress"
+    return f"""WITH
+    attempts AS (
+    {attempts_sql(where_a)}
+    ),
+    lineages AS (
+        SELECT job_id, lineage_id,
+            count() AS attempts,
+            countIf(ifNull(progressed, false)) AS attempts_progressed,
+            countIf(NOT ifNull(progressed, true)) AS attempts_no_progress,
+            countIf(progressed IS NULL) AS attempts_unknown,
+            countIf(ended_at IS NULL) AS attempts_running,
+            min(started_at) AS first_started_at,
+            max(ifNull(ended_at, {_NOW})) AS until,
+            sumIf(duration_s, ifNull(progressed, false)) AS productive_s,
+            sumIf(duration_s, NOT ifNull(progressed, true)) AS unproductive_s,
+            sumIf(duration_s, progressed IS NULL) AS unknown_s
+        FROM (SELECT *, {_secs(f"ifNull(ended_at, {_NOW})", "started_at")} AS duration_s FROM attempts)
+        GROUP BY job_id, lineage_id
+    ),
+    jobs AS (
+        SELECT l.job_id AS job_id,
+            count() AS lineages,
+            sum(l.attempts) AS attempts,
+            sum(l.attempts) - count() AS restarts,
+            sum(l.attempts_running) AS attempts_running,
+            sum(l.attempts_progressed) AS attempts_progressed,
+            sum(l.attempts_no_progress) AS attempts_no_progress,
+            sum(l.attempts_unknown) AS attempts_unknown,
+            toNullable(min(l.first_started_at)) AS first_started_at,
+            if(sum(l.attempts_running) > 0, NULL, max(l.until)) AS last_ended_at,
+            toNullable(sum({_secs("l.until", "l.first_started_at")})) AS wall_s,
+            toNullable(sum(l.productive_s)) AS productive_s,
+            toNullable(sum(l.unproductive_s)) AS unproductive_s,
+            toNullable(sum(l.unknown_s)) AS unknown_s
+        FROM lineages AS l
+        GROUP BY l.job_id
+    ),
+    lost AS (
+        SELECT assumeNotNull(job_id) AS job_id, count() AS incidents,
+            countIf(running_again_at IS NULL) AS incidents_not_running_again,
+            sum(gpu_hours_lost) AS gpu_hours_lost
+        FROM {incidents}
+        WHERE job_id IS NOT NULL
+        GROUP BY job_id
+    )
+SELECT
+    k.job_id AS job_id,
+    j.lineages AS lineages,
+    j.attempts AS attempts,
+    j.restarts AS restarts,
+    j.attempts_running AS attempts_running,
+    j.attempts_progressed AS attempts_progressed,
+    j.attempts_no_progress AS attempts_no_progress,
+    j.attempts_unknown AS attempts_unknown,
+    j.first_started_at AS first_started_at,
+    j.last_ended_at AS last_ended_at,
+    j.wall_s AS wall_s,
+    j.productive_s AS productive_s,
+    j.unproductive_s AS unproductive_s,
+    j.unknown_s AS unknown_s,
+    if({judged} = 0 OR j.wall_s - j.unknown_s <= 0, NULL, j.productive_s / (j.wall_s - j.unknown_s)) AS effective_ratio,
+    l.incidents AS incidents,
+    l.incidents_not_running_again AS incidents_not_running_again,
+    ifNull(l.gpu_hours_lost, 0) AS gpu_hours_lost
+FROM (SELECT job_id FROM jobs UNION DISTINCT SELECT job_id FROM lost) AS k
+LEFT JOIN jobs AS j ON j.job_id = k.job_id
+LEFT JOIN lost AS l ON l.job_id = k.job_id"""
+
+
+_GOODPUT_STATS = ", ".join(
+    [f"avg({m}_s) AS {m}_mean" for m in ("time_to_detect", "time_to_act", "time_to_recover")]
+    + [
+        f"quantileExactInclusive({q})({m}_s) AS {m}_p{p}"
+        for m in ("time_to_detect", "time_to_act", "time_to_recover")
+        for q, p in ((0.5, 50), (0.95, 95))
+    ]
+)
+
+
+def goodput(
+    store: AuditStore, since: timedelta | None = None, job: str | None = None, limit: int = 20
+) -> dict[str, Any]:
+    """Goodput of the last `since` (everything: None), for one job or the fleet.
+
+    `fleet`: the window's incidents (GPU-hours lost, how many ran again, mean/p50/p95 of the time to
+    detect, act and recover), the jobs and their effective training time ratio (productive time over
+    the wall time whose outcome is known, summed over the jobs that have one). `incidents`: the
+    window's incidents, newest first; `jobs`: the jobs with an incident or an attempt recorded in the
+    window, each over its whole lineage, the most GPU-hours lost first, then the lowest ratio; both at
+    most `limit`. The rows are the incident_goodput and job_goodput views' (sinks/ddl/016_goodput.sql)
+    from bounded reads: incidents by time, their children and the jobs' attempts and scheduler
+    reports through the incident and job bloom filters.
+    """
+    params: dict[str, Any] = {"limit": limit}
+    where_i, child = ["1"], "1"
+    if (cut := _cutoff(since)) is not None:
+        where_i.append(f"event_time >= {SINCE}")
+        child = CHILD_SINCE
+        params["since"] = cut
+    if job is not None:
+        where_i.append("job_id = {job:String}")
+        params["job"] = job
+    wi = " AND ".join(where_i)
+    ids = f"SELECT incident_id FROM {{db}}.incidents FINAL WHERE {wi}"
+    inc_jobs = f"SELECT job_id FROM {{db}}.incidents FINAL WHERE {wi}"
+    # The next attempt started after the fault, so its records are no older than the window's children.
+    inc = incident_goodput_sql(
+        where_i=wi,
+        where_r=f"{child} AND incident_id IN ({ids})",
+        where_a=f"{child} AND job_id IN ({inc_jobs})",
+        where_s=f"{child} AND job_id IN ({inc_jobs})",
+        gpus_per_node=GOODPUT_GPUS_PER_NODE,
+    )
+    att_where = [f"event_time >= {SINCE}"] if cut is not None else ["1"]
+    if job is not None:
+        att_where.append("job_id = {job:String}")
+    att_jobs = f"SELECT job_id FROM {{db}}.job_attempts FINAL WHERE {' AND '.join(att_where)}"
+    jobs_sql = job_goodput_sql(where_a=f"job_id IN ({inc_jobs}) OR job_id IN ({att_jobs})", incidents=f"({inc})")
+
+    totals = _rows(
+        store,
+        f"SELECT count() AS incidents, count(running_again_at) AS incidents_running_again, "
+        f"countIf(running_again_at IS NULL) AS incidents_not_running_again, "
+        f"sum(gpu_hours_lost) AS gpu_hours_lost, {_GOODPUT_STATS} FROM ({inc})",
+        params,
+    )[0]
+    job_totals = _rows(
+        store,
+        "SELECT count() AS jobs, sum(restarts) AS restarts, countIf(effective_ratio IS NOT NULL) AS jobs_with_ratio, "
+        "sumIf(productive_s, effective_ratio IS NOT NULL) AS productive_s, "
+        "sumIf(wall_s - unknown_s, effective_ratio IS NOT NULL) AS judged_s "
+        f"FROM ({jobs_sql})",
+        params,
+    )[0]
+    judged = job_totals["judged_s"] or 0.0
+    fleet = {
+        **totals,
+        "gpu_hours_lost": totals["gpu_hours_lost"] or 0.0,
+        **job_totals,
+        "effective_ratio": (job_totals["productive_s"] or 0.0) / judged if judged > 0 else None,
+    }
+    incidents_rows = _rows(
+        store, f"SELECT * FROM ({inc}) ORDER BY detected_at DESC, incident_id LIMIT {{limit:UInt32}}", params
+    )
+    job_rows = _rows(
+        store,
+        f"SELECT * FROM ({jobs_sql}) "
+        "ORDER BY gpu_hours_lost DESC, effective_ratio ASC NULLS LAST, job_id LIMIT {limit:UInt32}",
+        params,
+    )
+    return {
+        "since_s": None if since is None else since.total_seconds(),
+        "job": job,
+        "fleet": fleet,
+        "jobs": job_rows,
+        "incidents": incidents_rows,
+        "assumptions": GOODPUT_ASSUMPTIONS,
+    }

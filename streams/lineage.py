@@ -190,7 +190,8 @@ class Lineages:
         if excluded and excluded not in lin["excluded"]:
             lin["excluded"] = [*lin["excluded"], excluded]
         self._put(incident.job_id, lin)
-        return [self._record(lin, att)]
+        # Dated when policy decided: after the attempt's opening record, so the audit's latest wins.
+        return [self._record(lin, att, max(incident.event_time, att["started_at"]))]
 
     # -- what policy reads ----------------------------------------------------------------
 
@@ -269,9 +270,12 @@ class Lineages:
         return [self._record(lin, att)]
 
     @staticmethod
-    def _record(lin: dict[str, Any], att: dict[str, Any]) -> JobAttempt:
+    def _record(lin: dict[str, Any], att: dict[str, Any], at: float | None = None) -> JobAttempt:
+        """The attempt as it stands, dated `at` (default: its end, else its start): each state of
+        an attempt is later than the one before, so the audit's latest record is the attempt."""
         cause = att["cause"] or {}
-        at = att["ended_at"] if att["ended_at"] is not None else att["started_at"]
+        if at is None:
+            at = att["ended_at"] if att["ended_at"] is not None else att["started_at"]
         return JobAttempt(
             event_id=stable_id("att", lin["lineage_id"], att["n"], att["ended_at"] or 0, cause.get("incident_id", "")),
             event_time=max(at, att["started_at"]),

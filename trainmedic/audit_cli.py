@@ -342,6 +342,150 @@ def latency(
     Console().print(_table("latency, seconds", rows, cols))
 
 
+def _span(window: timedelta) -> str:
+    """A --since window as it was typed: 7d, 24h, 30m."""
+    seconds = int(window.total_seconds())
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds % size == 0:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+def _hours(seconds: Any) -> str:
+    return "-" if seconds is None else f"{seconds / 3600:.2f} h"
+
+
+def _goodput_incident_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for r in rows:
+        never = r["running_again_at"] is None
+        out.append(
+            {
+                **r,
+                "again": "not running again" if never else f"{_fmt(r['running_again_at'])} ({r['running_again_from']})",
+                "lost": "-" if never else f"{r['gpu_hours_lost']:.2f}",
+            }
+        )
+    return out
+
+
+def _goodput_job_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for r in rows:
+        ratio = r["effective_ratio"]
+        incidents = f"{r['incidents'] or 0}"
+        if r["incidents_not_running_again"]:
+            incidents += f" ({r['incidents_not_running_again']} not running again)"
+        progress = "-"
+        if r["attempts"]:
+            progress = (
+                f"{r['attempts_progressed']} progressed, {r['attempts_no_progress']} none, "
+                f"{r['attempts_unknown']} unknown"
+            )
+        out.append(
+            {
+                **r,
+                "incidents_text": incidents,
+                "lost": f"{r['gpu_hours_lost']:.2f}",
+                "wall": _hours(r["wall_s"]) + (" (running)" if r["attempts_running"] else ""),
+                "productive": _hours(r["productive_s"]),
+                "progress": progress,
+                "ratio": "-" if ratio is None else f"{ratio:.1%}",
+            }
+        )
+    return out
+
+
+@audit_app.command()
+def goodput(
+    since: Since = timedelta(days=7),
+    job: Annotated[Optional[str], typer.Option("--job", metavar="JOBID", help="Only this job.")] = None,
+    limit: Annotated[int, typer.Option(min=1, help="At most this many jobs and incidents listed.")] = 20,
+    data_dir: DataDir = Path("var"),
+    clickhouse: ClickHouse = None,
+    database: Database = "trainmedic",
+    as_json: AsJson = False,
+) -> None:
+    """GPU-hours lost per incident (fault -> running again), time to detect / act / recover, and each
+    job's effective training time across its restarts (docs/audit.md, "Goodput")."""
+    with _store(data_dir, clickhouse, database) as store:
+        data = q.goodput(store, since=since, job=job, limit=limit)
+    if as_json:
+        _print_json(data)
+        return
+    f = data["fleet"]
+    console = Console()
+    who = f"job {job}" if job else "fleet"
+    window = f"last {_span(since)}" if since is not None else "all time"
+    gpn = data["assumptions"]["gpus_per_node"]
+    console.print(
+        f"[bold]goodput, {who}, {window}[/]: {f['incidents']} incident(s): {f['gpu_hours_lost']:.1f} GPU-hours lost "
+        f"(fault -> running again, {gpn} GPUs per node); {f['incidents_running_again']} running again, "
+        f"{f['incidents_not_running_again']} not running again (no loss counted for those)"
+    )
+    ratio = f["effective_ratio"]
+    console.print(
+        f"{f['jobs']} job(s), {f['restarts'] or 0} restart(s); effective training time "
+        + (
+            "- (no job reported progress)"
+            if ratio is None
+            else f"{ratio:.1%} ({f['jobs_with_ratio']} job(s) reporting progress)"
+        )
+    )
+    stages = [
+        {
+            "stage": name,
+            "mean": f[f"{key}_mean"],
+            "p50": f[f"{key}_p50"],
+            "p95": f[f"{key}_p95"],
+        }
+        for name, key in (
+            ("detect (fault -> incident)", "time_to_detect"),
+            ("act (incident -> action verified)", "time_to_act"),
+            ("recover (fault -> running again)", "time_to_recover"),
+        )
+    ]
+    console.print(
+        _table("time to, seconds", stages, (("stage", "stage"), ("mean", "mean"), ("p50", "p50"), ("p95", "p95")))
+    )
+    console.print(
+        _table(
+            "jobs, most GPU-hours lost first",
+            _goodput_job_rows(data["jobs"]),
+            (
+                ("job_id", "job"),
+                ("attempts", "attempts"),
+                ("restarts", "restarts"),
+                ("incidents_text", "incidents"),
+                ("lost", "GPU-h lost"),
+                ("wall", "wall"),
+                ("productive", "productive"),
+                ("progress", "attempts' progress"),
+                ("ratio", "effective"),
+            ),
+        )
+    )
+    console.print(
+        _table(
+            "incidents, newest first",
+            _goodput_incident_rows(data["incidents"]),
+            (
+                ("incident_id", "incident"),
+                ("job_id", "job"),
+                ("category", "category"),
+                ("culprit_node", "culprit"),
+                ("gpus", "GPUs"),
+                ("fault_at", "fault (UTC)"),
+                ("time_to_detect_s", "detect s"),
+                ("time_to_act_s", "act s"),
+                ("time_to_recover_s", "recover s"),
+                ("again", "running again (UTC)"),
+                ("lost", "GPU-h lost"),
+            ),
+        )
+    )
+
+
 @audit_app.command()
 def export(
     table: Annotated[str, typer.Option("--table", help="Table or view: " + ", ".join(sorted(q.RELATIONS)) + ".")],

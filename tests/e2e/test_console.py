@@ -217,7 +217,15 @@ def test_console_requires_the_token_and_refuses_unknown_ids(console_stack: dict[
         assert page.headers["referrer-policy"] == "no-referrer"
         assert http.get("/static/console.js").status_code == 200
         assert http.get("/static/../api.py").status_code == 404
-        for path in ("/api/events", "/api/incidents", "/api/charts", "/api/jobs/1001/timeline", "/api/console/status"):
+        for path in (
+            "/api/events",
+            "/api/incidents",
+            "/api/charts",
+            "/api/goodput",
+            "/api/jobs/1001/timeline",
+            "/api/console/status",
+            "/api/incidents/inc-1/bundle",
+        ):
             assert http.get(path).status_code == 401, path
             assert http.get(path, headers={"Authorization": "Bearer wrong-token-1234567890"}).status_code == 401, path
         assert http.get("/api/events", params={"token": "wrong-token-1234567890"}).status_code == 401
@@ -368,3 +376,108 @@ def test_console_shows_a_fault_live_and_approves_it(console_stack: dict[str, Any
         ),
     )
     assert verdicts == [{"verdict": "rejected", "reason": "wrong_node", "comment": "gpu06 was fine"}]
+
+
+# --- goodput, attempts and the evidence bundle, on a recorded audit ---------------------------------
+
+
+@pytest.fixture
+def goodput_console(broker: EmbeddedBroker, chdb_url: str, database: str) -> Iterator[dict[str, Any]]:
+    """The console router alone (as the API mounts it) on an audit holding tests/integration/test_goodput.py's
+    jobs: three attempts of job 9001, its incidents, a job that never ran again. The live feed runs on the
+    broker (the page loads its snapshot once the feed says hello); the operator API's nodes, modes and
+    readiness are answered empty here."""
+    from sinks.audit import AuditStore
+    from tests.integration.test_audit import insert_events
+    from tests.integration.test_goodput import goodput_events
+    from trainmedic.api import ApiServer
+    from trainmedic.broker import free_port
+
+    store = AuditStore(chdb_url, database)
+    store.migrate()
+    insert_events(store, goodput_events())
+    token = "goodput-console-token-0123456789"
+    feed = LiveFeed(broker.bootstrap, group_prefix="trainmedic-console-goodput").start()
+    app = FastAPI()
+    app.include_router(console_router(store, token, feed, bootstrap=broker.bootstrap))
+    app.add_api_route("/api/nodes", lambda: [])
+    app.add_api_route("/api/modes", lambda: {"mode": "monitor", "categories": {}, "partitions": {}})
+    app.add_api_route("/api/readiness", lambda: [])
+    server = ApiServer(app, "127.0.0.1", free_port()).start()
+    try:
+        yield {"url": server.url, "token": token, "store": store}
+    finally:
+        server.stop()
+        feed.stop()
+        store.close()
+
+
+@pytest.mark.skipif(_browser_missing() is not None, reason=_browser_missing() or "")
+def test_console_shows_attempts_goodput_and_downloads_the_bundle(
+    goodput_console: dict[str, Any], tmp_path: Path
+) -> None:
+    import io
+    import tarfile
+
+    from playwright.sync_api import expect, sync_playwright
+
+    artifacts = _artifacts(tmp_path)
+    expect.set_options(timeout=60_000)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 800}, accept_downloads=True)
+            console_errors: list[str] = []
+            page.on("console", lambda m: console_errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: console_errors.append(str(e)))
+            page.goto(goodput_console["url"] + "/")
+            page.get_by_label("Operator token").fill(goodput_console["token"])
+            page.get_by_label("Your name").fill("alice")
+            page.get_by_role("button", name="Sign in").click()
+            expect(page.locator("#conn")).to_have_text("Live")
+
+            # The goodput panel: fleet totals and the worst jobs (9001: 8 + 4 GPU-hours, ratio 3600/9000).
+            expect(page.locator("#goodput-summary")).to_contain_text("4 incident(s): 16.0 GPU-hours lost")
+            expect(page.locator("#goodput-summary")).to_contain_text("1 not running again (not counted)")
+            worst = page.locator("#goodput-jobs tbody tr").first
+            expect(worst).to_contain_text("9001")
+            expect(worst).to_contain_text("12.00")
+            expect(worst).to_contain_text("40.0%")
+            recover = page.locator("#goodput-times tbody tr", has_text="Recover")
+            expect(recover).to_contain_text("900.0")  # p50 of 900, 450 and 1800 s
+
+            # The attempts of job 9001 in its timeline, opened from the goodput panel.
+            page.get_by_role("button", name="Show the timeline and attempts of job 9001").click()
+            attempts = page.locator("#attempts tbody tr")
+            expect(attempts).to_have_count(3)
+            expect(attempts.nth(0)).to_contain_text("inc-9001-0")
+            expect(attempts.nth(0)).to_contain_text("Made progress")
+            expect(attempts.nth(1)).to_contain_text("No progress")
+            expect(attempts.nth(1)).to_contain_text("gpu11")
+            expect(attempts.nth(2)).to_contain_text("completed")
+            expect(attempts.nth(2)).to_contain_text("gpu11, gpu12")
+            expect(page.locator("#timeline-summary")).to_contain_text("3 attempt(s)")
+
+            # The evidence bundle: fetched with the token, handed over as a download.
+            page.get_by_role("checkbox", name="Open only").uncheck()
+            button = page.get_by_role("button", name="Download the evidence bundle of incident inc-9001-0")
+            expect(button).to_be_visible()
+            expect(page.locator("#incidents tbody tr", has=button)).to_contain_text("9001")
+            with page.expect_download() as info:
+                button.click()
+            download = info.value
+            assert download.suggested_filename == "inc-9001-0.tar.gz"
+            saved = artifacts / download.suggested_filename
+            download.save_as(saved)
+            with tarfile.open(fileobj=io.BytesIO(saved.read_bytes()), mode="r:gz") as tar:
+                manifest = tar.extractfile("manifest.json")
+                assert manifest is not None
+                assert orjson.loads(manifest.read())["incident_id"] == "inc-9001-0"
+            expect(
+                page.get_by_role("status").filter(has_text="Evidence bundle of inc-9001-0 downloaded")
+            ).to_be_visible()
+            page.evaluate("window.scrollTo(0, 0)")
+            page.screenshot(path=str(artifacts / "console-goodput-full.png"), full_page=True)
+            assert console_errors == []
+        finally:
+            browser.close()

@@ -30,6 +30,7 @@ import json
 import re
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,8 @@ import promql_parser
 import pytest
 import yaml
 
-from schemas.events import Event
+from schemas.events import Event, JobAttempt, SchedEvent
+from sinks import audit_queries as q
 from sinks.audit import AuditStore
 from tests.conftest import REPO
 from tests.integration.test_audit import incident_events, insert_events, operator_events
@@ -89,7 +91,67 @@ EXPECTED_COLUMNS: dict[str, list[str]] = {
     "Recent guardrail trips": ["event_time", "guardrail", "action", "job_id", "node", "partition", "detail"],
     "Operator verdicts": ["verdict", "reason", "approvals"],
     "Mode changes": ["event_time", "partition", "category", "old_mode", "new_mode", "operator", "forced", "reason"],
+    "GPU-hours lost over time": ["time", "gpu_hours_lost", "incidents_not_running_again"],
+    "Time to detect / act / recover": [
+        "time",
+        "detect_p50",
+        "detect_p95",
+        "act_p50",
+        "act_p95",
+        "recover_p50",
+        "recover_p95",
+    ],
+    "Worst jobs by GPU-hours lost": [
+        "job_id",
+        "gpu_hours_lost",
+        "incidents",
+        "incidents_not_running_again",
+        "restarts",
+        "effective_ratio",
+    ],
+    "Lowest effective training time": [
+        "job_id",
+        "effective_ratio",
+        "productive_h",
+        "judged_h",
+        "attempts",
+        "attempts_no_progress",
+        "restarts",
+        "gpu_hours_lost",
+    ],
 }
+
+# The goodput panels read sinks/audit_queries.py's goodput SQL (the text of the 016 views) bounded
+# by the time range: incidents detected in it, their children and their jobs' attempts and RUNNING
+# reports from its start on (the next attempt starts after the fault), and for the jobs panels the
+# jobs with an incident or an attempt record in it, each over its whole lineage.
+GOODPUT_PANELS = {
+    "GPU-hours lost over time": "incidents",
+    "Time to detect / act / recover": "incidents",
+    "Worst jobs by GPU-hours lost": "jobs",
+    "Lowest effective training time": "jobs",
+}
+_IN_RANGE = "SELECT {col} FROM {table} FINAL WHERE $__timeFilter(event_time)"
+
+
+def goodput_incidents_sql() -> str:
+    child = "event_time >= $__fromTime"
+    jobs = _IN_RANGE.format(col="job_id", table="incidents")
+    return q.incident_goodput_sql(
+        where_i="$__timeFilter(event_time)",
+        where_r=f"{child} AND incident_id IN ({_IN_RANGE.format(col='incident_id', table='incidents')})",
+        where_a=f"{child} AND job_id IN ({jobs})",
+        where_s=f"{child} AND job_id IN ({jobs})",
+    ).replace("{db}.", "")
+
+
+def goodput_jobs_sql() -> str:
+    jobs = _IN_RANGE.format(col="job_id", table="incidents")
+    attempted = _IN_RANGE.format(col="job_id", table="job_attempts")
+    return q.job_goodput_sql(
+        where_a=f"job_id IN ({jobs}) OR job_id IN ({attempted})", incidents=f"({goodput_incidents_sql()})"
+    ).replace("{db}.", "")
+
 
 _MACRO = re.compile(r"\$__(\w+)(?:\(([^()]*)\))?")
 
@@ -229,12 +291,38 @@ def audited(chdb_url: str, database: str) -> Iterator[AuditStore]:
     events += incident_events(0, t0 + 30, job="2", node="gpu02", category="user_code", action="stop", status="failed")
     events += incident_events(1, t0 + 40, job="2", node="gpu03", category="interconnect", action="requeue")
     events += operator_events(t0, "1", 0, "gpu01")
+    events += goodput_events(t0)
     insert_events(store, events)
     try:
         yield store
     finally:
         store.client.command("USE default")  # the chDB session outlives the store
         store.close()
+
+
+def goodput_events(t0: float) -> list[Event]:
+    """Job 1's attempts around its three incidents (t0, +60, +120 s): each incident ended one, the
+    first progressed; attempt 2 ran again 15 s after its requeue (a RUNNING report), attempt 4 runs."""
+    spans = [(-600.0, 5.0, True), (5.0, 65.0, False), (65.0, 125.0, False), (125.0, None, None)]
+    out: list[Event] = []
+    for n, (start, end, progressed) in enumerate(spans, start=1):
+        out.append(
+            JobAttempt(
+                event_id=f"att-1-{n}",
+                event_time=t0 + (end if end is not None else start),
+                lineage_id="lin-1",
+                job_id="1",
+                first_seen=t0 - 600,
+                attempt=n,
+                restart_count=n - 1,
+                started_at=t0 + start,
+                ended_at=None if end is None else t0 + end,
+                cause_incident_id=None if end is None else f"inc-1-{n - 1}",
+                progressed=progressed,
+            )
+        )
+    out.append(SchedEvent(event_id="sched-1-run", event_time=t0 + 20, kind="job", job_id="1", state="RUNNING"))
+    return out
 
 
 @pytest.mark.parametrize("panel", [p for _, p in panels()], ids=lambda p: p["title"])
@@ -314,3 +402,36 @@ def test_service_dashboard_check_refuses_a_metric_nobody_exports() -> None:
     assert "trainmedic_no_such_thing_total" not in exported_metrics()
     with pytest.raises(ValueError):
         promql_parser.parse(promql("sum(rate(x[$__rate_interval])"))
+
+
+def test_goodput_panels_are_the_goodput_queries(audited: AuditStore) -> None:
+    """The goodput panels read the audit_queries SQL (one text with the 016 views), and say what
+    `trainmedic audit goodput` says for the same window."""
+    found = {p["title"]: p for _, p in panels() if p["title"] in GOODPUT_PANELS}
+    assert set(found) == set(GOODPUT_PANELS)
+    for title, kind in GOODPUT_PANELS.items():
+        (target,) = found[title]["targets"]
+        body = goodput_incidents_sql() if kind == "incidents" else goodput_jobs_sql()
+        assert f"FROM ({body})" in target["rawSql"], f"{title}: not the goodput SQL of sinks/audit_queries.py"
+    now = time.time()
+    audited.client.command(f"USE {audited.database}")
+
+    def run(title: str) -> list[dict[str, Any]]:
+        sql = expand_grafana(found[title]["targets"][0]["rawSql"], {}, now - 6 * 3600, now + 60, 60)
+        result = audited.client.query(sql)
+        return [dict(zip(result.column_names, r, strict=True)) for r in result.result_rows]
+
+    data = q.goodput(audited, since=timedelta(hours=6))
+    jobs = {j["job_id"]: j for j in data["jobs"]}
+    worst = run("Worst jobs by GPU-hours lost")
+    assert [r["job_id"] for r in worst] == [j["job_id"] for j in data["jobs"] if j["incidents"]]
+    for r in worst:
+        assert r["gpu_hours_lost"] == round(jobs[r["job_id"]]["gpu_hours_lost"], 2)
+    # Job 1: incident 0 ran again at the RUNNING report 15 s after attempt 2 began (t0 + 20), the
+    # other two at their next attempt's start: 4 nodes x 8 GPUs x (20 + 5 + 5) s.
+    assert worst[0]["job_id"] == "1" and worst[0]["gpu_hours_lost"] == round(32 * 30 / 3600, 2)
+    (lowest,) = run("Lowest effective training time")
+    assert lowest["job_id"] == "1" and lowest["effective_ratio"] == round(jobs["1"]["effective_ratio"], 3)
+    assert lowest["effective_ratio"] == round(605 / 725, 3)  # attempt 1 productive; attempt 4 runs (unknown)
+    lost = run("GPU-hours lost over time")
+    assert sum(r["gpu_hours_lost"] for r in lost) == pytest.approx(data["fleet"]["gpu_hours_lost"])

@@ -2,6 +2,9 @@
 and the read endpoints the page needs. Mounted into the operator API
 (trainmedic/api.py), in the process that owns the audit store.
 
+GET /api/goodput serves the goodput panel (GPU-hours lost per incident, time to detect / act /
+recover, each job's effective training time: docs/audit.md "Goodput").
+
 The page also calls endpoints the API already has: GET /api/nodes, GET
 /api/modes and POST /api/recommendations/{id}/approve|reject (the same path as
 `trainmedic recommendations approve`), with the same bearer token.
@@ -333,7 +336,7 @@ def console_router(
     def job_timeline(job_id: Annotated[str, PathParam(min_length=1, max_length=64)]) -> dict[str, Any]:
         """Everything that happened to a job, in order (sinks/audit_queries.py job_timeline)."""
         result: dict[str, Any] = _jsonable(_audit_queries().job_timeline(store, job_id))
-        if not result["timeline"] and not result["incidents"]:
+        if not result["timeline"] and not result["incidents"] and not result.get("attempts"):
             raise HTTPException(status_code=404, detail=f"nothing recorded for job {job_id}")
         return result
 
@@ -348,6 +351,18 @@ def console_router(
         except Exception as exc:  # the views arrive with migration 003: say so rather than fail the page
             out["latency_error"] = f"latency percentiles unavailable: {exc}".splitlines()[0][:300]
         result: dict[str, Any] = _jsonable(out)
+        return result
+
+    @router.get("/api/goodput", dependencies=auth)
+    def goodput(
+        since: Annotated[str, Query(max_length=16)] = "7d",
+        job: Annotated[str | None, Query(min_length=1, max_length=64)] = None,
+        limit: Annotated[int, Query(ge=1, le=200)] = 10,
+    ) -> dict[str, Any]:
+        """Goodput of the window (sinks/audit_queries.py goodput): fleet totals, the worst jobs, the incidents."""
+        window = _since(since)
+        result: dict[str, Any] = _jsonable(_audit_queries().goodput(store, since=window, job=job, limit=limit))
+        result["since"] = since
         return result
 
     @router.get("/favicon.ico", include_in_schema=False)

@@ -365,6 +365,8 @@
     // The audit sink inserts in batches: read once soon, and once more when it has surely caught up.
     debounce("charts", 1500, loadCharts);
     debounce("charts-late", 5000, loadCharts);
+    debounce("goodput", 1500, loadGoodput);
+    debounce("goodput-late", 5000, loadGoodput);
   }
 
   function touchTimeline(jobId) {
@@ -398,7 +400,7 @@
     if (!tr) {
       tr = document.createElement("tr");
       tr.dataset.incident = rec.incident_id;
-      for (let i = 0; i < 8; i++) tr.appendChild(document.createElement("td"));
+      for (let i = 0; i < 9; i++) tr.appendChild(document.createElement("td"));
       rows.set(rec.incident_id, tr);
       // newest first
       const t = rec.detected_t ?? 0;
@@ -434,6 +436,7 @@
     if (rec.guardrail_trips) st.push(text("span", `guardrail trips: ${rec.guardrail_trips}`, "why"));
     c[6].replaceChildren(...st);
     renderDecide(c[7], rec, status);
+    if (!c[8].firstChild) c[8].appendChild(bundleButton(rec.incident_id));
     tr.hidden = $("open-only").checked && !OPEN.has(status);
     updateEmpty();
   }
@@ -470,6 +473,65 @@
     no.addEventListener("click", () => openReject(rec, wrap, what));
     wrap.append(ok, no);
     cell.replaceChildren(wrap);
+  }
+
+  // --- evidence bundle ------------------------------------------------------------------------
+  // The bundle route wants the bearer token, which a plain link cannot send: fetch it, then hand
+  // the browser the bytes as a download.
+
+  function bundleButton(incidentId) {
+    const b = document.createElement("button");
+    b.type = "button";
+    b.className = "quiet";
+    b.textContent = "Bundle";
+    b.setAttribute("aria-label", `Download the evidence bundle of incident ${incidentId}`);
+    b.title = "Evidence bundle (.tar.gz) for the repair hand-off";
+    b.addEventListener("click", () => downloadBundle(incidentId, b));
+    return b;
+  }
+
+  async function downloadBundle(incidentId, button) {
+    button.disabled = true;
+    notice(`Building the evidence bundle of ${incidentId}\u2026`);
+    try {
+      let res;
+      try {
+        res = await fetch(`/api/incidents/${encodeURIComponent(incidentId)}/bundle`, {
+          headers: { Authorization: `Bearer ${token}` },
+        });
+      } catch (exc) {
+        error(`The evidence bundle of ${incidentId} could not be fetched: the console server does not answer (${exc})`);
+        return;
+      }
+      if (res.status === 401) {
+        signOut("The token was refused: sign in again.");
+        return;
+      }
+      if (!res.ok) {
+        let why = `HTTP ${res.status}`;
+        try {
+          const body = await res.json();
+          if (body && body.detail) why = typeof body.detail === "string" ? body.detail : JSON.stringify(body.detail);
+        } catch (_) {
+          // not JSON: the status says it
+        }
+        error(`The evidence bundle of ${incidentId} could not be built (${res.status}): ${why}`);
+        return;
+      }
+      const blob = await res.blob();
+      const named = /filename="([^"]+)"/.exec(res.headers.get("Content-Disposition") || "");
+      const a = document.createElement("a");
+      a.href = URL.createObjectURL(blob);
+      a.download = named ? named[1] : `${incidentId}.tar.gz`;
+      a.hidden = true;
+      document.body.appendChild(a);
+      a.click();
+      a.remove();
+      setTimeout(() => URL.revokeObjectURL(a.href), 60000);
+      notice(`Evidence bundle of ${incidentId} downloaded as ${a.download} (${blob.size} bytes).`);
+    } finally {
+      button.disabled = false;
+    }
   }
 
   function updateEmpty() {
@@ -587,7 +649,7 @@
 
   async function loadSnapshot() {
     snapshotLoaded = true;
-    await Promise.all([loadIncidents(), loadNodes(), loadModes(), loadCharts(), loadReadiness()]);
+    await Promise.all([loadIncidents(), loadNodes(), loadModes(), loadCharts(), loadReadiness(), loadGoodput()]);
   }
 
   async function loadIncidents() {
@@ -734,6 +796,103 @@
     });
   }
 
+  const fmtNum = (v, digits) => (v === null || v === undefined ? "\u2014" : Number(v).toFixed(digits));
+  const fmtPct = (v) => (v === null || v === undefined ? "\u2014" : `${(Number(v) * 100).toFixed(1)}%`);
+
+  function rowHeader(tr, value) {
+    const th = document.createElement("th");
+    th.scope = "row";
+    if (value instanceof Node) th.appendChild(value);
+    else th.textContent = value;
+    tr.appendChild(th);
+    return th;
+  }
+
+  async function loadGoodput() {
+    const r = await api("/api/goodput?since=7d&limit=5");
+    if (r.status !== 200) return error(`Goodput could not be loaded (${r.status}): ${detail(r)}`);
+    const f = r.body.fleet;
+    const gpn = r.body.assumptions.gpus_per_node;
+    const parts = [
+      `${f.incidents} incident(s): ${fmtNum(f.gpu_hours_lost, 1)} GPU-hours lost (fault to running again, ${gpn} GPUs per node)`,
+    ];
+    if (f.incidents_not_running_again) parts.push(`${f.incidents_not_running_again} not running again (not counted)`);
+    parts.push(
+      f.effective_ratio === null
+        ? "effective training time: no job reported progress"
+        : `effective training time ${fmtPct(f.effective_ratio)} over ${f.jobs_with_ratio} job(s) reporting progress`,
+    );
+    $("goodput-summary").textContent = parts.join("; ") + ".";
+    const times = $("goodput-times").tBodies[0];
+    times.replaceChildren();
+    for (const [label, key] of [["Detect", "time_to_detect"], ["Act", "time_to_act"], ["Recover", "time_to_recover"]]) {
+      const tr = times.insertRow();
+      rowHeader(tr, label);
+      for (const stat of ["p50", "p95", "mean"]) {
+        const td = tr.insertCell();
+        td.className = "num";
+        td.textContent = fmtNum(f[`${key}_${stat}`], 1);
+      }
+    }
+    const jobs = $("goodput-jobs").tBodies[0];
+    jobs.replaceChildren();
+    for (const j of r.body.jobs) {
+      const tr = jobs.insertRow();
+      const b = document.createElement("button");
+      b.type = "button";
+      b.className = "quiet";
+      b.textContent = j.job_id;
+      b.setAttribute("aria-label", `Show the timeline and attempts of job ${j.job_id}`);
+      b.addEventListener("click", () => loadTimeline(j.job_id, true));
+      rowHeader(tr, b);
+      const lost = tr.insertCell();
+      lost.className = "num";
+      lost.textContent = fmtNum(j.gpu_hours_lost, 2);
+      if (j.incidents_not_running_again) lost.append(text("span", `${j.incidents_not_running_again} not running again`, "why"));
+      const restarts = tr.insertCell();
+      restarts.className = "num";
+      restarts.textContent = String(j.restarts ?? 0);
+      const eff = tr.insertCell();
+      eff.className = "num";
+      eff.textContent = fmtPct(j.effective_ratio);
+      if (j.attempts_running) eff.append(text("span", "running", "why"));
+    }
+    $("goodput-empty").hidden = f.incidents > 0 || r.body.jobs.length > 0;
+  }
+
+  const PROGRESS_TEXT = { true: "Made progress", false: "No progress", null: "Unknown" };
+
+  function renderAttempts(attempts) {
+    const table = $("attempts");
+    const tbody = table.tBodies[0];
+    tbody.replaceChildren();
+    const lineages = new Set(attempts.map((a) => a.lineage_id));
+    for (const a of attempts) {
+      const tr = tbody.insertRow();
+      rowHeader(tr, lineages.size > 1 ? `${a.attempt} (${a.lineage_id})` : String(a.attempt));
+      tr.insertCell().appendChild(timeEl(toSeconds(a.started_at)));
+      const ended = tr.insertCell();
+      if (a.ended_at) {
+        ended.appendChild(timeEl(toSeconds(a.ended_at)));
+        if (a.end_reason) ended.append(text("span", a.end_reason, "why"));
+      } else {
+        ended.textContent = "running";
+      }
+      const cause = tr.insertCell();
+      cause.append(text("span", a.cause_incident_id));
+      if (a.cause_incident_id) {
+        cause.append(text("span", `${a.cause_category ?? "?"}${a.cause_node ? " on " + a.cause_node : ""}`, "why"));
+      }
+      tr.insertCell().textContent = (a.excluded_nodes || []).join(", ") || "\u2014";
+      const prog = tr.insertCell();
+      const verdict = a.progressed === null || a.progressed === undefined ? null : Boolean(a.progressed);
+      prog.append(text("span", a.ended_at || verdict !== null ? PROGRESS_TEXT[verdict] : "Running (judged at its end)"));
+      const steps = `step ${a.start_step ?? "\u2014"} \u2192 ${a.max_step ?? "\u2014"}`;
+      prog.append(text("span", a.new_checkpoint ? `${steps}, new checkpoint` : steps, "why"));
+    }
+    table.hidden = attempts.length === 0;
+  }
+
   async function loadTimeline(jobId, focus) {
     if (!jobId) return;
     timelineJob = jobId;
@@ -743,16 +902,22 @@
     const r = await api(`/api/jobs/${encodeURIComponent(jobId)}/timeline`);
     if (r.status === 404) {
       table.hidden = true;
+      $("attempts").hidden = true;
       summary.textContent = `Nothing recorded for job ${jobId}.`;
       return;
     }
     if (r.status !== 200) {
       table.hidden = true;
+      $("attempts").hidden = true;
       summary.textContent = `The timeline of job ${jobId} could not be loaded (${r.status}): ${detail(r)}`;
       return;
     }
     const t = r.body;
-    summary.textContent = `Job ${t.job_id}: ${t.incidents.length} incident(s), ${t.restarts} restart(s), ${t.timeline.length} events.`;
+    const attempts = t.attempts || [];
+    summary.textContent =
+      `Job ${t.job_id}: ${t.incidents.length} incident(s), ${t.restarts} restart(s), ` +
+      `${attempts.length} attempt(s), ${t.timeline.length} events.`;
+    renderAttempts(attempts);
     const tbody = table.tBodies[0];
     tbody.replaceChildren();
     for (const item of t.timeline) {
