@@ -357,7 +357,11 @@
   }
 
   function onNodeReturn(ev) {
-    activity(`Node ${ev.node} returned to service by ${ev.operator}`, ev.event_time);
+    if (ev.outcome === "refused") {
+      activity(`Node ${ev.node} stays drained (resume by ${ev.operator} refused): ${ev.detail}`, ev.event_time);
+    } else {
+      activity(`Node ${ev.node} returned to service by ${ev.operator}`, ev.event_time);
+    }
     debounce("nodes", 200, loadNodes);
   }
 
