@@ -413,6 +413,9 @@ class SimCluster:
                 job_name=state.name,
                 user=state.extra.get("user"),
                 account=state.extra.get("account"),
+                # As the Slurm producer reports them: the restart budget and the lineage count requeues.
+                restart_count=state.restart_count,
+                comment=state.comment,
             )
             self.sched_log.append(SchedRecord(now, "job", change, state.job_id, None, state.restart_count, state.nodes))
         else:

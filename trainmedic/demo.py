@@ -74,6 +74,9 @@ class DemoWorld:
                 job_name=state.name,
                 user=state.extra.get("user"),
                 account=state.extra.get("account"),
+                # As the Slurm producer reports them: the restart budget and the lineage count requeues.
+                restart_count=state.restart_count,
+                comment=state.comment,
             ),
         )
 
