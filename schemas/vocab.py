@@ -20,12 +20,16 @@ Category = Literal[
 ]
 # drain: the node only, the job left alone - a hardware fault endangers every job the node would
 # get next, but the job's owner said trainmedic must not touch the job (streams/policy.py JobSettings).
-ActionKind = Literal["drain_and_requeue", "requeue", "stop", "drain", "none"]
+# drain_and_stop: the restart budget (or the no-progress limit) stops a job whose node has a fault
+# of its own: the node is still taken out, for the next job's sake.
+ActionKind = Literal["drain_and_requeue", "requeue", "stop", "drain", "drain_and_stop", "none"]
 # What follows a drain for the node's fault, by its NVIDIA resolution bucket (streams/policy.py):
 # reboot: `scontrol reboot ASAP` (the node comes back drained); repair: relabelled for a person.
 Remediation = Literal["reboot", "repair"]
 #: The actions that take a node out of service.
-DRAINS: tuple[ActionKind, ...] = ("drain_and_requeue", "drain")
+DRAINS: tuple[ActionKind, ...] = ("drain_and_requeue", "drain", "drain_and_stop")
+#: The actions that stop the job.
+STOPS: tuple[ActionKind, ...] = ("stop", "drain_and_stop")
 Mode = Literal["monitor", "autonomous"]
 Severity = Literal["info", "warning", "error", "critical"]
 # root: the signal names its own origin as the likely cause (Xid 79 on that node);

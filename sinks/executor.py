@@ -35,6 +35,7 @@ from schemas.codec import DecodeError, decode
 from schemas.errors import Unavailable
 from schemas.events import Action, ActionAttempt, ActionResult, AttemptCall, GuardrailTrip
 from schemas.ids import cluster_scoped, current_cluster
+from schemas.job_settings import job_mode
 from schemas.topics import (
     ACTION_ATTEMPTS,
     ACTION_RESULTS,
@@ -140,6 +141,14 @@ class Executor:
                 if action.job_id:
                     self._requeue(run, exclude=[action.node])
                 self._remediate(run)
+            elif action.action == "drain_and_stop":
+                # The job's budget is spent, and its node's own fault still takes the node out.
+                if not action.job_id:
+                    raise BackendError("drain_and_stop needs a job id")
+                if action.node:
+                    self._drain(run)
+                self._stop(run)
+                self._remediate(run)
             elif action.action == "drain":
                 # The node only: the job's owner said trainmedic must not touch the job, and a
                 # drain lets it run on (Slurm drains a node once its jobs end).
@@ -239,14 +248,25 @@ class Executor:
                 run.steps.append(f"repair label on {a.node}: already there")
                 return
             run.before_call(a, "relabel")
-            self.backend.relabel_node(a.node, f"{state.reason or a.reason} | {label}")
+            try:
+                self.backend.relabel_node(a.node, f"{state.reason or a.reason} | {label}")
+            except BackendError as exc:
+                run.steps.append(f"repair label on {a.node} not set ({exc}): it stays drained")
+                return
             run.steps.append(f"repair label on {a.node}: {label} (stays drained for a person)")
             return
-        if _REBOOT_PENDING & set(state.flags):
-            run.steps.append(f"reboot {a.node}: already requested ({'+'.join(state.flags)})")
+        label = f"| reboot ({bucket})"
+        if _REBOOT_PENDING & set(state.flags) or label in (state.reason or ""):
+            # Asked for already: pending, or done and back (our reason says so). Never twice.
+            run.steps.append(f"reboot {a.node}: already requested ({'+'.join(state.flags) or state.reason})")
             return
         run.before_call(a, "reboot")
-        next_state = self.backend.reboot_node(a.node, f"{a.reason} | reboot ({bucket})")
+        try:
+            next_state = self.backend.reboot_node(a.node, f"{a.reason} {label}")
+        except BackendError as exc:
+            # The node stays drained either way: the remediation is left to a person, and said.
+            run.steps.append(f"reboot {a.node} not done ({exc}): it stays drained for a person")
+            return
         self._wait(
             f"{a.node} reboot requested",
             lambda: bool(_REBOOT_PENDING & set(self.backend.node_state(a.node or "").flags)),
@@ -255,10 +275,27 @@ class Executor:
             f"reboot {a.node}: requested ASAP ({bucket}), back as {next_state} until its health check passes"
         )
 
+    def _owner_allows(self, run: _Run, before: JobState, what: str) -> None:
+        """The job's comment as it is now (its owner may have changed it since the incident): off,
+        or an unreadable setting, and trainmedic does not touch the job; monitor leaves it to an
+        operator's approval. Raises ActionRefused (nothing called)."""
+        mode, error = job_mode(before.comment)
+        a = run.action
+        approved = a.requested_by.startswith("operator")
+        if mode == "off" or error is not None and not approved:
+            why = error or "trainmedic=off"
+            raise ActionRefused(f"not {what} job {a.job_id}: its comment says {why}")
+        if mode == "monitor" and not approved:
+            raise ActionRefused(
+                f"not {what} job {a.job_id}: its comment says trainmedic=monitor (recommendations only)"
+            )
+
     def _requeue(self, run: _Run, exclude: list[str]) -> None:
         a = run.action
         assert a.job_id
         before = self.backend.job_state(a.job_id)
+        if _marked_restarts(before.comment, a.action_id) is None:
+            self._owner_allows(run, before, "requeueing")
         marked = _marked_restarts(before.comment, a.action_id)
         if marked is not None and before.restart_count > marked:
             # Our own mark in the scheduler says this action already requeued the job
@@ -315,6 +352,8 @@ class Executor:
         if state.state in _GONE:
             run.steps.append(f"stop {a.job_id}: already {state.state}")
             return
+        if not (a.stop_mode == "hold" and state.held and state.state == "PENDING"):
+            self._owner_allows(run, state, "stopping")
         if a.stop_mode == "hold":
             # Held, not cancelled: the job keeps its place and its history for a human to look at.
             if not (state.held and state.state == "PENDING"):

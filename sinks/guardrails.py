@@ -206,7 +206,7 @@ class Guardrails:
             calls.append("drain")
         if action.action in ("requeue", "drain_and_requeue") and action.job_id:
             calls.append("requeue")
-        if action.action == "stop" and action.job_id:
+        if action.action in ("stop", "drain_and_stop") and action.job_id:
             calls.append("hold" if action.stop_mode == "hold" else "cancel")
         for call in calls:
             self.count(

@@ -320,7 +320,7 @@ def load_config(path: Path | str) -> NotifierConfig:
 
 def is_escalation(decision: Decision) -> bool:
     """The policy stopped the job for a human: its restart budget is spent, or its restarts made no progress."""
-    return decision.action == "stop" and ESCALATION_MARK in decision.rule
+    return decision.action in ("stop", "drain_and_stop") and ESCALATION_MARK in decision.rule
 
 
 def kind_of(event: Event) -> Kind | None:

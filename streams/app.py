@@ -59,6 +59,7 @@ from schemas.topics import (
     SCHED_EVENTS,
     Topic,
 )
+from schemas.vocab import STOPS
 from streams import metrics
 from streams.attribution import ALLOCATION_TTL_S, Attributor
 from streams.credentials import faust_credentials
@@ -678,10 +679,12 @@ async def apply_policy(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
         await publish(DECISIONS, decision)
         if action is not None:
             await publish(ACTIONS, action)
-            if action.action in (*RESTARTS, "stop"):
-                excluded = action.node if action.action == "drain_and_requeue" else None
-                for attempt in lineages.ended_by(incident, excluded):
-                    await publish(JOB_ATTEMPTS, attempt)
+        if decision.action in (*RESTARTS, *STOPS):
+            # The incident ends the attempt whether policy restarts the job or recommends it (an
+            # operator's approval, Slurm's own requeue): the same-cause rule needs the cause either way.
+            excluded = action.node if action is not None and action.action == "drain_and_requeue" else None
+            for attempt in lineages.ended_by(incident, excluded):
+                await publish(JOB_ATTEMPTS, attempt)
         fleet = policies.policy.fleet
         if watched(fleet, incident):
             # Spans jobs: counted by the worker owning each of the node's domains (correlate_domains).

@@ -111,9 +111,14 @@ class DomainCorrelator:
         """Count the incident against its domain; the fleet incident when the domain crosses the line."""
         at = incident.first_signal_time
         value = dict(self._store.get(domain) or {"faults": [], "covered_until": 0.0, "evidence": {}})
-        faults = [f for f in value["faults"] if at - float(f[0]) <= fleet.window_s and f[2] != incident.incident_id]
+        faults = [f for f in value["faults"] if f[2] != incident.incident_id]
         faults.append([at, incident.culprit_node, incident.incident_id])
-        faults.sort(key=lambda f: float(f[0]))
+        # Within one window of the newest fault, whichever arrived last (a late incident is older).
+        newest = max(float(f[0]) for f in faults)
+        faults = sorted((f for f in faults if newest - float(f[0]) <= fleet.window_s), key=lambda f: float(f[0]))
+        if not any(f[2] == incident.incident_id for f in faults):
+            self._store[domain] = {**value, "faults": faults}
+            return None  # this one is older than the window of the faults seen since
         evidence = {k: v for k, v in value["evidence"].items() if any(f[2] == k for f in faults)}
         root = next((e for e in incident.evidence if e.role == "root"), None)
         if root is not None:

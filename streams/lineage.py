@@ -145,7 +145,10 @@ class Lineages:
             return out  # a late batch of an ended attempt: the next one has not started yet
         changed = bool(out)  # something to write at once
         stepped = False  # only step counts rose: held back for flush()
+        was_progressed = _progressed(lin, att) is True
         for s in batch.samples:
+            if att["n"] > 1 and s.ts < att["started_at"]:
+                continue  # written before the requeue: the run before (a log tailer lagging the scheduler)
             if not att["reported"]:
                 att["reported"] = changed = True
             if s.phase == "checkpoint":
@@ -164,7 +167,8 @@ class Lineages:
                     stepped = True
                 if lin["best_step"] is None or s.step > lin["best_step"]:
                     lin["best_step"] = s.step
-        if changed:
+        if changed or (stepped and not was_progressed and _progressed(lin, att) is True):
+            # The first progress of an attempt is what the no-progress limit reads: never held back.
             self._put(batch.job_id, lin)
         elif stepped:
             self._steps[batch.job_id] = lin
@@ -189,9 +193,10 @@ class Lineages:
         }
         if excluded and excluded not in lin["excluded"]:
             lin["excluded"] = [*lin["excluded"], excluded]
-        self._put(incident.job_id, lin)
         # Dated when policy decided: after the attempt's opening record, so the audit's latest wins.
-        return [self._record(lin, att, max(incident.event_time, att["started_at"]))]
+        record = self._record(lin, att, max(incident.event_time, att["started_at"]))
+        self._put(incident.job_id, lin)
+        return [record]
 
     # -- what policy reads ----------------------------------------------------------------
 
@@ -276,9 +281,13 @@ class Lineages:
         cause = att["cause"] or {}
         if at is None:
             at = att["ended_at"] if att["ended_at"] is not None else att["started_at"]
+        # Strictly after the attempt's previous record: Slurm's whole-second times and an
+        # incident's fractional one must not reorder its states (the audit keeps the latest).
+        at = max(at, att["started_at"], float(att.get("recorded_at") or 0.0) + 0.001)
+        att["recorded_at"] = at
         return JobAttempt(
             event_id=stable_id("att", lin["lineage_id"], att["n"], att["ended_at"] or 0, cause.get("incident_id", "")),
-            event_time=max(at, att["started_at"]),
+            event_time=at,
             lineage_id=lin["lineage_id"],
             job_id=lin["job_id"],
             job_name=lin["job_name"],

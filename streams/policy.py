@@ -21,11 +21,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from schemas.errors import ConfigError
 from schemas.events import Action, Decision, Incident
 from schemas.ids import stable_id
+from schemas.job_settings import Effective, JobSetting, JobSettingError, from_comment, merge, parse_value
 from schemas.vocab import (
     CATEGORIES,
     DRAINS,
     NEVER_ACTS,
     SEVERITY_RANK,
+    STOPS,
     ActionKind,
     Category,
     Mode,
@@ -34,7 +36,6 @@ from schemas.vocab import (
 )
 from schemas.yamlsafe import FILE_LIMITS, YamlError, YamlLimits, compose_yaml, construct_yaml, load_yaml
 from slurmio.hostlist import HostlistError, expand_hostlist
-from streams.job_settings import Effective, JobSetting, JobSettingError, from_comment, merge, parse_value
 from streams.lineage import RestartHistory, root_signature
 
 
@@ -552,7 +553,7 @@ def decide(
         )
         by = "" if limit == budget.max_restarts else f", limit {limit} set by {job.restarts_source()}"
         rule += f" (restart budget: {counted}{by}: stop and escalate)"
-        action, stop_mode = "stop", budget.stop
+        action, stop_mode = _stop_keeping_the_drain(action, hold), budget.stop
     history = history or RestartHistory()
     if action in RESTARTS and incident.job_id and history.no_progress >= budget.no_progress_limit:
         # Restarts that buy no progress burn the allocation: NVRx's rule, counted across attempts.
@@ -560,7 +561,7 @@ def decide(
             f" (no progress: {history.no_progress} restarts in a row without a higher step or a new checkpoint, "
             f"limit {budget.no_progress_limit}: stop and escalate)"
         )
-        action, stop_mode = "stop", budget.stop
+        action, stop_mode = _stop_keeping_the_drain(action, hold), budget.stop
     same = _same_cause_elsewhere(history, incident)
     if action in DRAINS and incident.job_id and same is not None:
         # One cause following the job from node to node is the job's (or its configuration's), not the
@@ -665,6 +666,12 @@ def remediation_for(policy: Policy, incident: Incident) -> tuple[Remediation, st
     return None
 
 
+def _stop_keeping_the_drain(action: ActionKind, hold: str | None) -> ActionKind:
+    """The stop that replaces a restart: a drain the fault called for (and that may be carried
+    out) stays - a job's budget is the job's, the node's fault endangers the next job on it."""
+    return "drain_and_stop" if action == "drain_and_requeue" and hold is None else "stop"
+
+
 def _same_cause_elsewhere(history: RestartHistory, incident: Incident) -> str | None:
     """The previous attempt ended for the same cause (category and root signature) on another
     node: said in words, else None."""
@@ -708,15 +715,16 @@ def _apply_job_settings(
     if job.mode == "off":
         why = f"trainmedic=off by {job.mode_source()}"
         if action in DRAINS and incident.isolate:
-            if action == "drain_and_requeue":
-                reasons.append(f"{why}: job {incident.job_id} is not requeued")
+            if action != "drain":
+                reasons.append(f"{why}: job {incident.job_id} is not {'stopped' if action in STOPS else 'requeued'}")
             return "drain", rule + f" ({why}: the node only, the job is not touched)", None
         return "none", rule + f" ({why}: the job is not touched)", None
     why = f"trainmedic=monitor by {job.mode_source()}" if job.mode == "monitor" else f"unreadable {job.errors[0]}"
     if action in DRAINS and incident.isolate:
-        if action == "drain_and_requeue":
-            reasons.append(f"{why}: requeue of job {incident.job_id} recommended, not done")
-            rule += f" ({why}: the node only, the job's requeue is recommended)"
+        if action != "drain":
+            what = "stop" if action in STOPS else "requeue"
+            reasons.append(f"{why}: {what} of job {incident.job_id} recommended, not done")
+            rule += f" ({why}: the node only, the job's {what} is recommended)"
         return "drain", rule, None
     reasons.append(f"{why}: recommendation only")
     return action, rule + f" ({why}: recommendation only)", why

@@ -2,7 +2,8 @@
 
 `trainmedic nodes resume NODE` (the operator API's resume) asks here before it resumes anything:
 
-1. **A lemon stays out.** `return_to_service.lemon_faults` isolating incidents blamed on the node
+1. **A lemon stays out.** `return_to_service.lemon_faults` isolating faults blamed on the node
+   (its incidents, those whose faults began within `EPISODE_GAP_S` of each other counted once)
    within `lemon_window_days` (the audit's incidents: the culprit is the node and the fault is the
    node's own) keep it drained, relabelled for repair - a node that keeps failing goes to the
    vendor, not back to the next job.
@@ -68,14 +69,28 @@ def run_check(argv: list[str], timeout_s: float) -> CheckResult:
     return CheckResult(command, True, output)
 
 
+# Incidents of one node whose faults began within this long of each other are one fault: the same
+# Xid copied to each job on the node, a drained node repeating it, a cascade seen twice.
+EPISODE_GAP_S = 1800.0
+
+
 def lemon_incidents(store: AuditStore, node: str, since: float) -> list[str]:
-    """The isolating incidents blamed on `node` since `since`, oldest first."""
+    """One incident per fault of `node` since `since` (isolating incidents blamed on it, those of
+    one episode counted once), oldest first."""
     rows = store.query(
-        "SELECT incident_id FROM {db}.incidents FINAL WHERE culprit_node = {n:String} AND "
-        "event_time >= fromUnixTimestamp64Milli({t:Int64}) AND ifNull(isolate, false) ORDER BY event_time",
+        "SELECT incident_id, toUnixTimestamp64Milli(first_signal_time) AS began_ms FROM {db}.incidents FINAL "
+        "WHERE culprit_node = {n:String} AND event_time >= fromUnixTimestamp64Milli({t:Int64}) "
+        "AND ifNull(isolate, false) ORDER BY first_signal_time",
         {"n": node, "t": int(since * 1000)},
     )
-    return [str(r["incident_id"]) for r in rows]
+    faults: list[str] = []
+    last = None
+    for r in rows:
+        began = int(r["began_ms"]) / 1000
+        if last is None or began - last > EPISODE_GAP_S:
+            faults.append(str(r["incident_id"]))
+        last = began
+    return faults
 
 
 def _drained_for_own_fault(store: AuditStore, incident_id: str) -> tuple[bool, str]:

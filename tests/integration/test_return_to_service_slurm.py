@@ -101,9 +101,9 @@ def test_resume_runs_the_health_check_over_ssh_and_a_lemon_stays_drained(
     now = time.time()
     try:
         store.migrate()
-        store.insert(
-            "incidents", [INCIDENTS_T.row(_incident("inc-rts-1", "gpu02", now - 3600))], INCIDENTS_T.column_names
-        )
+        # One fault seen by two jobs on the node: two incidents, one fault (not yet a lemon).
+        first = [_incident("inc-rts-1", "gpu02", now - 3600), _incident("inc-rts-1b", "gpu02", now - 3590)]
+        store.insert("incidents", [INCIDENTS_T.row(i) for i in first], INCIDENTS_T.column_names)
         reason = "trainmedic inc-rts-1: gpu_hardware"
         backend.drain_node("gpu02", reason)
         api = create_api(store, publisher, "op-token", backend, _policy(tmp_path, sshd), tmp_path / "modes.yaml")

@@ -111,3 +111,11 @@ def test_policy_recommends_the_component_for_repair_and_acts_on_nothing() -> Non
     assert action is None and not decision.executed and decision.action == "none"
     assert decision.rule == "fleet: switch:leaf1: repair the shared component"
     assert "its nodes: gpu01, gpu02" in decision.reason
+
+
+def test_a_late_incident_does_not_link_faults_far_apart() -> None:
+    fleet = FleetPolicy(window_s=600, min_nodes=2)
+    c = DomainCorrelator()
+    assert c.observe("rack1", node_incident("gpu02", 5000.0, 1), fleet, ["gpu01", "gpu02"]) is None
+    # Arrives later, happened 4,900 s earlier: outside the window of the fault seen first.
+    assert c.observe("rack1", node_incident("gpu01", 100.0, 2), fleet, ["gpu01", "gpu02"]) is None

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from schemas.events import Evidence, Incident
+from schemas.job_settings import JobSettingError, from_comment, merge, parse_value
 from schemas.vocab import Category
 from sinks.executor import _marked_restarts, annotated
-from streams.job_settings import JobSettingError, from_comment, merge, parse_value
 from streams.policy import Policy, PolicyError, decide, explain, parse_policy
 
 ACTIONS = (
@@ -155,3 +155,52 @@ def test_the_executor_mark_keeps_the_owners_comment() -> None:
     assert merge(from_comment(second)).max_restarts == 2
     assert annotated(None, "trainmedic act-c restarts=0") == "trainmedic act-c restarts=0"
     assert annotated("a\nb", "trainmedic act-c restarts=0") == "a b | trainmedic act-c restarts=0"
+
+
+@pytest.mark.parametrize(
+    "comment", ["exp42,trainmedic=off", "Trainmedic=off", "trainmedic = off", "x;trainmedic=off", "trainmedic:off"]
+)
+def test_a_near_miss_is_an_error_so_the_job_is_recommend_only(comment: str) -> None:
+    with pytest.raises(JobSettingError, match="is not a setting"):
+        from_comment(comment)
+    d, a = decide(policy(), incident(comment, category="hang", isolate=False), 11.0)
+    assert a is None and not d.executed and "unreadable" in d.reason
+    assert from_comment("nottrainmedic=off") == []  # another word
+
+
+def test_a_spent_budget_stops_the_job_and_still_drains_the_faulty_node() -> None:
+    spent = incident("trainmedic=restarts=0")
+    d, a = decide(policy(), spent, 11.0)
+    assert a is not None and (a.action, a.node) == ("drain_and_stop", "gpu02")
+    # With trainmedic=off the job is not stopped, and the node is still drained.
+    d, a = decide(policy(), incident("trainmedic=off,restarts=0"), 11.0)
+    assert a is not None and a.action == "drain" and "job 100 is not stopped" in d.reason
+
+
+def test_the_executor_reads_the_comment_again_before_it_touches_the_job() -> None:
+    import time
+
+    from schemas.events import Action
+    from sinks.backends.simulated import SimulatedScheduler
+    from sinks.executor import Executor, ExecutorSettings
+
+    sched = SimulatedScheduler(["gpu01", "gpu02", "gpu03"], requeue_delay_s=0.0)
+    job = sched.submit("train", 2)
+    sched.annotate_job(job, "exp42 trainmedic=off")  # set by its owner after the incident
+    now = time.time()
+    act = Action(
+        event_id="act-1",
+        event_time=now,
+        action_id="act-1",
+        decision_id="dec-1",
+        incident_id="inc-1",
+        job_id=job,
+        action="requeue",
+        reason="trainmedic inc-1: hang",
+        requested_by="policy",
+        incident_time=now,
+        first_signal_time=now,
+    )
+    result = Executor(sched, ExecutorSettings(verify_timeout_s=5, poll_interval_s=0.01)).execute(act, lambda a, c: None)
+    assert result.status == "skipped" and "its comment says trainmedic=off" in (result.error or "")
+    assert sched.job_state(job).restart_count == 0 and not [c for c in sched.calls if c.startswith("requeue")]

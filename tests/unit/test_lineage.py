@@ -175,3 +175,32 @@ def test_the_same_cause_on_another_node_recommends_stop_not_another_drain() -> N
     assert a is not None and a.action == "drain_and_requeue"
     d, a = decide(policy(), incident("gpu02", n=2), 21.0, history=lin.history("7"))
     assert a is not None and a.action == "drain_and_requeue"
+
+
+def test_a_late_batch_of_the_run_before_does_not_count_for_the_new_attempt() -> None:
+    lin = Lineages()
+    lin.observe_sched(sched("RUNNING", 1.0))
+    lin.observe_progress(progress(2.0, 100))
+    lin.observe_sched(sched("PENDING", 10.0, restarts=1))
+    lin.observe_progress(progress(5.0, 300))  # written at 5 s, before the requeue at 10 s
+    assert lin.history("7").no_progress == 1
+
+
+def test_the_first_progress_of_an_attempt_is_written_at_once() -> None:
+    store: dict[str, Any] = {}
+    lin = Lineages(store)
+    lin.observe_sched(sched("RUNNING", 1.0))
+    lin.observe_progress(progress(2.0, 100))
+    lin.observe_sched(sched("PENDING", 3.0, restarts=1))
+    lin.observe_progress(progress(4.0, 50))  # reported, no progress yet: written (first report)
+    lin.observe_progress(progress(5.0, 150))  # past 100: progress - not held back for flush()
+    assert store["7"]["attempts"][-1]["max_step"] == 150
+
+
+def test_each_record_of_an_attempt_is_later_than_the_one_before() -> None:
+    lin = Lineages()
+    opened = lin.observe_sched(sched("RUNNING", 100.0))
+    caused = lin.ended_by(incident(n=1).model_copy(update={"event_time": 100.7}), None)
+    ended = lin.observe_sched(sched("PENDING", 100.0, restarts=1))  # Slurm's whole second
+    times = [opened[0].event_time, caused[0].event_time, ended[0].event_time]
+    assert times == sorted(times) and len(set(times)) == 3

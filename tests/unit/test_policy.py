@@ -243,8 +243,9 @@ def test_restart_budget_exhaustion_turns_restarts_into_stop(tmp_path: Path) -> N
     assert actions == [
         ("drain_and_requeue", "cancel"),
         ("drain_and_requeue", "cancel"),
-        ("stop", "hold"),
-        ("stop", "hold"),
+        # The budget stops the job; the node's own fault (Xid 79 in its kernel log) still drains it.
+        ("drain_and_stop", "hold"),
+        ("drain_and_stop", "hold"),
     ]
     _, a = store.decide(incident().model_copy(update={"incident_id": "inc-late"}), now=100.0 + 7 * 3600)
     assert a is not None and a.action == "drain_and_requeue"  # the window has passed
@@ -270,11 +271,11 @@ def test_a_worker_restart_keeps_the_restart_budget_it_recovers_from_its_table(tm
         assert a is not None
     restarted = PolicyStore(path, restarts=dict(table))
     _, a = restarted.decide(incident().model_copy(update={"incident_id": "inc-2"}), now=110.0)
-    assert a is not None and (a.action, a.stop_mode) == ("stop", "hold")
+    assert a is not None and (a.action, a.stop_mode) == ("drain_and_stop", "hold")
     # Outside the window the budget is whole again, and the table forgets what it no longer needs.
     later = PolicyStore(path, restarts=table)
     _, a = later.decide(incident().model_copy(update={"incident_id": "inc-3"}), now=100.0 + 7 * 3600)
-    assert a is not None and a.action != "stop"
+    assert a is not None and a.action == "drain_and_requeue"
     assert [e[0] for e in table["100"]] == [a.action_id]
 
 
@@ -326,6 +327,9 @@ def test_slurms_restart_count_counts_toward_the_one_budget() -> None:
     assert a is not None and a.action == "drain_and_requeue"
     spent = incident().model_copy(update={"job_restarts": 2})
     d, a = decide(policy, spent, 11.0)
+    assert a is not None and a.action == "drain_and_stop"
+    # A fault that is not the node's: the job is stopped and no node is drained.
+    d, a = decide(policy, spent.model_copy(update={"category": "hang", "isolate": False}), 11.0)
     assert a is not None and a.action == "stop"
     assert "Slurm restarted the job 2 times" in d.rule
 
@@ -346,4 +350,4 @@ def test_a_restart_is_counted_once_however_often_its_incident_or_action_comes_ba
     _, b = store.decide(incident().model_copy(update={"incident_id": "inc-1"}), now=110.0)
     assert b is not None and b.action == a.action  # the second restart of two is still allowed
     _, c = store.decide(incident().model_copy(update={"incident_id": "inc-2"}), now=120.0)
-    assert c is not None and (c.action, c.stop_mode) == ("stop", "hold")
+    assert c is not None and (c.action, c.stop_mode) == ("drain_and_stop", "hold")

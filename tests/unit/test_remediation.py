@@ -96,3 +96,27 @@ def test_a_repair_bucket_labels_the_drain_for_a_person() -> None:
     again = ex.execute(action("repair", "CONTACT_SUPPORT"), lambda a, call: None)
     assert (sched.node_state("gpu02").reason or "").count("repair: CONTACT_SUPPORT") == 1
     assert any("already there" in s for s in again.steps)
+
+
+def test_a_reboot_the_backend_refuses_leaves_the_node_drained_and_says_so() -> None:
+    class NoReboot(SimulatedScheduler):
+        def reboot_node(self, node: str, reason: str) -> str:
+            from sinks.backends.base import BackendError
+
+            raise BackendError("scontrol: error: RebootProgram isn't defined")
+
+    sched = NoReboot(["gpu01", "gpu02"])
+    result = Executor(sched, ExecutorSettings(verify_timeout_s=5, poll_interval_s=0.01)).execute(
+        action("reboot", "RESTART_BM"), lambda a, call: None
+    )
+    assert result.status == "done" and sched.node_state("gpu02").drained
+    assert any("reboot gpu02 not done (scontrol: error: RebootProgram isn't defined)" in s for s in result.steps)
+
+
+def test_a_reboot_already_done_is_not_asked_again() -> None:
+    sched = SimulatedScheduler(["gpu01", "gpu02"])
+    ex = Executor(sched, ExecutorSettings(verify_timeout_s=5, poll_interval_s=0.01))
+    ex.execute(action("reboot", "RESTART_BM"), lambda a, call: None)
+    sched._node("gpu02").reboot = False  # the reboot is over; the node is back, drained, our reason kept
+    again = ex.execute(action("reboot", "RESTART_BM"), lambda a, call: None)
+    assert sched.calls.count("reboot gpu02") == 1 and any("already requested" in s for s in again.steps)

@@ -1,4 +1,5 @@
-"""What a job's owner (or an operator's job rule) asks of trainmedic for one job.
+"""What a job's owner (or an operator's job rule) asks of trainmedic for one job (shared by policy
+and the executor, which reads the comment again just before it touches the job).
 
 A job carries its setting in its Slurm Comment (`sbatch --comment "exp42 trainmedic=monitor"`):
 one token `trainmedic=VALUE`, VALUE a comma list of
@@ -30,6 +31,9 @@ JobMode = Literal["off", "monitor"]
 _STRICTNESS: dict[JobMode | None, int] = {None: 0, "monitor": 1, "off": 2}
 # A token of its own: "trainmedic=" at the start or after whitespace, up to the next whitespace.
 TOKEN_RE = re.compile(r"(?:^|\s)trainmedic=(\S*)")
+# Anything that looks like an attempt at one ("Trainmedic=off", "x,trainmedic=off", "trainmedic = off",
+# "trainmedic:off"): read as an error, so a near miss makes the job recommend-only, never autonomous.
+_ATTEMPT_RE = re.compile(r"(?<![A-Za-z0-9_])trainmedic\s*[=:]", re.IGNORECASE)
 _RESTARTS_RE = re.compile(r"restarts=(\d{1,4})")
 
 
@@ -68,8 +72,29 @@ def parse_value(value: str, source: str) -> JobSetting:
 
 
 def from_comment(comment: str | None) -> list[JobSetting]:
-    """The settings written in a job's Comment (none when it has no trainmedic= token)."""
-    return [parse_value(v, "the job's comment") for v in TOKEN_RE.findall(comment or "")]
+    """The settings written in a job's Comment (none when it has no trainmedic= token).
+    JobSettingError for a value that cannot be read, and for a near miss of the token."""
+    text = comment or ""
+    exact = {m.start(1) - len("trainmedic=") for m in TOKEN_RE.finditer(text)}
+    for m in _ATTEMPT_RE.finditer(text):
+        if m.start() not in exact:
+            # The whole word it sits in ("exp42,trainmedic=off"), or the rest of the line.
+            left = max(text.rfind(" ", 0, m.start()), text.rfind("\t", 0, m.start())) + 1
+            word = text[left:].split()[0] if text[left:].split() else m.group()
+            raise JobSettingError(
+                f"the job's comment: {word!r} is not a setting (write trainmedic=off, trainmedic=monitor or "
+                "trainmedic=restarts=N as a word of its own, lower case)"
+            )
+    return [parse_value(v, "the job's comment") for v in TOKEN_RE.findall(text)]
+
+
+def job_mode(comment: str | None) -> tuple[JobMode | None, str | None]:
+    """What the comment says of touching the job now (the executor's last check before a call):
+    its mode, or the error that makes it recommend-only."""
+    try:
+        return merge(from_comment(comment)).mode, None
+    except JobSettingError as exc:
+        return None, str(exc)
 
 
 @dataclass(frozen=True)
