@@ -351,7 +351,7 @@ def read_kmsg(
     fd = os.open(path, os.O_RDONLY)
     try:
         while True:
-            if idle_s is not None and not select.select([fd], [], [], idle_s)[0]:
+            if idle_s is not None and not _readable(fd, idle_s):
                 yield "", None
                 continue
             try:
@@ -424,12 +424,20 @@ def read_journal(
         proc.terminate()
 
 
+def _readable(fd: int, timeout_s: float) -> bool:
+    """Whether `fd` has data (or its end) within the timeout. poll(), not select(): select()
+    refuses a descriptor numbered 1024 or more, which a busy process reaches."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLPRI)
+    return bool(poller.poll(timeout_s * 1000))
+
+
 def _lines_of(fd: int, idle_s: float | None) -> Iterator[str | None]:
     """Lines from a pipe until its end; None after each `idle_s` without data. Read unbuffered
     by hand: a buffered reader can hold whole lines that select() no longer sees."""
     partial = b""
     while True:
-        if idle_s is not None and not select.select([fd], [], [], idle_s)[0]:
+        if idle_s is not None and not _readable(fd, idle_s):
             yield None
             continue
         chunk = os.read(fd, 65536)

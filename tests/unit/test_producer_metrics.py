@@ -131,3 +131,20 @@ def test_produce_gpu_without_the_nvml_bindings_says_so(monkeypatch: pytest.Monke
     code, output = _produce_gpu()
     assert code == 3, output
     assert "NVML is not available on this host" in output and "nvidia-ml-py" in output
+
+
+def test_a_pipe_reader_works_on_a_descriptor_numbered_past_1024() -> None:
+    """A busy process (many sockets and files) hands out descriptors past select()'s 1024."""
+    r, w = os.pipe()
+    high = 1500
+    os.dup2(r, high)
+    os.close(r)
+    try:
+        reader = _lines_of(high, idle_s=0.05)
+        assert next(reader) is None
+        os.write(w, b"late line\n")
+        assert next(reader) == "late line\n"
+        os.close(w)
+        assert list(reader) == []
+    finally:
+        os.close(high)
