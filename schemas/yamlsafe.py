@@ -167,3 +167,26 @@ def construct_yaml(root: yaml.Node | None, origin: str = "<yaml>") -> Any:
 def load_yaml(text: str | bytes, origin: str = "<yaml>", limits: YamlLimits = FILE_LIMITS) -> Any:
     """yaml.safe_load with limits: the only way the project reads YAML."""
     return construct_yaml(compose_yaml(text, origin, limits), origin)
+
+
+def line_of(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
+    """1-based line of the YAML node at `loc` (a validation error's location), or of its deepest existing
+    parent: what every config error names."""
+    if node is None:
+        return None
+    line = node.start_mark.line + 1
+    for part in loc:
+        child = None
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                if str(k.value) == str(part):
+                    child = v
+                    line = k.start_mark.line + 1
+                    break
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            child = node.value[part]
+            line = child.start_mark.line + 1
+        if child is None:
+            break
+        node = child
+    return line

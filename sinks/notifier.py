@@ -41,7 +41,6 @@ from urllib.parse import urlsplit
 
 import httpx
 import orjson
-import yaml
 from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
@@ -55,7 +54,7 @@ from schemas.events import Decision, Event, GuardrailTrip, Incident
 from schemas.ids import DEFAULT_CLUSTER, cluster_scoped, current_cluster, stable_id
 from schemas.topics import DEADLETTER, DECISIONS, GUARDRAIL_TRIPS, INCIDENTS, Topic
 from schemas.vocab import Severity
-from schemas.yamlsafe import FILE_LIMITS, YamlError, compose_yaml, construct_yaml
+from schemas.yamlsafe import FILE_LIMITS, YamlError, compose_yaml, construct_yaml, line_of
 
 log = logging.getLogger("trainmedic.notifier")
 
@@ -249,28 +248,6 @@ def read_token(path: Path) -> str:
     return token
 
 
-def _line_of(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
-    """1-based line of the YAML node at `loc`, or of its deepest existing parent (as streams/policy.py)."""
-    if node is None:
-        return None
-    line = node.start_mark.line + 1
-    for part in loc:
-        child = None
-        if isinstance(node, yaml.MappingNode):
-            for k, v in node.value:
-                if str(k.value) == str(part):
-                    child = v
-                    line = k.start_mark.line + 1
-                    break
-        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
-            child = node.value[part]
-            line = child.start_mark.line + 1
-        if child is None:
-            break
-        node = child
-    return line
-
-
 def parse_config(text: str | bytes, origin: str = "<notifier config>", base: Path | None = None) -> NotifierConfig:
     """A notifier config from YAML; token files (relative ones resolved against `base`) are read
     and checked now. Errors: NotifierConfigError 'ORIGIN: line N: field 'a.0.b': problem'."""
@@ -289,7 +266,7 @@ def parse_config(text: str | bytes, origin: str = "<notifier config>", base: Pat
         field = ".".join(str(p) for p in loc) or "<root>"
         msg = str(err["msg"]).removeprefix("Value error, ")
         more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-        raise NotifierConfigError(f"{origin}: line {_line_of(root, loc)}: field '{field}': {msg}{more}") from None
+        raise NotifierConfigError(f"{origin}: line {line_of(root, loc)}: field '{field}': {msg}{more}") from None
     endpoints = []
     for i, ep in enumerate(config.endpoints):
         if ep.token_file is not None:
@@ -299,7 +276,7 @@ def parse_config(text: str | bytes, origin: str = "<notifier config>", base: Pat
             except NotifierConfigError as exc:
                 loc = ("endpoints", i, "token_file")
                 raise NotifierConfigError(
-                    f"{origin}: line {_line_of(root, loc)}: field 'endpoints.{i}.token_file': {exc}"
+                    f"{origin}: line {line_of(root, loc)}: field 'endpoints.{i}.token_file': {exc}"
                 ) from None
             ep = ep.model_copy(update={"token_file": path})
         endpoints.append(ep)

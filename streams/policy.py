@@ -34,7 +34,7 @@ from schemas.vocab import (
     Remediation,
     Severity,
 )
-from schemas.yamlsafe import FILE_LIMITS, YamlError, YamlLimits, compose_yaml, construct_yaml, load_yaml
+from schemas.yamlsafe import FILE_LIMITS, YamlError, YamlLimits, compose_yaml, construct_yaml, line_of, load_yaml
 from slurmio.hostlist import HostlistError, expand_hostlist
 from streams.lineage import RestartHistory, root_signature
 
@@ -307,28 +307,6 @@ class ModeOverlay(BaseModel):
     partitions: dict[str, PartitionPolicy] = Field(default_factory=dict)
 
 
-def _line_of(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
-    """1-based line of the YAML node at `loc`, or of its deepest existing parent."""
-    if node is None:
-        return None
-    line = node.start_mark.line + 1
-    for part in loc:
-        child = None
-        if isinstance(node, yaml.MappingNode):
-            for k, v in node.value:
-                if str(k.value) == str(part):
-                    child = v
-                    line = k.start_mark.line + 1
-                    break
-        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
-            child = node.value[part]
-            line = child.start_mark.line + 1
-        if child is None:
-            break
-        node = child
-    return line
-
-
 def parse_policy(text: str, origin: str = "<policy>", limits: YamlLimits = FILE_LIMITS) -> Policy:
     """`limits`: FILE_LIMITS for files, API_LIMITS (no aliases) for request bodies."""
     try:
@@ -347,7 +325,7 @@ def parse_policy(text: str, origin: str = "<policy>", limits: YamlLimits = FILE_
         is_key = "[key]" in err["loc"]
         loc = tuple(p for p in err["loc"] if p != "[key]")
         field = ".".join(str(p) for p in loc) or "<root>"
-        line = _line_of(root, loc)
+        line = line_of(root, loc)
         msg = (
             f"unknown category (categories: {', '.join(CATEGORIES)})"
             if is_key and loc[:1] == ("actions",)
@@ -360,7 +338,7 @@ def parse_policy(text: str, origin: str = "<policy>", limits: YamlLimits = FILE_
     missing = [c for c in CATEGORIES if c not in policy.actions]
     if missing:
         raise PolicyError(
-            f"{origin}: line {_line_of(root, ('actions',))}: field 'actions': no action for {', '.join(missing)}"
+            f"{origin}: line {line_of(root, ('actions',))}: field 'actions': no action for {', '.join(missing)}"
         )
     _refuse_acting_on_unknown(policy, root, origin)
     return policy
@@ -370,13 +348,13 @@ def _refuse_acting_on_unknown(policy: Policy, root: yaml.Node | None, origin: st
     """`unknown` means nobody knows the cause: no file may turn it into a scheduler action."""
     if policy.actions["unknown"] != "none":
         raise PolicyError(
-            f"{origin}: line {_line_of(root, ('actions', 'unknown'))}: field 'actions.unknown': must be none "
+            f"{origin}: line {line_of(root, ('actions', 'unknown'))}: field 'actions.unknown': must be none "
             f"(got {policy.actions['unknown']}): an unrecognised crash needs a person, never an automatic action"
         )
     for i, rule in enumerate(policy.rules):
         if rule.action != "none" and rule.match.category is not None and "unknown" in rule.match.category:
             raise PolicyError(
-                f"{origin}: line {_line_of(root, ('rules', i, 'match', 'category'))}: field "
+                f"{origin}: line {line_of(root, ('rules', i, 'match', 'category'))}: field "
                 f"'rules.{i}.match.category': rule {rule.name!r} maps unknown to {rule.action}; only none is "
                 "allowed: an unrecognised crash needs a person, never an automatic action"
             )
