@@ -7,12 +7,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from bus.publish import Publisher
 from producers.joblogs import JobLayout, JobLogProducer
 from producers.kernel import KernelLogProducer
 from sinks.audit import AuditStore
 from sinks.backends.base import SchedulerBackend
+from streams.policy import DEFAULT_POLICY
 from tests.conftest import FIXTURES, wait_for
 from trainmedic.runtime import Stack, StackConfig
 
@@ -69,23 +73,46 @@ def publish_log_file(bootstrap: str, job_id: str, path: Path, nodes: list[str]) 
     assert pub.flush(10) == 0
 
 
-@contextlib.contextmanager
-def running_stack(
-    bootstrap: str, chdb_url: str, database: str, backend: SchedulerBackend, mode: str, data_dir: Path
-) -> Iterator[Stack]:
-    stack = Stack(
+def policy_file(folder: Path, **sections: Any) -> Path:
+    """The packaged default policy with `sections` replaced, written to folder/policy.yaml."""
+    data = yaml.safe_load(DEFAULT_POLICY.read_text())
+    data.update(sections)
+    path = folder / "policy.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def start_stack(
+    bootstrap: str,
+    chdb_url: str,
+    database: str,
+    backend: SchedulerBackend,
+    data_dir: Path,
+    mode: str | None = None,
+    policy: Path | None = None,
+) -> Stack:
+    """The stack the loop tests run: short attribution windows, a 60 s verification timeout."""
+    return Stack(
         StackConfig(
             data_dir=data_dir,
             bootstrap=bootstrap,
             clickhouse=chdb_url,
             database=database,
             mode=mode,
+            policy=policy,
             settle_s=1.0,
             collateral_wait_s=3.0,
             verify_timeout_s=60.0,
         ),
         backend,
     ).start()
+
+
+@contextlib.contextmanager
+def running_stack(
+    bootstrap: str, chdb_url: str, database: str, backend: SchedulerBackend, mode: str, data_dir: Path
+) -> Iterator[Stack]:
+    stack = start_stack(bootstrap, chdb_url, database, backend, data_dir, mode=mode)
     try:
         yield stack
     finally:

@@ -14,15 +14,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import yaml
 
 from sinks.backends.slurm_cli import SlurmCliBackend
-from streams.policy import DEFAULT_POLICY
 from tests.conftest import Cluster, wait_for
-from tests.integration.scenario import NODES, publish_cascade, wait_incident
+from tests.integration.scenario import NODES, policy_file, publish_cascade, start_stack, wait_incident
 from tests.integration.test_slurm_coexistence import _clean, _sh
 from trainmedic.broker import EmbeddedBroker
-from trainmedic.runtime import Stack, StackConfig
 
 pytestmark = pytest.mark.slurm
 REBOOTING = {"REBOOT_REQUESTED", "REBOOT_ISSUED"}
@@ -36,11 +33,7 @@ def cluster(slurm_any: Cluster) -> Iterator[Cluster]:
 
 
 def _policy(tmp: Path) -> Path:
-    data = yaml.safe_load(DEFAULT_POLICY.read_text())
-    data.update(mode="autonomous", remediation={"enabled": True})
-    path = tmp / "policy.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
+    return policy_file(tmp, mode="autonomous", remediation={"enabled": True})
 
 
 def test_a_reboot_remediation_is_issued_once_and_audited(
@@ -50,19 +43,7 @@ def test_a_reboot_remediation_is_issued_once_and_audited(
     out = _sh(cluster, "sbatch", "--parsable", "--nodes=3-4", "--requeue", "--output=/dev/null", "--wrap", "sleep 600")
     job = out.strip().split(";")[0]
     wait_for(f"job {job} RUNNING on 4 nodes", lambda: len(backend.job_state(job).nodes) == 4, timeout=60)
-    stack = Stack(
-        StackConfig(
-            data_dir=tmp_path / "stack",
-            bootstrap=broker.bootstrap,
-            clickhouse=chdb_url,
-            database=database,
-            policy=_policy(tmp_path),
-            settle_s=1.0,
-            collateral_wait_s=3.0,
-            verify_timeout_s=60.0,
-        ),
-        backend,
-    ).start()
+    stack = start_stack(broker.bootstrap, chdb_url, database, backend, tmp_path / "stack", policy=_policy(tmp_path))
     try:
         store = stack.store
         assert store is not None

@@ -16,19 +16,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import yaml
 
 from bus.publish import Publisher
 from producers.joblogs import JobLayout, JobLogProducer
 from producers.slurm import SlurmProducer
 from sinks.audit_queries import job_attempts
 from sinks.backends.slurm_cli import SlurmCliBackend
-from streams.policy import DEFAULT_POLICY
 from tests.conftest import Cluster, wait_for
-from tests.integration.scenario import LOGS, NODES, RANKS_PER_NODE, watchdog_line
+from tests.integration.scenario import LOGS, NODES, RANKS_PER_NODE, policy_file, start_stack, watchdog_line
 from tests.integration.test_slurm_coexistence import _clean, _sh
 from trainmedic.broker import EmbeddedBroker
-from trainmedic.runtime import Stack, StackConfig
 
 pytestmark = pytest.mark.slurm
 
@@ -73,16 +70,13 @@ def _attempt(bootstrap: str, root: Path, job: str, n: int, steps: range) -> None
 
 
 def _policy(tmp: Path) -> Path:
-    data = yaml.safe_load(DEFAULT_POLICY.read_text())
-    data.update(
+    return policy_file(
+        tmp,
         mode="autonomous",
         # A watchdog timeout with no single culprit is an interconnect incident of confidence 0.4.
         min_confidence=0.3,
         restart_budget={"max_restarts": 10, "window_h": 6, "no_progress_limit": 2, "stop": "hold"},
     )
-    path = tmp / "policy.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
 
 
 def test_restarts_without_progress_stop_at_the_limit_and_the_lineage_is_audited(
@@ -100,19 +94,7 @@ def test_restarts_without_progress_stop_at_the_limit_and_the_lineage_is_audited(
 
     follower = threading.Thread(target=follow_slurm, daemon=True)
     follower.start()
-    stack = Stack(
-        StackConfig(
-            data_dir=tmp_path / "stack",
-            bootstrap=broker.bootstrap,
-            clickhouse=chdb_url,
-            database=database,
-            policy=_policy(tmp_path),
-            settle_s=1.0,
-            collateral_wait_s=3.0,
-            verify_timeout_s=60.0,
-        ),
-        backend,
-    ).start()
+    stack = start_stack(broker.bootstrap, chdb_url, database, backend, tmp_path / "stack", policy=_policy(tmp_path))
     try:
         store = stack.store
         assert store is not None
