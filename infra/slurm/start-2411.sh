@@ -238,7 +238,7 @@ done
 node_lines=""
 idx=1
 for n in "${NODES[@]}"; do
-  node_lines+="NodeName=$n NodeHostname=localhost NodeAddr=127.0.0.1 Port=$((SLURMD_BASE_PORT + idx)) CPUs=8 RealMemory=16000 Gres=gpu:8 State=UNKNOWN"$'\n'
+  node_lines+="NodeName=$n NodeHostname=localhost NodeAddr=127.0.0.1 Port=$((SLURMD_BASE_PORT + idx)) CPUs=8 RealMemory=16000 Gres=gpu:8 Features=rack$(((idx + 1) / 2)) State=UNKNOWN"$'\n'
   idx=$((idx + 1))
 done
 
@@ -286,6 +286,9 @@ KillWait=2
 MinJobAge=600
 JobRequeue=1
 GresTypes=gpu
+# Two leaf switches under one spine (topology.conf below) and two racks (node features rack1,
+# rack2): what trainmedic's fleet incidents read as shared components.
+TopologyPlugin=topology/tree
 ${node_lines}PartitionName=gpu Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
 # JWT for slurmrestd (infra/slurm/slurmrestd.sh makes this key): once it exists,
@@ -299,6 +302,8 @@ chmod 644 "$CONF"
 printf 'CgroupPlugin=disabled\n' >"$ETC/cgroup.conf"
 printf 'AutoDetect=off\nNodeName=gpu[01-04] Name=gpu File=%s/nvidia[0-7]\n' "$FAKEGPU" >"$ETC/gres.conf"
 chmod 644 "$ETC/cgroup.conf" "$ETC/gres.conf"
+printf 'SwitchName=leaf1 Nodes=gpu[01-02]\nSwitchName=leaf2 Nodes=gpu[03-04]\nSwitchName=spine Switches=leaf[1-2]\n' >"$ETC/topology.conf"
+chmod 644 "$ETC/topology.conf"
 # Clients inside the root (a login over SSH without SLURM_CONF) find it at the default place.
 mkdir -p "$ROOT/etc/slurm"
 ln -sfn "$CONF" "$ROOT/etc/slurm/slurm.conf"

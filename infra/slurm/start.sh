@@ -136,7 +136,7 @@ done
 node_lines=""
 idx=1
 for n in "${NODES[@]}"; do
-  node_lines+="NodeName=$n NodeHostname=localhost NodeAddr=127.0.0.1 Port=$((SLURMD_BASE_PORT + idx)) CPUs=8 RealMemory=16000 Gres=gpu:8 State=UNKNOWN"$'\n'
+  node_lines+="NodeName=$n NodeHostname=localhost NodeAddr=127.0.0.1 Port=$((SLURMD_BASE_PORT + idx)) CPUs=8 RealMemory=16000 Gres=gpu:8 Features=rack$(((idx + 1) / 2)) State=UNKNOWN"$'\n'
   idx=$((idx + 1))
 done
 
@@ -185,6 +185,9 @@ KillWait=2
 MinJobAge=600
 JobRequeue=1
 GresTypes=gpu
+# Two leaf switches under one spine (topology.conf below) and two racks (node features rack1,
+# rack2): what trainmedic's fleet incidents read as shared components.
+TopologyPlugin=topology/tree
 ${node_lines}PartitionName=gpu Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
 mv -f "$tmpconf" "$CONF"
@@ -195,6 +198,8 @@ AutoDetect=off
 NodeName=gpu[01-04] Name=gpu File=$FAKEGPU/nvidia[0-7]
 EOF
 chmod 644 "$ETC/gres.conf"
+printf 'SwitchName=leaf1 Nodes=gpu[01-02]\nSwitchName=leaf2 Nodes=gpu[03-04]\nSwitchName=spine Switches=leaf[1-2]\n' >"$ETC/topology.conf"
+chmod 644 "$ETC/topology.conf"
 
 # ---------------------------------------------------------------- daemons
 if ! pid_alive "$MUNGE/munged.pid" munged; then
