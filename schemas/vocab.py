@@ -24,8 +24,9 @@ Category = Literal[
 # of its own: the node is still taken out, for the next job's sake.
 ActionKind = Literal["drain_and_requeue", "requeue", "stop", "drain", "drain_and_stop", "none"]
 # What follows a drain for the node's fault, by its NVIDIA resolution bucket (streams/policy.py):
-# reboot: `scontrol reboot ASAP` (the node comes back drained); repair: relabelled for a person.
-Remediation = Literal["reboot", "repair"]
+# reboot: `scontrol reboot ASAP` (the node comes back drained); repair: relabelled for a person;
+# reset_gpu: the node agent on the node resets the GPU once the node is idle (sinks/node_agent.py).
+Remediation = Literal["reboot", "repair", "reset_gpu"]
 #: The actions that take a node out of service.
 DRAINS: tuple[ActionKind, ...] = ("drain_and_requeue", "drain", "drain_and_stop")
 #: The actions that stop the job.

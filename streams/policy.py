@@ -148,7 +148,7 @@ class RestartBudget(BaseModel):
 _REMEDIATIONS: dict[str, Remediation] = {
     "RESTART_BM": "reboot",
     "WORKFLOW_NVLINK_ERR": "reboot",
-    "RESET_GPU": "repair",
+    "RESET_GPU": "reset_gpu",
     "WORKFLOW_XID_48": "repair",
     "CONTACT_SUPPORT": "repair",
     "CHECK_MECHANICALS": "repair",
@@ -159,7 +159,9 @@ _REMEDIATIONS: dict[str, Remediation] = {
 class RemediationPolicy(BaseModel):
     """After trainmedic drains a node for its own fault: what the fault's resolution bucket calls for.
     reboot: `scontrol reboot ASAP` with the node kept out of service after it (it returns through
-    `nodes resume` and its health check); repair: the drain reason says what a person must do."""
+    `nodes resume` and its health check); reset_gpu: a command to the node agent on that node, which
+    resets the GPU once no process uses it (the node stays drained until its health check passes);
+    repair: the drain reason says what a person must do."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -183,6 +185,11 @@ class FleetPolicy(BaseModel):
     categories: list[Category] = Field(default_factory=lambda: list(_FLEET_CATEGORIES), min_length=1)
     min_nodes: int = Field(default=2, ge=2)
     window_s: float = Field(default=600.0, gt=0, le=86400)
+    # What a fleet incident does besides recommending the component for repair. recommend: nothing
+    # more (each node's own incident decided its drain). drain: take every node of the domain out
+    # of service as one drain set, under the guardrails as a whole (the blast radius and the drains
+    # per window count the set; a set over either is refused entirely, never cut short).
+    action: Literal["recommend", "drain"] = "recommend"
 
     @field_validator("domains")
     @classmethod
@@ -194,6 +201,23 @@ class FleetPolicy(BaseModel):
             except HostlistError as exc:
                 raise ValueError(f"domain {name}: {exc}") from None
         return value
+
+
+class AutoReturn(BaseModel):
+    """The optional automatic path back (trainmedic/return_to_service.py): nodes trainmedic drained
+    are judged exactly as `nodes resume` judges them, without an operator asking, and resumed on a
+    pass. Off by default: a new site returns nodes by hand until it trusts the health check."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = False
+    # How long a node stays drained before it is first judged, and between two judgements of it.
+    after_s: float = Field(default=1800.0, ge=0, le=30 * 86400)
+    retry_s: float = Field(default=3600.0, gt=0, le=30 * 86400)
+    # How many nodes the automatic path may return per hour, cluster-wide.
+    max_per_hour: int = Field(default=4, ge=1, le=10_000)
+    # How often the drained nodes are looked at.
+    interval_s: float = Field(default=60.0, gt=0, le=86400)
 
 
 class ReturnToService(BaseModel):
@@ -212,6 +236,7 @@ class ReturnToService(BaseModel):
     # labelled for repair, whatever its check says.
     lemon_faults: int = Field(default=2, ge=1)
     lemon_window_days: float = Field(default=7.0, gt=0)
+    automatic: AutoReturn = Field(default_factory=AutoReturn)
 
 
 class JobRule(BaseModel):
