@@ -286,7 +286,7 @@ KillWait=2
 MinJobAge=600
 JobRequeue=1
 GresTypes=gpu
-# Two leaf switches under one spine (topology.conf below) and two racks (node features rack1,
+# Two leaf switches under one spine (topology.conf below: gpu01-03 share leaf1) and two racks (node features rack1,
 # rack2): what trainmedic's fleet incidents read as shared components.
 TopologyPlugin=topology/tree
 ${node_lines}PartitionName=gpu Nodes=ALL Default=YES MaxTime=INFINITE State=UP
@@ -302,7 +302,7 @@ chmod 644 "$CONF"
 printf 'CgroupPlugin=disabled\n' >"$ETC/cgroup.conf"
 printf 'AutoDetect=off\nNodeName=gpu[01-04] Name=gpu File=%s/nvidia[0-7]\n' "$FAKEGPU" >"$ETC/gres.conf"
 chmod 644 "$ETC/cgroup.conf" "$ETC/gres.conf"
-printf 'SwitchName=leaf1 Nodes=gpu[01-02]\nSwitchName=leaf2 Nodes=gpu[03-04]\nSwitchName=spine Switches=leaf[1-2]\n' >"$ETC/topology.conf"
+printf 'SwitchName=leaf1 Nodes=gpu[01-03]\nSwitchName=leaf2 Nodes=gpu04\nSwitchName=spine Switches=leaf[1-2]\n' >"$ETC/topology.conf"
 chmod 644 "$ETC/topology.conf"
 # Clients inside the root (a login over SSH without SLURM_CONF) find it at the default place.
 mkdir -p "$ROOT/etc/slurm"

@@ -185,7 +185,7 @@ KillWait=2
 MinJobAge=600
 JobRequeue=1
 GresTypes=gpu
-# Two leaf switches under one spine (topology.conf below) and two racks (node features rack1,
+# Two leaf switches under one spine (topology.conf below: gpu01-03 share leaf1) and two racks (node features rack1,
 # rack2): what trainmedic's fleet incidents read as shared components.
 TopologyPlugin=topology/tree
 ${node_lines}PartitionName=gpu Nodes=ALL Default=YES MaxTime=INFINITE State=UP
@@ -198,7 +198,7 @@ AutoDetect=off
 NodeName=gpu[01-04] Name=gpu File=$FAKEGPU/nvidia[0-7]
 EOF
 chmod 644 "$ETC/gres.conf"
-printf 'SwitchName=leaf1 Nodes=gpu[01-02]\nSwitchName=leaf2 Nodes=gpu[03-04]\nSwitchName=spine Switches=leaf[1-2]\n' >"$ETC/topology.conf"
+printf 'SwitchName=leaf1 Nodes=gpu[01-03]\nSwitchName=leaf2 Nodes=gpu04\nSwitchName=spine Switches=leaf[1-2]\n' >"$ETC/topology.conf"
 chmod 644 "$ETC/topology.conf"
 
 # ---------------------------------------------------------------- daemons
