@@ -364,6 +364,9 @@ class Action(Event):
     incident_id: str
     job_id: str | None = None
     node: str | None = None
+    # A drain set (a fleet incident's shared component, streams/fleet.py): every node of it taken
+    # out as one, under the guardrails as a whole; `node` is then None.
+    nodes: list[str] = Field(default_factory=list, max_length=10_000)
     partition: str | None = None
     action: ActionKind
     stop_mode: Literal["cancel", "hold"] = "cancel"
@@ -463,8 +466,9 @@ class NodeReturn(Event):
     drain_reason: str
     operator: str = Field(min_length=1, max_length=128)
     comment: str = Field(default="", max_length=4096)
-    # Refused returns are recorded too: a lemon, a failed or missing health check.
-    outcome: Literal["resumed", "refused"] = "resumed"
+    # Refused returns are recorded too: a lemon, a failed or missing health check. recommended: the
+    # automatic path judged the node fit but did not resume it (monitor mode, the kill switch).
+    outcome: Literal["resumed", "refused", "recommended"] = "resumed"
     check: str | None = Field(default=None, max_length=4096)  # the health check as run
     check_passed: bool | None = None  # None: no check ran
     detail: str = Field(default="", max_length=8192)  # why refused; the check's output tail

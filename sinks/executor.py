@@ -149,6 +149,8 @@ class Executor:
                     self._drain(run)
                 self._stop(run)
                 self._remediate(run)
+            elif action.action == "drain" and action.nodes:
+                self._drain_set(run)
             elif action.action == "drain":
                 # The node only: the job's owner said trainmedic must not touch the job, and a
                 # drain lets it run on (Slurm drains a node once its jobs end).
@@ -233,6 +235,39 @@ class Executor:
 
         self._wait(f"{a.node} DRAIN with reason naming {a.incident_id}", drained)
         run.steps.append(f"drain {a.node}: verified DRAIN, reason {a.reason!r}")
+
+    def _drain_set(self, run: _Run) -> None:
+        """A fleet incident's drain set: each node of the shared component not yet out of service
+        is drained (its jobs run on: Slurm drains a node once they end). The guardrails passed the
+        set as a whole; a node the scheduler refuses (maintenance, down, drained meanwhile by
+        someone else) is left as it is and said. Each drain is recorded as its own attempt."""
+        a = run.action
+        pending: list[str] = []
+        for node in a.nodes:
+            one = a.model_copy(update={"node": node, "nodes": []})
+            state = self.backend.node_state(node)
+            if state.drained and a.incident_id in (state.reason or ""):
+                run.steps.append(f"drain {node}: already drained for {a.incident_id}")
+                continue
+            if state.drained:
+                by = f" by {state.reason_user}" if state.reason_user else ""
+                run.steps.append(f"drain {node}: already out of service ({state.reason}{by}), left as it is")
+                continue
+            run.before_call(one, "drain")
+            try:
+                self.backend.drain_node(node, a.reason)
+            except ActionRefused as exc:
+                run.steps.append(f"drain {node}: refused by the scheduler side ({exc}), left as it is")
+                continue
+            pending.append(node)
+        for node in pending:
+
+            def drained(node: str = node) -> bool:
+                s = self.backend.node_state(node)
+                return s.drained and a.incident_id in (s.reason or "")
+
+            self._wait(f"{node} DRAIN with reason naming {a.incident_id}", drained)
+            run.steps.append(f"drain {node}: verified DRAIN, reason {a.reason!r}")
 
     def _remediate(self, run: _Run) -> None:
         """After the drain: what the fault's resolution bucket calls for (the decision's remediation).

@@ -165,7 +165,8 @@ class Guardrails:
         self._drains: list[tuple[float, str]] = []  # (when, node), in time order
         self._node_acted: dict[str, float] = {}
         self._attempted: set[str] = set()  # action ids with at least one counted call
-        self._counted: set[tuple[str, str]] = set()  # (action id, call): each counts once
+        # (action id, call, node): each counts once; a drain set's drains count one per node.
+        self._counted: set[tuple[str, str, str]] = set()
 
     @property
     def horizon_s(self) -> float:
@@ -181,7 +182,7 @@ class Guardrails:
         records its calls again). Returns whether this attempt added to a count.
         """
         with self._lock:
-            key = (attempt.action_id, attempt.call)
+            key = (attempt.action_id, attempt.call, attempt.node or "")
             self._attempted.add(attempt.action_id)
             if key in self._counted:
                 return False
@@ -201,22 +202,22 @@ class Guardrails:
     def record(self, action: Action, at: float) -> None:
         """Count every call `action` makes, as if each were attempted at `at` (what-if replays,
         which have no scheduler to call): through count(), like everything else."""
-        calls: list[AttemptCall] = []
-        if action.action in DRAINS and action.node:
-            calls.append("drain")
+        calls: list[tuple[AttemptCall, str | None]] = []
+        if action.action in DRAINS:
+            calls += [("drain", node) for node in action.nodes or ([action.node] if action.node else [])]
         if action.action in ("requeue", "drain_and_requeue") and action.job_id:
-            calls.append("requeue")
+            calls.append(("requeue", action.node))
         if action.action in ("stop", "drain_and_stop") and action.job_id:
-            calls.append("hold" if action.stop_mode == "hold" else "cancel")
-        for call in calls:
+            calls.append(("hold" if action.stop_mode == "hold" else "cancel", action.node))
+        for call, node in calls:
             self.count(
                 ActionAttempt(
-                    event_id=f"att-{action.action_id}-{call}",
+                    event_id=f"att-{action.action_id}-{call}-{node or ''}",
                     event_time=at,
                     action_id=action.action_id,
                     incident_id=action.incident_id,
                     job_id=action.job_id,
-                    node=action.node,
+                    node=node,
                     partition=action.partition,
                     action=action.action,
                     call=call,
@@ -249,8 +250,47 @@ class Guardrails:
                 f"{s.autonomy_partitions}: recommend only"
             )
         with self._lock:
+            if action.nodes and action.action in DRAINS:
+                return self._check_drain_set(s, action.nodes, now)
             if action.node and action.action in DRAINS:
                 return self._check_drain(s, action.node, now)
+        return None
+
+    def _check_drain_set(self, s: GuardrailSettings, members: list[str], now: float) -> Trip | None:
+        """A fleet incident's drain set, judged as a whole: the nodes it would newly take out count
+        against the drains per window and each partition's blast radius together, and a set over
+        either is refused entirely. Part of a switch's nodes drained would leave the rest serving
+        jobs through the broken part while looking handled."""
+        nodes = self.backend.list_nodes()
+        by_name = {n.name: n for n in nodes}
+        unknown = sorted(set(members) - set(by_name))
+        if unknown:
+            return "blast_radius", f"drain set names nodes the scheduler does not know ({', '.join(unknown)}): refused"
+        new = [n for n in members if not by_name[n].drained]
+        if not new:
+            return None
+        for node in new:
+            last = self._node_acted.get(node)
+            if last is not None and now - last < s.node_cooldown_s:
+                return "node_cooldown", (
+                    f"{node} of the drain set was acted on {now - last:.0f} s ago (cooldown {s.node_cooldown_s:.0f} s): "
+                    "the set is refused as a whole"
+                )
+        self._drains = [(at, n) for at, n in self._drains if now - at <= s.drain_window_s]
+        recent = [n for _, n in self._drains]
+        if len(recent) + len(new) > s.max_drains_per_window:
+            return "blast_radius", (
+                f"the drain set would drain {len(new)} node(s) ({', '.join(new)}) after {len(recent)} drain(s) in the "
+                f"last {s.drain_window_s:.0f} s; max_drains_per_window is {s.max_drains_per_window}: refused as a whole"
+            )
+        for part in sorted({p for n in new for p in by_name[n].partitions}):
+            in_part = [n for n in nodes if part in n.partitions]
+            out = sum(1 for n in in_part if n.drained or n.name in new)
+            if out / len(in_part) > s.max_drain_fraction and out > 1:
+                return "blast_radius", (
+                    f"the drain set ({', '.join(new)}) would take {out} of {len(in_part)} nodes of partition {part} out of "
+                    f"service (max_drain_fraction {s.max_drain_fraction:.0%}): refused as a whole"
+                )
         return None
 
     def _check_drain(self, s: GuardrailSettings, node: str, now: float) -> Trip | None:

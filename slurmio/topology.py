@@ -8,6 +8,10 @@ A leaf switch (one with `Nodes=`) is the domain whose nodes share a fault: sever
 interconnect checks at once points at the switch, not at each node. Spine switches (`Switches=`)
 are read for their names only: a spine fault shows as several leaves. Comments (#) and blank
 lines are skipped; an unreadable line is a TopologyError naming the file and the line.
+
+`scontrol show topology` prints the same lines with `Level=`, and every upper switch with the
+`Nodes=` under it: a switch above level 0 is skipped, so its output (saved where the streams
+workers can read it, when topology.conf itself is not) reads the same.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ def parse_topology_conf(text: str, origin: str = "topology.conf") -> dict[str, l
         name = pairs.get("switchname")
         if not name:
             raise TopologyError(f"{origin}: line {lineno}: expected SwitchName=NAME ... (got {raw.strip()!r})")
+        if pairs.get("level", "0") != "0":
+            continue  # scontrol's upper switches, with every node below them
         if "nodes" not in pairs:
             if "switches" not in pairs:
                 raise TopologyError(f"{origin}: line {lineno}: switch {name} has neither Nodes= nor Switches=")

@@ -120,7 +120,10 @@ class DomainCorrelator:
             self._store[domain] = {**value, "faults": faults}
             return None  # this one is older than the window of the faults seen since
         evidence = {k: v for k, v in value["evidence"].items() if any(f[2] == k for f in faults)}
-        root = next((e for e in incident.evidence if e.role == "root"), None)
+        # One piece per failed node, from the node itself where there is one: policy reads the
+        # failed nodes from it (they keep their own drains; a drain set takes the others).
+        roots = [e for e in incident.evidence if e.role == "root"]
+        root = next((e for e in roots if e.node == incident.culprit_node), roots[0] if roots else None)
         if root is not None:
             evidence[incident.incident_id] = root.model_dump(mode="json")
         value = {**value, "faults": faults, "evidence": evidence}

@@ -503,7 +503,7 @@ def decide(
     (streams/lineage.py): restarts in a row without progress, and what ended the previous attempt.
     """
     if incident.domain is not None:
-        return _fleet_decision(incident, now), None
+        return _fleet_decision(policy, incident, now)
     matched = next((r for r in policy.rules if r.match.matches(incident)), None)
     action: ActionKind
     if matched is not None:
@@ -628,12 +628,38 @@ def decide(
     )
 
 
-def _fleet_decision(incident: Incident, now: float) -> Decision:
-    """A fleet incident (streams/fleet.py) names a shared component: it is recommended for repair,
-    never acted on here. Its nodes' own incidents decided their drains, each under the guardrails."""
+def _fleet_decision(policy: Policy, incident: Incident, now: float) -> tuple[Decision, Action | None]:
+    """A fleet incident (streams/fleet.py) names a shared component: it is recommended for repair.
+    With `fleet.action: drain` (and autonomy for its partition and category), every node of the
+    component is also taken out as one drain set: the executor's guardrails judge the set as a
+    whole (blast radius, drains per window) and refuse it entirely rather than drain part of it.
+    The nodes that failed were each drained by their own incident; the set adds the ones still
+    serving jobs through the broken component."""
     decision_id = stable_id("dec", incident.incident_id)
     nodes = ", ".join(incident.domain_nodes) or "-"
-    return Decision(
+    mode = policy.mode_for(incident.partition, incident.category)
+    rule = f"fleet: {incident.domain}: repair the shared component"
+    reasons = [incident.explanation, f"its nodes: {nodes}"]
+    action: ActionKind = "none"
+    executed = False
+    # The nodes that failed are drained by their own incidents (for their own faults: their way
+    # back needs a health check); the set is the rest, whichever reaches the executor first.
+    failed = {e.node for e in incident.evidence}
+    drain_set = [n for n in incident.domain_nodes if n not in failed]
+    if policy.fleet.action == "drain" and not drain_set:
+        reasons.append("every node of it failed and is drained for its own fault: no drain set")
+    elif policy.fleet.action == "drain":
+        action = "drain"
+        rule += "; fleet.action=drain: its other nodes as one drain set"
+        executed = mode == "autonomous"
+        if mode == "monitor":
+            reasons.append(f"mode monitor for partition {incident.partition or '(default)'}: recommendation only")
+        elif incident.confidence < policy.min_confidence:
+            executed = False
+            reasons.append(f"below min_confidence {policy.min_confidence:.2f}: recommendation only")
+    else:
+        reasons.append("recommendation only")
+    decision = Decision(
         event_id=decision_id,
         event_time=now,
         decision_id=decision_id,
@@ -642,14 +668,20 @@ def _fleet_decision(incident: Incident, now: float) -> Decision:
         partition=incident.partition,
         category=incident.category,
         culprit_node=None,
-        action="none",
-        mode="monitor",
-        executed=False,
-        rule=f"fleet: {incident.domain}: repair the shared component",
-        reason=f"{incident.explanation}; its nodes: {nodes}: recommendation only",
+        action=action,
+        mode=mode,
+        executed=executed,
+        rule=rule,
+        reason="; ".join(reasons),
         first_signal_time=incident.first_signal_time,
         incident_time=incident.event_time,
     )
+    if not executed:
+        return decision, None
+    act = make_action(decision, incident.incident_id, requested_by="policy", now=now)
+    # The repair label keeps the automatic return path off these nodes: the component needs a
+    # person first. The incident id stays first, so the drain is recognisably trainmedic's.
+    return decision, act.model_copy(update={"nodes": drain_set, "reason": f"{act.reason} | repair: {incident.domain}"})
 
 
 def remediation_for(policy: Policy, incident: Incident) -> tuple[Remediation, str] | None:
