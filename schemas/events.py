@@ -372,6 +372,7 @@ class Action(Event):
     stop_mode: Literal["cancel", "hold"] = "cancel"
     remediation: Remediation | None = None  # after the drain (the decision's)
     remediation_bucket: str | None = Field(default=None, max_length=64)
+    culprit_gpu: int | None = None  # the decision's: which GPU a reset_gpu remediation resets
     reason: str
     requested_by: str
     incident_time: Timestamp
@@ -383,7 +384,9 @@ class Action(Event):
 
 
 # Scheduler calls that may change the cluster, as recorded before they are made.
-AttemptCall = Literal["drain", "requeue", "cancel", "hold", "reboot", "relabel"]
+# reset_gpu: the command to the node's agent (sinks/node_agent.py) is published, not a Slurm call, but
+# it is recorded and counted the same way before it is made.
+AttemptCall = Literal["drain", "requeue", "cancel", "hold", "reboot", "relabel", "reset_gpu"]
 
 
 class ActionAttempt(Event):
@@ -532,6 +535,46 @@ class JobAttempt(Event):
     progressed: bool | None = None
 
 
+NodeCommandKind = Literal["gpu_reset"]
+
+
+class NodeCommand(Event):
+    """An instruction to the node agent of one node (sinks/node_agent.py), published by the executor
+    once the node is drained for its own fault. `command_id` is stable per action: a redelivered
+    action publishes the same command again, and the agent carries each command id out once."""
+
+    type_name: ClassVar[str] = "node_command"
+    command_id: str = Field(min_length=1, max_length=200)
+    node: str = Field(min_length=1, max_length=128)
+    kind: NodeCommandKind
+    gpu: int | None = Field(default=None, ge=0)  # the GPU's index on the node (NVML's); None: every GPU
+    action_id: str
+    incident_id: str
+    reason: str = Field(max_length=4096)  # the drain reason the executor set
+    requested_by: str
+    issued_at: Timestamp
+
+
+class NodeCommandResult(Event):
+    """What the node agent made of a command. It repeats the command's action and incident, so that
+    one record answers "was the reset of node X for incident Y done, and when"."""
+
+    type_name: ClassVar[str] = "node_command_result"
+    command_id: str = Field(min_length=1, max_length=200)
+    node: str = Field(min_length=1, max_length=128)
+    kind: NodeCommandKind
+    gpu: int | None = Field(default=None, ge=0)
+    action_id: str
+    incident_id: str
+    # done: carried out and verified; failed: carried out (or begun) but not verified; refused: not
+    # carried out (the node was busy past the idle timeout, or no longer drained for the incident).
+    status: Literal["done", "failed", "refused"]
+    detail: str = Field(default="", max_length=8192)  # why; the command's output tail
+    agent: str = Field(min_length=1, max_length=200)  # the host the agent runs on
+    started_at: Timestamp
+    finished_at: Timestamp
+
+
 EVENT_TYPES: tuple[type[Event], ...] = (
     GpuSample,
     LogBatch,
@@ -551,4 +594,6 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     GuardrailTrip,
     DeadLetter,
     JobAttempt,
+    NodeCommand,
+    NodeCommandResult,
 )

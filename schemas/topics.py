@@ -21,6 +21,8 @@ from schemas.events import (
     KernelEvent,
     LogBatch,
     ModeChange,
+    NodeCommand,
+    NodeCommandResult,
     NodeReturn,
     ProgressBatch,
     SchedEvent,
@@ -69,6 +71,10 @@ NODE_RETURNS = Topic("node.returns", NodeReturn, "node")
 GUARDRAIL_TRIPS = Topic("guardrail.trips", GuardrailTrip, "job id, else node")
 DEADLETTER = Topic("deadletter", DeadLetter, "original topic")
 JOB_ATTEMPTS = Topic("job.attempts", JobAttempt, "job id")
+# The executor's commands to the node agents (sinks/node_agent.py), and what each agent made of them:
+# keyed by node, so one node's commands and results stay in order.
+NODE_COMMANDS = Topic("node.commands", NodeCommand, "node")
+NODE_COMMAND_RESULTS = Topic("node.command.results", NodeCommandResult, "node")
 
 ALL_TOPICS: tuple[Topic, ...] = (
     GPU_SAMPLES,
@@ -92,6 +98,8 @@ ALL_TOPICS: tuple[Topic, ...] = (
     GUARDRAIL_TRIPS,
     DEADLETTER,
     JOB_ATTEMPTS,
+    NODE_COMMANDS,
+    NODE_COMMAND_RESULTS,
 )
 TOPIC_BY_NAME = {t.name: t for t in ALL_TOPICS}
 INPUT_TOPICS = (GPU_SAMPLES, NODE_KERNEL, JOB_LOGS, JOB_PROGRESS, SCHED_EVENTS, HEALTH_EXTERNAL)
@@ -108,7 +116,7 @@ def partition_key(event: Event) -> bytes:
 
     One job's evidence must land on one partition, in order, for attribution.
     """
-    if isinstance(event, (GpuSample, KernelEvent, HealthEvent, NodeReturn)):
+    if isinstance(event, (GpuSample, KernelEvent, HealthEvent, NodeReturn, NodeCommand, NodeCommandResult)):
         return event.node.encode()
     if isinstance(event, (LogBatch, ProgressBatch)):
         return event.job_id.encode()

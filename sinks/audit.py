@@ -35,7 +35,7 @@ from schemas.codec import DecodeError, decode
 from schemas.errors import Unavailable
 from schemas.events import Event
 from schemas.ids import cluster_scoped
-from schemas.topics import Topic
+from schemas.topics import TOPIC_BY_NAME, Topic
 from sinks.audit_schema import (
     BY_NAME,
     DEAD_LETTERS_T,
@@ -66,8 +66,9 @@ DDL_DIR = _ddl_dir()
 
 _Row = Callable[[Any], list[Any]]
 # topic name -> (topic, table, row mapping, column list), all from the one declaration per table.
+# The topic is the one read (its event type decodes the record): a table may be fed by two.
 TABLES: dict[str, tuple[Topic, str, _Row, list[str]]] = {
-    topic: (t.topic, t.name, t.row, t.column_names) for topic, t in DECLARED.items()
+    topic: (TOPIC_BY_NAME[topic], t.name, t.row, t.column_names) for topic, t in DECLARED.items()
 }
 
 

@@ -35,6 +35,8 @@ from schemas.topics import (
     INCIDENTS,
     JOB_ATTEMPTS,
     MODE_CHANGES,
+    NODE_COMMAND_RESULTS,
+    NODE_COMMANDS,
     NODE_RETURNS,
     SCHED_EVENTS,
     Topic,
@@ -578,6 +580,49 @@ JOB_ATTEMPTS_T = Table(
     granularity=1024,
 )
 
+
+def _or(attr: str, absent: Any) -> Callable[[Any], Any]:
+    """A column two event types fill: `absent` for the one without the field."""
+    return lambda e: getattr(e, attr, absent)
+
+
+def _t_or_null(attr: str) -> Callable[[Any], Any]:
+    return lambda e: _ts(getattr(e, attr, None))
+
+
+# One table for the executor's commands to the node agents and the agents' results: a command's
+# row says `issued`, each result its status, both keyed by the command id and carrying the node,
+# the incident and the action. The latest row of a node's commands says where its reset stands
+# (`status`, `finished_at`: NULL until a result arrives).
+NODE_COMMANDS_T = Table(
+    "node_commands",
+    NODE_COMMANDS,
+    "event_id",
+    (
+        Column("event_id", "String", _a("event_id")),
+        Column("event_time", T64, _t("event_time")),
+        Column("command_id", "String", _a("command_id")),
+        key("node"),
+        Column("kind", LC, _a("kind")),
+        Column("gpu", "Nullable(Int32)", _a("gpu")),
+        Column("action_id", "String", _a("action_id")),
+        Column("incident_id", "String", _a("incident_id")),
+        Column("status", LC, _or("status", "issued")),
+        Column("reason", "String", _or("reason", ""), codec=ZSTD),
+        Column("requested_by", "String", _or("requested_by", "")),
+        Column("issued_at", f"Nullable({T64})", _t_or_null("issued_at")),
+        Column("detail", "String", _or("detail", ""), codec=ZSTD),
+        Column("agent", LC, _or("agent", "")),
+        Column("started_at", f"Nullable({T64})", _t_or_null("started_at")),
+        Column("finished_at", f"Nullable({T64})", _t_or_null("finished_at")),
+    ),
+    # Read by node (where does its reset stand), by incident and by command through bloom filters.
+    ("node", "event_time", "event_id"),
+    (_bf("incident_id"), _bf("command_id")),
+    "record",
+    granularity=1024,
+)
+
 # Topic name -> table, for every topic the sink audits.
 DECLARED: dict[str, Table] = {
     t.topic.name: t
@@ -596,6 +641,9 @@ DECLARED: dict[str, Table] = {
         DEAD_LETTERS_T,
         HEALTH_EVENTS_T,
         JOB_ATTEMPTS_T,
+        NODE_COMMANDS_T,
     )
 }
+# The agents' results land in the commands' table (the `issued` row's columns they lack stay empty).
+DECLARED[NODE_COMMAND_RESULTS.name] = NODE_COMMANDS_T
 BY_NAME: dict[str, Table] = {t.name: t for t in DECLARED.values()}

@@ -33,8 +33,16 @@ from bus.publish import NotDelivered, Publisher
 from schemas import errors
 from schemas.codec import DecodeError, decode
 from schemas.errors import Unavailable
-from schemas.events import Action, ActionAttempt, ActionResult, AttemptCall, GuardrailTrip
-from schemas.ids import cluster_scoped, current_cluster
+from schemas.events import (
+    Action,
+    ActionAttempt,
+    ActionResult,
+    AttemptCall,
+    GuardrailTrip,
+    NodeCommand,
+    incident_in_reason,
+)
+from schemas.ids import cluster_scoped, current_cluster, stable_id
 from schemas.job_settings import job_mode
 from schemas.topics import (
     ACTION_ATTEMPTS,
@@ -42,10 +50,11 @@ from schemas.topics import (
     ACTIONS,
     DEADLETTER,
     GUARDRAIL_TRIPS,
+    NODE_COMMANDS,
 )
 from schemas.vocab import Guardrail
 from sinks import metrics
-from sinks.backends.base import ActionRefused, BackendError, JobState, SchedulerBackend
+from sinks.backends.base import ActionRefused, BackendError, JobState, NodeState, SchedulerBackend
 from sinks.guardrails import GuardrailFile, Guardrails
 from sinks.lease import ActingLease, Fenced
 
@@ -55,6 +64,8 @@ _GONE = ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEM
 
 # Called before each scheduler call that may change the cluster; raises to prevent the call.
 BeforeCall = Callable[[Action, AttemptCall], None]
+# Puts a command on node.commands for the node's agent, acknowledged before it returns; NotDelivered if not.
+PublishCommand = Callable[[NodeCommand], None]
 
 
 class VerifyTimeout(Unavailable, RuntimeError):
@@ -117,6 +128,9 @@ class Executor:
     def __init__(self, backend: SchedulerBackend, settings: ExecutorSettings | None = None) -> None:
         self.backend = backend
         self.settings = settings or ExecutorSettings()
+        # How a reset_gpu remediation reaches the node's agent (ExecutorService sets its publisher's);
+        # None: no agent can be asked, the node stays drained for a person.
+        self.publish_command: PublishCommand | None = None
 
     # -- one action -----------------------------------------------------------------
 
@@ -277,6 +291,9 @@ class Executor:
             return
         bucket = a.remediation_bucket or "?"
         state = self.backend.node_state(a.node)
+        if a.remediation == "reset_gpu":
+            self._ask_gpu_reset(run, state, bucket)
+            return
         if a.remediation == "repair":
             label = f"repair: {bucket}"
             if label in (state.reason or ""):
@@ -308,6 +325,66 @@ class Executor:
         )
         run.steps.append(
             f"reboot {a.node}: requested ASAP ({bucket}), back as {next_state} until its health check passes"
+        )
+
+    def _ask_gpu_reset(self, run: _Run, state: NodeState, bucket: str) -> None:
+        """Ask the node's agent (sinks/node_agent.py) to reset the culprit GPU, every GPU when none is
+        known, once nothing runs on the node. The drain reason's marker says it was asked, so a
+        redelivered action never asks twice. The marker follows the acknowledged command: a reason
+        never claims a reset nobody was asked for, and a crash between the two asks again with the
+        same command id, which the agent carries out once."""
+        a = run.action
+        assert a.node
+        marker = f"| gpu reset ({bucket})"
+        which = "every GPU" if a.culprit_gpu is None else f"GPU {a.culprit_gpu}"
+        if marker in (state.reason or ""):
+            run.steps.append(f"gpu reset on {a.node}: already asked of its node agent ({state.reason})")
+            return
+        if not state.drained or incident_in_reason(state.reason) != a.incident_id:
+            # The agent resets only a node drained for this incident: another drain is its owner's.
+            run.steps.append(
+                f"gpu reset on {a.node} not asked: it is not drained for {a.incident_id} (reason {state.reason!r})"
+            )
+            return
+        if self.publish_command is None:
+            run.steps.append(f"gpu reset on {a.node} not asked: no node agent can be reached; it stays drained")
+            return
+        now = time.time()
+        command_id = stable_id("cmd", a.action_id)
+        try:
+            command = NodeCommand(
+                event_id=command_id,
+                event_time=now,
+                command_id=command_id,
+                node=a.node,
+                kind="gpu_reset",
+                gpu=a.culprit_gpu,
+                action_id=a.action_id,
+                incident_id=a.incident_id,
+                reason=state.reason or a.reason,
+                requested_by=a.requested_by,
+                issued_at=now,
+            )
+        except ValueError as exc:
+            run.steps.append(f"gpu reset on {a.node} not asked ({exc}): it stays drained for a person")
+            return
+        run.before_call(a, "reset_gpu")
+        try:
+            self.publish_command(command)
+        except NotDelivered as exc:
+            run.steps.append(f"gpu reset on {a.node} not asked ({exc}): it stays drained for a person")
+            return
+        try:
+            self.backend.relabel_node(a.node, f"{state.reason or a.reason} {marker}")
+        except BackendError as exc:
+            run.steps.append(
+                f"gpu reset of {which} on {a.node}: asked of its node agent (command {command_id}), "
+                f"but the drain reason was not marked ({exc})"
+            )
+            return
+        run.steps.append(
+            f"gpu reset of {which} on {a.node}: asked of its node agent ({bucket}, command {command_id}) for when "
+            "nothing runs there; it stays drained until its health check passes"
         )
 
     def _owner_allows(self, run: _Run, before: JobState, what: str) -> None:
@@ -462,6 +539,7 @@ class ExecutorService:
         )
         self._consumer: Consumer | None = None  # the actions consumer, only while holding the lease
         self._publisher = Publisher(bootstrap, client_id)
+        executor.publish_command = self._publish_command
         self._restored_epoch = 0  # the lease epoch whose attempts have been read back
         self.stop_event = threading.Event()
         self.results: list[ActionResult] = []
@@ -500,6 +578,10 @@ class ExecutorService:
         self._lease.confirm(end)
         self.attempts.append(attempt)
         metrics.ATTEMPTS.labels(call).inc()
+
+    def _publish_command(self, command: NodeCommand) -> None:
+        """A command to a node's agent, acknowledged (acks=all) before the drain reason says it was asked."""
+        self._publisher.publish_sync(NODE_COMMANDS, command, timeout_s=30)
 
     def _record(self, attempt: ActionAttempt) -> int:
         """Write the attempt to its partition, acks=all, and wait for it; the end offset after it."""

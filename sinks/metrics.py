@@ -33,6 +33,9 @@ FOREIGN_ACTIONS = Counter(
     "Actions for another cluster the executor passed over without acting",
     ["cluster"],
 )
+NODE_COMMANDS = Counter(
+    "trainmedic_node_commands_total", "Commands the node agent finished (sinks/node_agent.py)", ["kind", "status"]
+)
 KILL_SWITCH = Gauge(
     "trainmedic_kill_switch",
     "1 while the guardrails' kill switch is on (the executor takes no scheduler action); read at each scrape",

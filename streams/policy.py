@@ -204,7 +204,7 @@ class FleetPolicy(BaseModel):
 
 
 class AutoReturn(BaseModel):
-    """The optional automatic path back (trainmedic/return_to_service.py): nodes trainmedic drained
+    """The optional automatic path back (trainmedic/auto_return.py): nodes trainmedic drained
     are judged exactly as `nodes resume` judges them, without an operator asking, and resumed on a
     pass. Off by default: a new site returns nodes by hand until it trusts the health check."""
 
@@ -783,6 +783,7 @@ def make_action(
         stop_mode=decision.stop_mode,
         remediation=decision.remediation,
         remediation_bucket=decision.remediation_bucket,
+        culprit_gpu=decision.culprit_gpu,
         reason=f"trainmedic {incident_id}: {decision.category}",
         requested_by=requested_by,
         incident_time=decision.incident_time,

@@ -39,7 +39,8 @@ if TYPE_CHECKING:
     from sinks.audit import AuditStore
 
 run_app = new_app(
-    help="Run one deployable (streams, executor, audit-sink, api, ingest, notifier) against external Kafka and ClickHouse."
+    help="Run one deployable (streams, executor, audit-sink, api, ingest, notifier, node-agent) against external Kafka "
+    "and ClickHouse."
 )
 log = logging.getLogger("trainmedic.run")
 
@@ -188,16 +189,29 @@ def executor(
     rest_user: RestUserOpt = None,
     rest_token_file: RestTokenFileOpt = None,
     metrics_address: MetricsOpt = None,
+    clickhouse: Annotated[
+        Optional[str],
+        typer.Option(
+            "--clickhouse",
+            help="ClickHouse URL (default: the setting clickhouse_url): the audit the automatic return to "
+            "service (policy return_to_service.automatic) reads; without it that path is off.",
+        ),
+    ] = None,
+    database: DatabaseOpt = "trainmedic",
 ) -> None:
     """The executor (one replica of its consumer group): acts on Slurm as decisions say, within the guardrails."""
     from sinks.executor import Executor, ExecutorService, ExecutorSettings
     from sinks.guardrails import GuardrailFile, Guardrails
-    from streams.policy import DEFAULT_POLICY
+    from streams.policy import DEFAULT_POLICY, load_policy
+    from trainmedic.auto_return import AutoReturnService
+    from trainmedic.settings import clickhouse_dsn
 
     _logging()
     address = _bootstrap(bootstrap, "the executor")
     # The policy file the streams worker decides by (TRAINMEDIC_POLICY): its guardrails.
-    rails = GuardrailFile(settings(policy=policy).policy or DEFAULT_POLICY)
+    s = settings(policy=policy, clickhouse_url=clickhouse)
+    policy_path = s.policy or DEFAULT_POLICY
+    rails = GuardrailFile(policy_path)
     sched = scheduler_backend(
         backend, ssh, ssh_key, known_hosts, remote_slurm_conf, (rest_url, rest_user, rest_token_file)
     )
@@ -207,11 +221,48 @@ def executor(
         Executor(sched, ExecutorSettings(verify_timeout_s=verify_timeout, group=group)),
         Guardrails(rails, sched),
     )
-    _on_term(service.stop_event.set)
+    # The automatic return to service resumes nodes: it runs beside the lease holder's executor
+    # (trainmedic/auto_return.py), and needs the audit for its verdicts, counts and lemon checks.
+    auto: AutoReturnService | None = None
+    store: AuditStore | None = None
+    if clickhouse_dsn(s):
+        try:
+            store = _store(clickhouse, database, "the automatic return to service")
+        except Unavailable as exc:
+            # The executor's own work needs no audit: it starts without the automatic path.
+            log.error("automatic return to service off: %s", exc)
+    if store is not None:
+        auto = AutoReturnService(
+            sched,
+            store,
+            address,
+            policy_path,
+            acting=lambda: service.acting,
+            guardrails=rails,
+            modes_file=s.modes_file,
+            mode_override=s.mode,
+        )
+        threading.Thread(target=auto.run, name="auto-return", daemon=True).start()
+    elif load_policy(policy_path).return_to_service.automatic.enabled:
+        log.warning(
+            "return_to_service.automatic is enabled but this executor has no audit (--clickhouse, "
+            "TRAINMEDIC_CLICKHOUSE_URL): nodes are returned only by `trainmedic nodes resume`"
+        )
+
+    def stop() -> None:
+        service.stop_event.set()
+        if auto is not None:
+            auto.stop_event.set()
+
+    _on_term(stop)
     typer.echo(f"executor up: group {group}, scheduler {sched.name}, probes {probes.url if probes else 'off'}")
     try:
         _run_until_stopped("executor", service.run, service.stop_event)
     finally:
+        if auto is not None:
+            auto.stop_event.set()
+        if store is not None:
+            store.close()
         if probes is not None:
             probes.stop()
 
@@ -425,6 +476,74 @@ def notifier(
     )
     try:
         _run_until_stopped("notifier", service.run, service.stop_event)
+    finally:
+        if probes is not None:
+            probes.stop()
+
+
+@run_app.command("node-agent")
+def node_agent(
+    bootstrap: BootstrapOpt = None,
+    node: Annotated[
+        Optional[str],
+        typer.Option(help="This host's Slurm NodeName (default: TRAINMEDIC_NODE, else this host's name)."),
+    ] = None,
+    reset_command: Annotated[
+        str,
+        typer.Option(help="Resets one GPU: a command line (no shell), {gpu} replaced by the GPU's NVML index."),
+    ] = "nvidia-smi --gpu-reset -i {gpu}",
+    reset_all_command: Annotated[
+        str, typer.Option(help="Resets every GPU of the node, for a command that names no GPU.")
+    ] = "nvidia-smi --gpu-reset",
+    idle_timeout: Annotated[
+        float, typer.Option(help="Seconds a command waits for the node to be idle (no job, no GPU process).")
+    ] = 1800.0,
+    reset_timeout: Annotated[
+        float, typer.Option(help="Seconds the reset command may run before it is killed.")
+    ] = 300.0,
+    poll_interval: Annotated[float, typer.Option(help="Seconds between looks at Slurm and NVML while waiting.")] = 10.0,
+    state_dir: Annotated[
+        Path, typer.Option(help="Where the agent records the commands it began and finished (never run twice).")
+    ] = Path("var/node-agent"),
+    metrics_address: MetricsOpt = None,
+) -> None:
+    """The node agent of this GPU node: carries out the executor's commands for it (a GPU reset once
+    nothing runs on the node). Needs CAP_SYS_ADMIN for the reset, NVML and the node's Slurm client."""
+    from sinks.node_agent import AgentSettings, GpuProbe, NodeAgent, parse_argv
+    from slurmio.runners import LocalRunner
+
+    _logging()
+    for name, value in (("--idle-timeout", idle_timeout), ("--reset-timeout", reset_timeout)):
+        if not value > 0:
+            raise UsageError(f"{name} must be > 0 seconds, got {value:g}")
+    if not 0 < poll_interval <= idle_timeout:
+        raise UsageError(f"--poll-interval must be > 0 and at most --idle-timeout, got {poll_interval:g}")
+    config = AgentSettings(
+        node=settings(node=node).slurm_node(),
+        state_dir=state_dir,
+        reset_command=parse_argv(reset_command, "--reset-command", needs_gpu=True),
+        reset_all_command=parse_argv(reset_all_command, "--reset-all-command", needs_gpu=False),
+        idle_timeout_s=idle_timeout,
+        reset_timeout_s=reset_timeout,
+        poll_interval_s=poll_interval,
+    )
+    # NVML first: a host without it is told so, not about Kafka.
+    probe = GpuProbe()
+    gpus = probe.check()
+    address = _bootstrap(bootstrap, "the node agent")
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--state-dir {state_dir}: {exc.strerror or exc} (it must be writable)") from None
+    probes = start_probes(metrics_address)
+    agent = NodeAgent(address, config, probe, LocalRunner())
+    _on_term(agent.stop_event.set)
+    typer.echo(
+        f"node agent up: node {config.node}, {gpus} GPU(s), group {config.consumer_group}, "
+        f"probes {probes.url if probes else 'off'}"
+    )
+    try:
+        _run_until_stopped("node-agent", agent.run, agent.stop_event)
     finally:
         if probes is not None:
             probes.stop()

@@ -70,6 +70,7 @@ class XidDetector:
                 isolate=isolate,
                 source="kernel",
                 node=event.node,
+                gpu=event.gpu_index,  # the culprit GPU a reset_gpu remediation resets
                 line=event.text[:2000],
                 meaning=(
                     f"Xid {entry.xid} ({entry.name}){gpu}{said}: {entry.meaning}; "

@@ -9,7 +9,8 @@ the real names and parameter names (a unit test checks them against pynvml).
 Knobs: per-GPU values (`FakeGpu`), functions a GPU does not support
 (`unsupported`), arbitrary error codes per function (`errors`), "GPU lost"
 (`lose`), an nvmlInit failure (`init_error`), Xid events queued for
-nvmlEventSetWait (`inject_xid`), and older driver/binding behaviour
+nvmlEventSetWait (`inject_xid`), processes using a GPU (`FakeGpu.processes`, by
+NVML's process mode), and older driver/binding behaviour
 (`legacy_clock_reasons`, `field_values_supported`).
 """
 
@@ -59,6 +60,8 @@ class FakeGpu:
     unsupported: set[str] = field(default_factory=set)  # function names answering NOT_SUPPORTED
     errors: dict[str, int] = field(default_factory=dict)  # function name -> NVML error code it raises
     lost_code: int | None = None  # set: every call for this GPU raises this code
+    # Processes using the GPU, by NVML_PROCESS_MODE_COMPUTE / _GRAPHICS / _MPS: (pid, used bytes).
+    processes: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
 
 def h100_gpus(count: int = 8) -> list[FakeGpu]:
@@ -291,6 +294,28 @@ class FakeNvml(types.ModuleType):
             if not 0 <= link < gpu.nvlink_links:
                 raise NVMLError(_real.NVML_ERROR_INVALID_ARGUMENT)
             return gpu.nvlink_errors.get((link, counter), 0)
+
+    def _processes(self, handle: Any, fn: str, mode: int) -> list[Any]:
+        with self._lock:
+            gpu = self._gpu(handle, fn)[1]
+            # The objects the real binding returns: its process struct as a friendly object.
+            return [
+                _real.nvmlStructToFriendlyObject(
+                    _real.c_nvmlProcessInfo_t(
+                        pid=pid, usedGpuMemory=used, gpuInstanceId=0xFFFFFFFF, computeInstanceId=0xFFFFFFFF
+                    )
+                )
+                for pid, used in gpu.processes.get(mode, [])
+            ]
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: Any) -> list[Any]:
+        return self._processes(handle, "nvmlDeviceGetComputeRunningProcesses", _real.NVML_PROCESS_MODE_COMPUTE)
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, handle: Any) -> list[Any]:
+        return self._processes(handle, "nvmlDeviceGetGraphicsRunningProcesses", _real.NVML_PROCESS_MODE_GRAPHICS)
+
+    def nvmlDeviceGetMPSComputeRunningProcesses(self, handle: Any) -> list[Any]:
+        return self._processes(handle, "nvmlDeviceGetMPSComputeRunningProcesses", _real.NVML_PROCESS_MODE_MPS)
 
     # --- events ---------------------------------------------------------------------------
 

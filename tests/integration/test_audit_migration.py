@@ -69,7 +69,7 @@ def _contents(store: AuditStore) -> dict[str, list[tuple[Any, ...]]]:
     }
     for table in BY_NAME.values():
         if table.name not in have:
-            continue  # new since the old layout (action_attempts, health_events): nothing to keep
+            continue  # new since the old layout (action_attempts, health_events, ...): nothing to keep
         # The columns the old layout had (later migrations add some, NULL for the old rows).
         old = {c["name"] for c in store.query(f"DESCRIBE TABLE {{db}}.{table.name}")}
         cols = ", ".join(
@@ -97,7 +97,12 @@ def test_migration_keeps_every_row_and_a_second_run_changes_nothing(
 
         applied = store.migrate()
         assert [m.version for m in applied] == [m.version for m in load_migrations() if m.version > 5]
-        assert _contents(store) == before | {"action_attempts": [], "health_events": [], "job_attempts": []}
+        assert _contents(store) == before | {
+            "action_attempts": [],
+            "health_events": [],
+            "job_attempts": [],
+            "node_commands": [],
+        }
         # Rows from before the cluster name are the default cluster's (migration 010).
         assert store.query("SELECT DISTINCT cluster FROM {db}.incidents") == [{"cluster": "default"}]
         for table in BY_NAME.values():
@@ -170,7 +175,12 @@ def test_a_failed_migration_leaves_the_old_table_serving(chdb_url: str, database
         fixed = AuditStore(chdb_url, database, LayoutSettings())
         before = _contents(fixed)
         assert [m.version for m in fixed.migrate()] == [m.version for m in load_migrations() if m.version > 5]
-        assert _contents(fixed) == before | {"action_attempts": [], "health_events": [], "job_attempts": []}
+        assert _contents(fixed) == before | {
+            "action_attempts": [],
+            "health_events": [],
+            "job_attempts": [],
+            "node_commands": [],
+        }
     finally:
         store.close()
 

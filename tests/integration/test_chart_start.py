@@ -90,13 +90,19 @@ def notifier_values(url: str) -> dict[str, Any]:
 # Default values plus what turns on every workload.
 VALUES: dict[str, Any] = {
     "ingest": {"enabled": True, "tls": {"existingSecret": "trainmedic-ingest-tls"}},
-    "nodeProducers": {"logs": {"enabled": True}},
+    "nodeProducers": {"logs": {"enabled": True}, "agent": {"enabled": True}},
     # Plain http to loopback is allowed without `insecure`; nothing listens there: no event is
     # published in the generic start (test_notifier_delivers_... gives it a receiver).
     "notifier": notifier_values("http://127.0.0.1:9/hook"),
 }
 # The components whose start needs Slurm (slurm.access=local, against the local cluster).
-NEEDS_SLURM = {"slurm-producer/slurm-producer", "node-producers/logs", "executor/executor", "api/api"}
+NEEDS_SLURM = {
+    "slurm-producer/slurm-producer",
+    "node-producers/logs",
+    "node-producers/agent",
+    "executor/executor",
+    "api/api",
+}
 
 Manifest = dict[str, Any]
 
@@ -414,7 +420,13 @@ def pod(tmp_path: Path, certificate: tuple[str, str]) -> Pod:
         tmp_path,
         certificate,
         chdb=tmp_path / "chdb",
-        host_paths={"/var/log": host_log, "/shared/slurm-logs": logs, "/run/munge": empty, "/etc/slurm": empty},
+        host_paths={
+            "/var/log": host_log,
+            "/shared/slurm-logs": logs,
+            "/run/munge": empty,
+            "/etc/slurm": empty,
+            "/var/lib/trainmedic/node-agent": tmp_path / "host-node-agent",
+        },
     )
 
 
@@ -440,7 +452,9 @@ def _subpod(pod: Pod, name: str) -> Pod:
 
 # --- the tests -------------------------------------------------------------------------------------------
 
-LONG_RUNNING = sorted(i for i, t in TARGETS.items() if t.kind != "Job" and i != "node-producers/gpu")
+# The GPU producer and the node agent need NVML: started by their own tests below.
+NEEDS_NVML = {"node-producers/gpu", "node-producers/agent"}
+LONG_RUNNING = sorted(i for i, t in TARGETS.items() if t.kind != "Job" and i not in NEEDS_NVML)
 # Marked, so `-m "not slurm"` leaves them out where no local Slurm cluster can run.
 LONG_RUNNING_PARAMS = [pytest.param(i, marks=[pytest.mark.slurm] if i in NEEDS_SLURM else []) for i in LONG_RUNNING]
 
@@ -460,8 +474,9 @@ def test_every_rendered_container_is_started_here() -> None:
         "node-producers/gpu",
         "node-producers/kernel",
         "node-producers/logs",
+        "node-producers/agent",
     }
-    assert set(LONG_RUNNING) >= NEEDS_SLURM
+    assert set(LONG_RUNNING) | NEEDS_NVML >= NEEDS_SLURM
 
 
 def test_topics_job_creates_every_topic_mode_changes_included(pod: Pod) -> None:
@@ -496,7 +511,7 @@ def test_workload_starts_until_ready(
     t = TARGETS[target]
     if target in NEEDS_SLURM:
         _slurm(request, pod)
-    if target in ("audit-sink/audit-sink", "api/api"):
+    if target in ("audit-sink/audit-sink", "api/api", "executor/executor"):
         _migrated(pod, broker.bootstrap, t.workload)
     p = prepare(t, pod, broker.bootstrap)
     log = pod.tmp / f"{t.workload}-{t.container['name']}.log"
@@ -508,6 +523,25 @@ def test_workload_starts_until_ready(
             _ingest_answers_over_tls(p, pod)
         elif target == "node-producers/kernel":
             _kernel_line_published(broker.bootstrap)
+        elif target == "executor/executor":
+            # The audit from the chart's ClickHouse Secret: the automatic return to service's loop
+            # runs beside the executor (off in the default policy, and said so).
+            assert "auto-return" in ready["loops"], ready  # type: ignore[operator]
+
+
+def test_node_agent_starts_until_ready_on_its_nodes_nvml(
+    pod: Pod, broker: EmbeddedBroker, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """The agent container as rendered (root, SYS_ADMIN, its state hostPath, the node's Slurm),
+    with NVML answered by the fake pynvml module in its process (tests/fakes/nvml_site)."""
+    _slurm(request, pod)
+    p = prepare(TARGETS["node-producers/agent"], pod, broker.bootstrap)
+    assert p.argv[1:3] == ["run", "node-agent"]
+    nvml = tmp_path / "nvml.json"
+    nvml.write_text('{"gpus": 8}')
+    p.env |= {"PYTHONPATH": f"{REPO / 'tests' / 'fakes' / 'nvml_site'}:{REPO}", "TRAINMEDIC_FAKE_NVML": str(nvml)}
+    with running(p, pod.tmp / "agent.log") as ready:
+        assert ready["ready"] is True, ready
 
 
 _ASSIGNED = re.compile(r"Setting newly assigned partitions(.*?) for group ", re.S)

@@ -133,6 +133,8 @@ CASES: dict[str, dict[str, Any]] = {
     "notifier-no-token": {
         "notifier": {"enabled": True, "webhooks": {"endpoints": [{"url": "https://hooks.slack.com/services/T/B/X"}]}}
     },
+    # The node agent beside the job-log tailer: both read Slurm through the node's munge and slurm.conf.
+    "node-agent": {"nodeProducers": {"agent": {"enabled": True}, "logs": {"enabled": True}}},
     "ssh-everything": {**EVERYTHING, **SSH},
     "local-everything": EVERYTHING,
     "rest-everything": {**EVERYTHING, **REST},
@@ -151,6 +153,7 @@ COMMANDS = {
     "audit-migrate": ["trainmedic", "audit", "db", "migrate"],
     "kernel": ["trainmedic", "produce", "kernel"],
     "logs": ["trainmedic", "produce", "logs"],
+    "agent": ["trainmedic", "run", "node-agent"],
 }
 
 Manifest = dict[str, Any]
@@ -373,6 +376,9 @@ def test_chart_version_and_app_version_agree() -> None:
         ({"nodeProducers": {"nodeName": {"map": {"a": ""}}}}, "map"),
         ({"nodeProducers": {"kernel": {"source": "journald"}}}, "source"),
         ({"nodeProducers": {"gpu": {"metricsPort": 0}}}, "metricsPort"),
+        ({"nodeProducers": {"agent": {"resetCommand": "nvidia-smi --gpu-reset"}}}, "resetCommand"),
+        ({"nodeProducers": {"agent": {"resetAllCommand": "nvidia-smi -r -i {gpu}"}}}, "resetAllCommand"),
+        ({"nodeProducers": {"agent": {"idleTimeoutSeconds": 0}}}, "idleTimeoutSeconds"),
         ({"policy": {"mode": "autonomous"}}, "mode"),
         ({"policy": {"actions": {"gpu_hardware": "reboot"}}}, "gpu_hardware"),
         ({"policy": {"min_confidence": 1.5}}, "min_confidence"),
@@ -603,6 +609,49 @@ def test_daemonset_runs_the_node_producers_on_gpu_nodes(chart: Any) -> None:
     assert kernel["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["DAC_READ_SEARCH"]}
     assert "privileged" not in kernel["securityContext"]
     assert {"name": "host-log", "hostPath": {"path": "/var/log", "type": "Directory"}} in spec["volumes"]
+
+
+def test_the_node_agent_is_off_by_default_and_runs_as_root_with_sys_admin_only(chart: Any) -> None:
+    assert chart.values["nodeProducers"]["agent"]["enabled"] is False
+    assert [c["name"] for c in pod_spec(find(render(chart), "DaemonSet", "-node-producers"))["containers"]] == [
+        "gpu",
+        "kernel",
+    ]
+    ds = find(render(chart, CASES["node-agent"]), "DaemonSet", "-node-producers")
+    spec = pod_spec(ds)
+    assert [c["name"] for c in spec["containers"]] == ["gpu", "kernel", "logs", "agent"]
+    agent = container(ds, "agent")
+    assert agent["command"] + agent["args"] == [
+        "trainmedic",
+        "run",
+        "node-agent",
+        "--state-dir",
+        "/var/lib/trainmedic-agent",
+        "--reset-command",
+        "nvidia-smi --gpu-reset -i {gpu}",
+        "--reset-all-command",
+        "nvidia-smi --gpu-reset",
+        "--idle-timeout",
+        "1800",
+    ]
+    security = agent["securityContext"]
+    assert security["runAsUser"] == 0 and security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"] == {"drop": ["ALL"], "add": ["SYS_ADMIN"]} and "privileged" not in security
+    assert "nvidia.com/gpu" not in str(agent["resources"])  # it must not take a GPU from the jobs
+    env = env_of(agent)
+    assert env["SLURM_CONF"] == "/etc/slurm/slurm.conf" and env["NVIDIA_VISIBLE_DEVICES"] == "all"
+    assert env["TRAINMEDIC_NODE"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    volumes = [v["name"] for v in spec["volumes"]]
+    assert volumes.count("munge-socket") == volumes.count("slurm-conf") == 1  # shared with the logs container
+    state = next(v for v in spec["volumes"] if v["name"] == "agent-state")
+    assert state["hostPath"] == {"path": "/var/lib/trainmedic/node-agent", "type": "DirectoryOrCreate"}
+    assert {"name": "agent-state", "mountPath": "/var/lib/trainmedic-agent"} in agent["volumeMounts"]
+    alone = pod_spec(
+        find(render(chart, {"nodeProducers": {"agent": {"enabled": True}}}), "DaemonSet", "-node-producers")
+    )
+    assert [v["name"] for v in alone["volumes"]].count("munge-socket") == 1
+    with pytest.raises(helm.HelmError, match="metricsPort must differ"):
+        render(chart, {"nodeProducers": {"agent": {"enabled": True, "metricsPort": 9481}}})
 
 
 def test_kernel_from_kmsg_gpu_from_dcgm_logs_from_the_bus(chart: Any) -> None:

@@ -192,13 +192,16 @@ def test_the_node_set_has_no_server_stack(node_bin: Path, outside: tuple[Path, d
 
 def test_the_node_set_serves_the_cli_help(node_bin: Path, outside: tuple[Path, dict[str, str]]) -> None:
     cwd, env = outside
-    commands = [["--help"], ["--version"]] + [
+    commands = [["--help"], ["--version"], ["run", "node-agent", "--help"]] + [
         ["produce", x, "--help"] for x in ("gpu", "dcgm", "kernel", "logs", "slurm")
     ]
     for command in commands:
         proc = _run([node_bin / "trainmedic", *command], cwd, env)
         assert proc.returncode == 0, f"{' '.join(command)}: {proc.stdout}{proc.stderr}"
         assert "Traceback" not in proc.stderr
+    # The node agent runs on the node set: without a driver here it stops at NVML, past its imports.
+    proc = _run([node_bin / "trainmedic", "run", "node-agent", "--node", "gpu07"], cwd, env)
+    assert proc.returncode == 3 and "NVML is not available" in proc.stderr, proc.stderr
     # A central service on the node set says which extra it needs, not a traceback.
     for command in (["run", "api"], ["audit", "db", "migrate", "--clickhouse", "chdb:///nonexistent"]):
         proc = _run([node_bin / "trainmedic", *command], cwd, env)

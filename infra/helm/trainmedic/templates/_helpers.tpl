@@ -461,7 +461,7 @@ ingest: [metrics]
 slurm-producer: [metrics]
 {{- end }}
 {{- with .Values.nodeProducers }}
-{{- if and .enabled (or .gpu.enabled .kernel.enabled .logs.enabled) }}
+{{- if and .enabled (or .gpu.enabled .kernel.enabled .logs.enabled .agent.enabled) }}
 node-producers:
   {{- if .gpu.enabled }}
   - metrics-gpu
@@ -471,6 +471,9 @@ node-producers:
   {{- end }}
   {{- if .logs.enabled }}
   - metrics-logs
+  {{- end }}
+  {{- if .agent.enabled }}
+  - metrics-agent
   {{- end }}
 {{- end }}
 {{- end }}

@@ -1,0 +1,8 @@
+-- trainmedic audit trail, version 20: the executor's commands to the node agents (topic
+-- node.commands: a GPU reset once a node drained for a RESET_GPU fault is idle) and what each
+-- agent made of them (topic node.command.results), in one table: a command's row says `issued`,
+-- its result's row `done`, `failed` or `refused`, both with the command id, node, GPU, action and
+-- incident. The latest row of a node says where its reset stands (`finished_at` is NULL until a
+-- result arrives). Record retention, like the actions. The runner creates the table from its
+-- declaration in sinks/audit_schema.py (the layout of 007).
+-- rebuild: node_commands
