@@ -28,13 +28,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from bus.publish import NotDelivered, Publisher
 from schemas.errors import TrainmedicError
-from schemas.events import Approval, Decision, ModeChange, NodeReturn, incident_in_reason
+from schemas.events import Approval, Decision, ModeChange, incident_in_reason
 from schemas.ids import current_cluster, stable_id
-from schemas.topics import ACTIONS, APPROVALS, MODE_CHANGES, NODE_RETURNS
+from schemas.topics import ACTIONS, APPROVALS, MODE_CHANGES
 from schemas.vocab import Category, Mode, RejectReason
 from schemas.yamlsafe import API_LIMITS
 from sinks.audit import AuditStore
-from sinks.backends.base import BackendError, NodeState, SchedulerBackend
+from sinks.backends.base import SchedulerBackend
 from streams.modes import apply_change
 from streams.policy import (
     PolicyError,
@@ -48,7 +48,7 @@ from trainmedic.console import LiveFeed, console_router
 from trainmedic.limits import MAX_LOOKBACK_DAYS
 from trainmedic.readiness import readiness, verdict_for
 from trainmedic.replay import replay
-from trainmedic.return_to_service import Verdict, judge, repair_reason
+from trainmedic.return_to_service import ReturnRefused, return_node
 
 log = logging.getLogger("trainmedic.api")
 READINESS_WINDOW_S = 30 * 86400.0
@@ -173,7 +173,6 @@ def create_api(
     PENDING.store = store
     lock = threading.Lock()
     decided: dict[str, str] = {}  # decision id -> verdict, for decisions answered in this run
-    resume_locks: dict[str, threading.Lock] = {}  # node -> its resume in progress
 
     def role_of(authorization: str | None) -> str:
         given = (authorization or "").removeprefix("Bearer ").strip().encode()
@@ -411,79 +410,23 @@ def create_api(
             )
         return out
 
-    def resumable(node: str) -> tuple[NodeState, str]:
-        """The node's state and the incident its drain names, when trainmedic may resume it."""
-        try:
-            state = backend.node_state(node)
-        except (BackendError, ValueError) as exc:
-            raise HTTPException(status_code=404, detail=str(exc)) from None
-        ours_down = state.state == "DOWN" and incident_in_reason(state.reason) is not None
-        if not state.drained and not ours_down:  # DOWN: back from our reboot on a Slurm without nextstate=DRAIN
-            raise HTTPException(status_code=409, detail=f"{node} is not drained")
-        if pending := {"REBOOT_REQUESTED", "REBOOT_ISSUED"} & set(state.flags):
-            raise HTTPException(
-                status_code=409, detail=f"{node}: its reboot is not done yet ({', '.join(sorted(pending))})"
-            )
-        incident_id = incident_in_reason(state.reason)
-        if incident_id is None:
-            # Someone else drained it for their own reason: not ours to undo.
-            raise HTTPException(status_code=409, detail=f"{node} was drained by someone else ({state.reason!r})")
-        return state, incident_id
-
     @api.post("/api/nodes/{node}/resume", dependencies=auth)
     def resume(node: str, body: ResumeBody) -> dict[str, Any]:
-        # One resume per node at a time; the health check (minutes) runs outside the API's lock,
-        # so approvals and mode changes (the brake) are never held up behind it.
-        with lock:
-            node_lock = resume_locks.setdefault(node, threading.Lock())
-        if not node_lock.acquire(blocking=False):
-            raise HTTPException(status_code=409, detail=f"{node}: a resume is already running")
+        # The health check (minutes) runs outside the API's lock, so approvals and mode changes
+        # (the brake) are never held up behind it; return_node allows one return per node at a time.
         try:
-            state, incident_id = resumable(node)
-            settings = load_policy(policy_path).return_to_service
-            verdict = judge(settings, store, node, incident_id)
-            if verdict.allowed:
-                # The check took time: resume only what was judged (same drain, same reason).
-                now_state, _ = resumable(node)
-                if (now_state.reason, now_state.drained) != (state.reason, state.drained):
-                    verdict = Verdict(
-                        False,
-                        f"{node} changed during the health check (reason now {now_state.reason!r}): not resumed; "
-                        "ask again",
-                        verdict.check,
-                    )
-            event = NodeReturn(
-                event_id=stable_id("ret", node, state.reason, time.time()),
-                event_time=time.time(),
-                node=node,
-                incident_id=incident_id,
-                drain_reason=state.reason or "",
-                operator=body.operator,
-                comment=body.comment,
-                outcome="resumed" if verdict.allowed else "refused",
-                check=verdict.check.command if verdict.check else None,
-                check_passed=verdict.check.passed if verdict.check else None,
-                detail=verdict.reason[:8192],
+            done = return_node(
+                backend,
+                store,
+                publisher,
+                lambda: load_policy(policy_path).return_to_service,
+                node,
+                body.operator,
+                body.comment,
             )
-            publisher.publish(NODE_RETURNS, event)
-            if publisher.flush(10):
-                raise HTTPException(status_code=503, detail="Kafka did not confirm; nothing changed")
-            if not verdict.allowed:
-                if verdict.lemon_incidents and state.reason:
-                    try:  # labelled for repair in Slurm itself, where the next operator looks
-                        backend.relabel_node(node, repair_reason(state.reason, verdict))
-                    except BackendError as exc:
-                        log.error("could not label %s for repair: %s", node, exc)
-                log.warning("resume of %s refused: %s", node, verdict.reason)
-                raise HTTPException(status_code=409, detail=f"{node} stays drained: {verdict.reason}")
-            try:
-                backend.resume_node(node)
-            except BackendError as exc:
-                raise HTTPException(status_code=502, detail=f"scheduler refused: {exc}") from None
-        finally:
-            node_lock.release()
-        log.info("resumed %s (drained for %s) by %s: %s", node, incident_id, body.operator, verdict.reason)
-        return {"node": node, "incident_id": incident_id, "status": "resumed", "check": verdict.reason}
+        except ReturnRefused as exc:
+            raise HTTPException(status_code=exc.status, detail=exc.detail) from None
+        return {"node": node, "incident_id": done.incident_id, "status": "resumed", "check": done.verdict.reason}
 
     # The Recovery Console: its page, its live event stream and the reads it needs.
     api.include_router(

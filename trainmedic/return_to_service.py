@@ -16,19 +16,32 @@
    With no check configured such a node is not resumed.
 
 Every verdict, refused or not, is published as a NodeReturn (the audit's node_returns).
+
+`return_node` is the one way a node goes back: the operator API's resume and the automatic path
+(trainmedic/auto_return.py) both call it, so both judge, record and act alike.
 """
 
 from __future__ import annotations
 
+import logging
 import shlex
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
+from bus.publish import Publisher
+from schemas.errors import Refused
+from schemas.events import NodeReturn, incident_in_reason
+from schemas.ids import stable_id
+from schemas.topics import NODE_RETURNS
 from sinks.audit import AuditStore
+from sinks.backends.base import BackendError, NodeState, SchedulerBackend
 from streams.policy import ReturnToService
+
+log = logging.getLogger("trainmedic.return_to_service")
 
 OUTPUT_TAIL = 2000
 #: What a lemon's drain reason gets, after trainmedic's own "trainmedic inc-...: category".
@@ -145,3 +158,145 @@ def repair_reason(reason: str, verdict: Verdict) -> str:
     if REPAIR_LABEL in reason:
         return reason
     return f"{reason} | {REPAIR_LABEL} ({len(verdict.lemon_incidents)} isolating faults)"
+
+
+#: Slurm's flags of a reboot asked for and not yet done (the remediation's `scontrol reboot`).
+REBOOT_PENDING = frozenset({"REBOOT_REQUESTED", "REBOOT_ISSUED"})
+
+
+class ReturnRefused(Refused, RuntimeError):
+    """The node was not resumed. `status` is what the operator API answers (404 no such node, 409
+    not resumable or judged unfit, 503 the verdict not recorded, 502 the scheduler refused);
+    `event` is the published NodeReturn, when one was."""
+
+    def __init__(self, status: int, detail: str, event: NodeReturn | None = None) -> None:
+        super().__init__(detail)
+        self.status, self.detail, self.event = status, detail, event
+
+
+def not_resumable(state: NodeState) -> str | None:
+    """Why trainmedic may not resume this node now; None when it may (its own drain, no reboot pending)."""
+    ours_down = state.state == "DOWN" and incident_in_reason(state.reason) is not None
+    if not state.drained and not ours_down:  # DOWN: back from our reboot on a Slurm without nextstate=DRAIN
+        return f"{state.name} is not drained"
+    if pending := REBOOT_PENDING & set(state.flags):
+        return f"{state.name}: its reboot is not done yet ({', '.join(sorted(pending))})"
+    if incident_in_reason(state.reason) is None:
+        # Someone else drained it for their own reason: not ours to undo.
+        return f"{state.name} was drained by someone else ({state.reason!r})"
+    return None
+
+
+def resumable(backend: SchedulerBackend, node: str) -> tuple[NodeState, str]:
+    """The node's state and the incident its drain names, when trainmedic may resume it."""
+    try:
+        state = backend.node_state(node)
+    except (BackendError, ValueError) as exc:
+        raise ReturnRefused(404, str(exc)) from None
+    if (why := not_resumable(state)) is not None:
+        raise ReturnRefused(409, why)
+    incident_id = incident_in_reason(state.reason)
+    assert incident_id is not None  # not_resumable refused anyone else's reason
+    return state, incident_id
+
+
+Outcome = Literal["resumed", "refused", "recommended"]
+
+
+@dataclass(frozen=True)
+class Returned:
+    node: str
+    incident_id: str
+    verdict: Verdict
+    event: NodeReturn
+
+    @property
+    def resumed(self) -> bool:
+        return self.event.outcome == "resumed"
+
+
+# One return per node at a time in this process, whoever asks (the API and the automatic path
+# share them in `trainmedic up`): two health checks of one node would only race to one resume.
+_locks_guard = threading.Lock()
+_node_locks: dict[str, threading.Lock] = {}
+
+
+def _node_lock(node: str) -> threading.Lock:
+    with _locks_guard:
+        return _node_locks.setdefault(node, threading.Lock())
+
+
+def return_node(
+    backend: SchedulerBackend,
+    store: AuditStore,
+    publisher: Publisher,
+    settings: Callable[[], ReturnToService],
+    node: str,
+    operator: str,
+    comment: str = "",
+    *,
+    hold: Callable[[], str | None] | None = None,
+    runner: Runner = run_check,
+) -> Returned:
+    """Judge `node` and, on a pass, resume it; raises ReturnRefused when it is not resumed.
+
+    `settings` is read once the node is known to be resumable (the policy file as it is then).
+    The verdict is published (and flushed) before anything is done on the scheduler: a resume
+    that cannot be recorded is not made. `hold`, asked once the node has passed (and again before
+    a lemon is relabelled), says why the caller may not act now (monitor mode, the kill switch,
+    the acting lease lost during a check that took minutes): the verdict is then recorded as
+    "recommended" - what autonomy would have done - and nothing changes on the cluster.
+    """
+    lock = _node_lock(node)
+    if not lock.acquire(blocking=False):
+        raise ReturnRefused(409, f"{node}: a resume is already running")
+    try:
+        state, incident_id = resumable(backend, node)
+        verdict = judge(settings(), store, node, incident_id, runner=runner)
+        if verdict.allowed:
+            # The check took time: resume only what was judged (same drain, same reason).
+            now_state, _ = resumable(backend, node)
+            if (now_state.reason, now_state.drained) != (state.reason, state.drained):
+                verdict = Verdict(
+                    False,
+                    f"{node} changed during the health check (reason now {now_state.reason!r}): not resumed; ask again",
+                    verdict.check,
+                )
+        held = hold() if hold is not None and (verdict.allowed or verdict.lemon_incidents) else None
+        outcome: Outcome = "refused" if not verdict.allowed else "recommended" if held else "resumed"
+        detail = verdict.reason if held is None else f"{verdict.reason} (not acted on: {held})"
+        event = NodeReturn(
+            event_id=stable_id("ret", node, state.reason, time.time()),
+            event_time=time.time(),
+            node=node,
+            incident_id=incident_id,
+            drain_reason=state.reason or "",
+            operator=operator,
+            comment=comment,
+            outcome=outcome,
+            check=verdict.check.command if verdict.check else None,
+            check_passed=verdict.check.passed if verdict.check else None,
+            detail=detail[:8192],
+        )
+        publisher.publish(NODE_RETURNS, event)
+        if publisher.flush(10):
+            raise ReturnRefused(503, "Kafka did not confirm; nothing changed")
+        if not verdict.allowed:
+            if verdict.lemon_incidents and state.reason and held is None:
+                try:  # labelled for repair in Slurm itself, where the next operator looks
+                    backend.relabel_node(node, repair_reason(state.reason, verdict))
+                except BackendError as exc:
+                    log.error("could not label %s for repair: %s", node, exc)
+            log.warning("resume of %s refused: %s", node, verdict.reason)
+            raise ReturnRefused(409, f"{node} stays drained: {verdict.reason}", event)
+        if held is not None:
+            log.info("%s may return to service (%s), not resumed: %s", node, verdict.reason, held)
+            return Returned(node, incident_id, verdict, event)
+        try:
+            backend.resume_node(node)
+        except BackendError as exc:
+            raise ReturnRefused(502, f"scheduler refused: {exc}", event) from None
+    finally:
+        lock.release()
+    log.info("resumed %s (drained for %s) by %s: %s", node, incident_id, operator, verdict.reason)
+    return Returned(node, incident_id, verdict, event)

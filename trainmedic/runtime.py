@@ -15,17 +15,19 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from bus.admin import check_bootstrap, ensure_topics
 from bus.publish import Publisher
 from schemas.errors import TrainmedicError
+from schemas.vocab import Mode
 from sinks.audit import AuditSink, AuditStore
 from sinks.backends.base import SchedulerBackend
 from sinks.executor import Executor, ExecutorService, ExecutorSettings
 from sinks.guardrails import GuardrailFile, Guardrails
 from streams.policy import DEFAULT_POLICY
 from trainmedic.api import API_MESSAGE_TIMEOUT_MS, ApiError, ApiServer, create_api, load_or_create_token
+from trainmedic.auto_return import AutoReturnService
 from trainmedic.broker import BrokerError, EmbeddedBroker, check_port_free, free_port, port_in_use
 from trainmedic.console import LiveFeed
 from trainmedic.metrics_server import MetricsServer
@@ -88,6 +90,7 @@ class Stack:
     store: AuditStore | None = None
     sink: AuditSink | None = None
     executor: ExecutorService | None = None
+    auto_return: AutoReturnService | None = None
     api: ApiServer | None = None
     console_feed: LiveFeed | None = None
     publisher: Publisher | None = None
@@ -131,6 +134,7 @@ class Stack:
             self.store.migrate()
             self._start_sink()
             self._start_executor()
+            self._start_auto_return()
             if cfg.metrics_port is not None:
                 self.metrics = MetricsServer(cfg.metrics_host, cfg.metrics_port).start()
             if cfg.api_port is not None:
@@ -242,6 +246,21 @@ class Stack:
         )
         self._start_thread("executor", self.executor.run)
 
+    def _start_auto_return(self) -> None:
+        """Beside the executor: it acts only while this executor holds the acting lease (trainmedic/auto_return.py)."""
+        assert self.store is not None
+        self.auto_return = AutoReturnService(
+            self.backend,
+            self.store,
+            self.bootstrap,
+            self.policy_path,
+            acting=lambda: self.executor is not None and self.executor.acting,
+            guardrails=GuardrailFile(self.policy_path),
+            modes_file=self.modes_path,
+            mode_override=cast("Mode | None", self.config.mode),
+        )
+        self._start_thread("auto-return", self.auto_return.run)
+
     def _start_thread(self, name: str, target: Any) -> None:
         def run() -> None:
             try:
@@ -275,6 +294,9 @@ class Stack:
             )
         comps.append(Component("executor", lambda: self._thread_alive("executor"), self._start_executor, _thread_ended))
         comps.append(Component("audit-sink", lambda: self._thread_alive("audit-sink"), self._start_sink, _thread_ended))
+        comps.append(
+            Component("auto-return", lambda: self._thread_alive("auto-return"), self._start_auto_return, _thread_ended)
+        )
         if self.console_feed is not None:
             feed = self.console_feed
             comps.append(Component("console-feed", lambda: feed.alive, self._restart_feed, _thread_ended))
@@ -509,7 +531,7 @@ class Stack:
         if self.publisher is not None:
             self.publisher.close(5)  # flushes, and ends its delivery thread
             self.publisher = None
-        for svc in (self.executor, self.sink):
+        for svc in (self.executor, self.sink, self.auto_return):
             if svc is not None:
                 svc.stop_event.set()
         for t in self._threads:

@@ -70,6 +70,7 @@ class NodeState:
     reason: str | None = None
     partitions: tuple[str, ...] = ()
     reason_user: str | None = None  # who set the reason, where Slurm says
+    reason_time: float | None = None  # when the reason was set (Unix time), where Slurm says
 
     @property
     def drained(self) -> bool:

@@ -319,6 +319,7 @@ def _node_state(node: NodeInfo) -> NodeState:
         reason=node.reason,
         partitions=node.partitions,
         reason_user=node.reason_user,
+        reason_time=node.reason_time,
     )
 
 

@@ -65,10 +65,16 @@ ANALYZE = shutil.which("systemd-analyze")
 # The PATH systemd gives a service.
 SYSTEMD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # Variables the units' command lines use that are not settings (documented in the units).
-UNIT_VARIABLES = {"KERNEL_SOURCE", "DCGM_URL", "INGEST_HOST", "INGEST_PORT", "INGEST_TLS", "LOGS_ARGS"}
+UNIT_VARIABLES = {"KERNEL_SOURCE", "DCGM_URL", "INGEST_HOST", "INGEST_PORT", "INGEST_TLS", "LOGS_ARGS"} | {
+    "RESET_COMMAND",
+    "RESET_ALL_COMMAND",
+    "NODE_AGENT_ARGS",
+}
 OTHER_VARIABLES = {"SLURM_CONF", "PYTHONUNBUFFERED"}
 CENTRAL = ("streams", "executor", "audit-sink", "api", "ingest", "notifier", "slurm-producer")
-NODE = ("gpu", "dcgm", "kernel", "logs")
+NODE = ("gpu", "dcgm", "kernel", "logs", "node-agent")
+# Units that run as root, each with the one capability it needs as its whole bounding set.
+ROOT = {"trainmedic-node-agent.service": "CAP_SYS_ADMIN"}
 ONE_SHOTS = ("topics", "audit-migrate")
 # Settings a bare-metal site does not set, and why.
 NOT_FOR_SITES = {"clickhouse_password": "dropins/clickhouse-password.conf names it by its _FILE form"}
@@ -256,8 +262,13 @@ def test_the_sysusers_file_makes_the_named_user(tmp_path: Path) -> None:
     assert named and all(
         u.value("Service", "DynamicUser") == "yes"
         for u in map(parse_unit, UNITS.glob("*.service"))
-        if u.name not in named
+        if u.name not in named and u.name not in ROOT
     )
+    for name, capability in ROOT.items():
+        unit = parse_unit(UNITS / name)
+        assert unit.value("Service", "User") is None and unit.value("Service", "DynamicUser") is None
+        assert unit.value("Service", "CapabilityBoundingSet") == capability, name
+        assert unit.value("Service", "AmbientCapabilities") == capability, name
 
 
 # -- what the units name exists --------------------------------------------------------------
@@ -614,6 +625,14 @@ def test_topics_then_migrate_then_audit_sink_and_api(tmp_path: Path, certificate
             assert refused.value.code == 401
         finally:
             stopped_cleanly(api)
+
+        # The executor with dropins/executor-audit.conf: the audit from the same credential, so the
+        # automatic return to service (off in this policy) has its loop beside the executor.
+        executor = started(unit_command("executor", site, dropins=("executor-audit.conf",)), tmp_path / "executor.log")
+        try:
+            assert "auto-return" in executor.ready["loops"], executor.ready  # type: ignore[operator]
+        finally:
+            stopped_cleanly(executor)
     finally:
         bare.stop()
 
@@ -650,6 +669,23 @@ def test_gpu_without_nvml_says_so(broker: EmbeddedBroker, tmp_path: Path) -> Non
     proc = run_one_shot(unit_command("gpu", Site(tmp_path, broker.bootstrap)), timeout=60)
     assert proc.returncode == 3, proc.stdout + proc.stderr  # Unavailable, not a usage error (2)
     assert "NVML" in proc.stderr and "Usage:" not in proc.stderr
+
+
+def test_node_agent_without_nvml_says_so(broker: EmbeddedBroker, tmp_path: Path) -> None:
+    cmd = unit_command("node-agent", Site(tmp_path, broker.bootstrap))
+    assert cmd.argv[1:] == [
+        "run",
+        "node-agent",
+        "--state-dir",
+        str(tmp_path / "var-lib" / "trainmedic" / "node-agent"),
+        "--reset-command",
+        "nvidia-smi --gpu-reset -i {gpu}",  # one word: ${RESET_COMMAND}
+        "--reset-all-command",
+        "nvidia-smi --gpu-reset",
+    ]
+    proc = run_one_shot(cmd, timeout=60)
+    assert proc.returncode == 3, proc.stdout + proc.stderr  # Unavailable, not a usage error (2)
+    assert "NVML is not available" in proc.stderr and "Usage:" not in proc.stderr
 
 
 @pytest.fixture
