@@ -415,6 +415,13 @@ def node_history(store: AuditStore, node: str, limit: int = 1000) -> dict[str, A
         "FROM {db}.anomalies FINAL WHERE node = {n:String} GROUP BY signature, role ORDER BY anomalies DESC",
         {"n": node},
     )
+    # Every verdict on returning it: by an operator (`nodes resume`) or the automatic path (trainmedic-auto).
+    returns = _rows(
+        store,
+        "SELECT event_time AS time, outcome, operator, incident_id, check_passed, detail FROM {db}.node_returns FINAL "
+        "WHERE node = {n:String} ORDER BY event_time DESC LIMIT {limit:UInt32}",
+        {"n": node, "limit": limit},
+    )
     n_blamed = int(summary[0]["incidents"]) if summary else 0
     return {
         "node": node,
@@ -424,6 +431,7 @@ def node_history(store: AuditStore, node: str, limit: int = 1000) -> dict[str, A
         "incidents": incs,
         "events": events,
         "anomalies": anomalies,
+        "returns": returns,
     }
 
 
@@ -528,17 +536,26 @@ def export(
     return {"table": table, "format": fmt, "rows": rows, "out": str(out), "bytes": out.stat().st_size}
 
 
-# --- goodput (sinks/ddl/016_goodput.sql, docs/audit.md "Goodput") --------------------------------
+# --- goodput (sinks/ddl/021_goodput_outages.sql, docs/audit.md "Goodput") ------------------------
 
 # What goodput assumes: the audit records a job's nodes, not its GPUs (the same 8 as gpu_hours_saved).
 GOODPUT_GPUS_PER_NODE = cast(int, GPU_HOURS_ASSUMPTIONS["gpus_per_node"])
+# The actions that stop a job (the attempt ends): an incident charges an outage only when one of them
+# was carried out, or the job had stopped by itself (docs/audit.md, "Goodput").
+STOPPING_ACTIONS = ("requeue", "stop", "drain_and_requeue", "drain_and_stop")
 GOODPUT_ASSUMPTIONS = {
     "gpus_per_node": GOODPUT_GPUS_PER_NODE,
     "fault": "the incident's first_signal_time: the earliest evidence of the fault",
     "running_again": "the first scheduler RUNNING report of the job's next attempt (the first attempt started "
-    "after the fault), else that attempt's start, else the first RUNNING report of the job after the fault; "
-    "none: not (yet) running again, and no GPU-hours lost are counted",
-    "gpu_hours_lost": "len(job_nodes) * 8 * (running again - fault) / 3600",
+    "after the fault), else that attempt's start, else the first RUNNING report of the job after the fault",
+    "job_stopped": "a stopping action of the incident (" + ", ".join(STOPPING_ACTIONS) + ") verified done; or the "
+    "job stopped by itself between the fault and the incident (an attempt ended, a scheduler state other than "
+    "RUNNING); or a stopping action whose result is not recorded and the job ran again. Otherwise the job kept "
+    "running: 0 GPU-hours lost (lost_basis 'job kept running')",
+    "outage": "per job, the fault -> running again intervals of the incidents that stopped it, merged where they "
+    "overlap: one outage, charged once, to the incident whose fault came first (charged_to); the others 0",
+    "gpu_hours_lost": "the GPUs of the outage's incidents (len(job_nodes) * 8, the largest) * (the outage's last "
+    "running again - its first fault) / 3600; none while the job is not running again (lost_basis 'still down')",
     "productive": "the whole duration of each attempt that progressed (a higher step or a new checkpoint)",
     "effective_ratio": "productive / (lineage wall time - time of attempts whose progress is unknown)",
 }
@@ -568,15 +585,31 @@ def attempts_sql(where: str) -> str:
     )"""
 
 
+_STOPS = "(" + ", ".join(f"'{a}'" for a in STOPPING_ACTIONS) + ")"
+# The end of an outage that has not ended (the job not running again): 9999-12-31, in milliseconds.
+_NEVER_MS = "toInt64(253402300799999)"
+# Per job (an incident without one alone), the incidents by fault; at one instant, those that stopped the job first.
+_BY_FAULT = "PARTITION BY job_id, if(job_id IS NULL, incident_id, '') ORDER BY start_ms, kept, incident_id"
+_PER_OUTAGE = "PARTITION BY job_id, if(job_id IS NULL, incident_id, ''), outage"
+
+
 def incident_goodput_sql(
     where_i: str = "1", where_r: str = "1", where_a: str = "1", where_s: str = "1", gpus_per_node: int = 8
 ) -> str:
-    """The `incident_goodput` view (sinks/ddl/016_goodput.sql) for the incidents `where_i` selects, reading
-    their action results, the job attempts and the scheduler's RUNNING reports that `where_r`, `where_a`
-    and `where_s` select (all "1": the view itself; a test checks that the two are the same text)."""
+    """The `incident_goodput` view (sinks/ddl/021_goodput_outages.sql) for the incidents `where_i` selects,
+    reading their actions and action results, the job attempts and the scheduler's job reports that
+    `where_r`, `where_a` and `where_s` select (all "1": the view itself; a test checks that the two are
+    the same text).
+
+    `judged`: each incident's fault, running again and whether the job stopped (`stop_evidence`); its
+    interval is fault -> running again if the job stopped (-> never while it is not running again), else
+    the instant of the fault. `chained`/`outages`: per job, by fault, an interval that starts before the
+    furthest end of those before it belongs to their outage (gaps and islands: a running max, then a
+    running count of the rows that start a new one). `charged`: each outage's first incident, span and
+    GPUs. Window functions only, each CTE read once: `judged` is computed once."""
     return f"""WITH
     faults AS (
-        SELECT incident_id, job_id, first_signal_time FROM {{db}}.incidents FINAL WHERE job_id != '' AND ({where_i})
+        SELECT incident_id, job_id, first_signal_time, event_time FROM {{db}}.incidents FINAL WHERE job_id != '' AND ({where_i})
     ),
     attempts AS (
     {attempts_sql(where_a)}
@@ -589,53 +622,125 @@ def incident_goodput_sql(
         WHERE a.started_at > f.first_signal_time
         GROUP BY f.incident_id
     ),
+    ended AS (
+        SELECT f.incident_id AS incident_id, count() AS attempts_ended
+        FROM faults AS f
+        INNER JOIN attempts AS a ON a.job_id = f.job_id
+        WHERE a.ended_at >= f.first_signal_time AND a.ended_at <= f.event_time
+        GROUP BY f.incident_id
+    ),
     running AS (
         SELECT f.incident_id AS incident_id,
-            minIfOrNull(s.event_time, s.event_time > f.first_signal_time) AS after_fault,
+            minIfOrNull(s.event_time, s.running AND s.event_time > f.first_signal_time) AS after_fault,
             minIfOrNull(
                 s.event_time,
-                n.started_at IS NOT NULL AND s.event_time >= n.started_at AND (n.ended_at IS NULL OR s.event_time <= n.ended_at)
-            ) AS in_next_attempt
+                s.running AND n.started_at IS NOT NULL AND s.event_time >= n.started_at AND (n.ended_at IS NULL OR s.event_time <= n.ended_at)
+            ) AS in_next_attempt,
+            countIf(NOT s.running AND s.event_time >= f.first_signal_time AND s.event_time <= f.event_time) AS left_running
         FROM faults AS f
         INNER JOIN (
-            SELECT job_id, event_time FROM {{db}}.sched_events FINAL
-            WHERE kind = 'job' AND state = 'RUNNING' AND job_id != '' AND ({where_s})
+            SELECT job_id, event_time, state = 'RUNNING' AS running FROM {{db}}.sched_events FINAL
+            WHERE kind = 'job' AND state != 'SNAPSHOT' AND job_id != '' AND ({where_s})
         ) AS s ON s.job_id = f.job_id
         LEFT JOIN next_attempt AS n ON n.incident_id = f.incident_id
         GROUP BY f.incident_id
+    ),
+    results AS (
+        SELECT incident_id, minIf(verified_at, status = 'done') AS acted_at,
+            countIf(status = 'done' AND action IN {_STOPS}) AS stops_done,
+            countIf(action IN {_STOPS}) AS stop_results
+        FROM {{db}}.action_results FINAL WHERE {where_r} GROUP BY incident_id
+    ),
+    asked AS (
+        SELECT incident_id, countIf(action IN {_STOPS}) AS stops_asked
+        FROM {{db}}.actions FINAL WHERE {where_r} GROUP BY incident_id
+    ),
+    judged AS (
+        SELECT
+            i.incident_id AS incident_id,
+            nullIf(i.job_id, '') AS job_id,
+            i.category AS category,
+            nullIf(i.culprit_node, '') AS culprit_node,
+            toUInt32(length(i.job_nodes)) * {gpus_per_node} AS gpus,
+            i.first_signal_time AS fault_at,
+            i.event_time AS detected_at,
+            r.acted_at AS acted_at,
+            coalesce(g.in_next_attempt, n.started_at, g.after_fault) AS ran_again_at,
+            multiIf(
+                g.in_next_attempt IS NOT NULL, 'next attempt RUNNING',
+                n.started_at IS NOT NULL, 'next attempt start',
+                g.after_fault IS NOT NULL, 'RUNNING after the fault',
+                NULL
+            ) AS ran_again_from,
+            multiIf(
+                ifNull(r.stops_done, 0) > 0, 'stopping action done',
+                ifNull(e.attempts_ended, 0) + ifNull(g.left_running, 0) > 0, 'job stopped before the incident',
+                ifNull(a.stops_asked, 0) > 0 AND ifNull(r.stop_results, 0) = 0 AND ran_again_at IS NOT NULL,
+                'stopping action without a result, ran again',
+                NULL
+            ) AS stop_evidence,
+            toUInt8(stop_evidence IS NULL) AS kept,
+            toUnixTimestamp64Milli(i.first_signal_time) AS start_ms,
+            multiIf(kept = 1, start_ms, ran_again_at IS NULL, {_NEVER_MS}, toUnixTimestamp64Milli(assumeNotNull(ran_again_at))) AS end_ms
+        FROM (SELECT * FROM {{db}}.incidents FINAL WHERE {where_i}) AS i
+        LEFT JOIN results AS r ON r.incident_id = i.incident_id
+        LEFT JOIN asked AS a ON a.incident_id = i.incident_id
+        LEFT JOIN next_attempt AS n ON n.incident_id = i.incident_id
+        LEFT JOIN running AS g ON g.incident_id = i.incident_id
+        LEFT JOIN ended AS e ON e.incident_id = i.incident_id
+    ),
+    chained AS (
+        SELECT *,
+            max(end_ms) OVER ({_BY_FAULT} ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS reach_ms,
+            row_number() OVER ({_BY_FAULT}) AS n
+        FROM judged
+    ),
+    outages AS (
+        SELECT *, sum(toUInt64(n = 1 OR start_ms >= reach_ms)) OVER ({_BY_FAULT} ROWS UNBOUNDED PRECEDING) AS outage
+        FROM chained
+    ),
+    charged AS (
+        SELECT *,
+            argMin(incident_id, (start_ms, kept, incident_id)) OVER ({_PER_OUTAGE}) AS first_incident,
+            countIf(kept = 0) OVER ({_PER_OUTAGE}) AS stopping,
+            max(gpus) OVER ({_PER_OUTAGE}) AS outage_gpus,
+            min(start_ms) OVER ({_PER_OUTAGE}) AS from_ms,
+            max(end_ms) OVER ({_PER_OUTAGE}) AS until_ms
+        FROM outages
     )
 SELECT
-    i.incident_id AS incident_id,
-    nullIf(i.job_id, '') AS job_id,
-    i.category AS category,
-    nullIf(i.culprit_node, '') AS culprit_node,
-    toUInt32(length(i.job_nodes)) * {gpus_per_node} AS gpus,
-    i.first_signal_time AS fault_at,
-    i.event_time AS detected_at,
-    r.acted_at AS acted_at,
-    coalesce(g.in_next_attempt, n.started_at, g.after_fault) AS running_again_at,
+    incident_id,
+    job_id,
+    category,
+    culprit_node,
+    gpus,
+    fault_at,
+    detected_at,
+    acted_at,
     multiIf(
-        g.in_next_attempt IS NOT NULL, 'next attempt RUNNING',
-        n.started_at IS NOT NULL, 'next attempt start',
-        g.after_fault IS NOT NULL, 'RUNNING after the fault',
-        NULL
-    ) AS running_again_from,
-    {_secs("i.event_time", "i.first_signal_time")} AS time_to_detect_s,
-    if(acted_at IS NULL, NULL, {_secs("assumeNotNull(acted_at)", "i.event_time")}) AS time_to_act_s,
-    if(running_again_at IS NULL, NULL, {_secs("assumeNotNull(running_again_at)", "i.first_signal_time")}) AS time_to_recover_s,
-    gpus * time_to_recover_s / 3600.0 AS gpu_hours_lost
-FROM (SELECT * FROM {{db}}.incidents FINAL WHERE {where_i}) AS i
-LEFT JOIN (
-    SELECT incident_id, minIf(verified_at, status = 'done') AS acted_at
-    FROM {{db}}.action_results FINAL WHERE {where_r} GROUP BY incident_id
-) AS r ON r.incident_id = i.incident_id
-LEFT JOIN next_attempt AS n ON n.incident_id = i.incident_id
-LEFT JOIN running AS g ON g.incident_id = i.incident_id"""
+        job_id IS NULL, 'no job',
+        stopping = 0, 'job kept running',
+        until_ms = {_NEVER_MS}, 'still down',
+        'outage'
+    ) AS lost_basis,
+    if(lost_basis = 'outage', ran_again_at, NULL) AS running_again_at,
+    if(lost_basis = 'outage', ran_again_from, NULL) AS running_again_from,
+    {_secs("detected_at", "fault_at")} AS time_to_detect_s,
+    if(acted_at IS NULL, NULL, {_secs("assumeNotNull(acted_at)", "detected_at")}) AS time_to_act_s,
+    if(running_again_at IS NULL, NULL, {_secs("assumeNotNull(running_again_at)", "fault_at")}) AS time_to_recover_s,
+    multiIf(
+        lost_basis = 'outage', if(first_incident = incident_id, outage_gpus * ((until_ms - from_ms) / 1000.0) / 3600.0, 0.0),
+        lost_basis = 'still down', NULL,
+        0.0
+    ) AS gpu_hours_lost,
+    if(lost_basis IN ('outage', 'still down'), first_incident, NULL) AS charged_to,
+    stop_evidence
+FROM charged"""
 
 
 def job_goodput_sql(where_a: str = "1", incidents: str = "{db}.incident_goodput") -> str:
-    """The `job_goodput` view (sinks/ddl/016_goodput.sql) for the jobs whose attempt records `where_a`
-    selects, with the incidents of `incidents` (a relation with incident_goodput's columns)."""
+    """The `job_goodput` view (sinks/ddl/021_goodput_outages.sql) for the jobs whose attempt records
+    `where_a` selects, with the incidents of `incidents` (a relation with incident_goodput's columns)."""
     judged = "j.attempts_progressed + j.attempts_no_progress"
     return f"""WITH
     attempts AS (
@@ -676,7 +781,9 @@ def job_goodput_sql(where_a: str = "1", incidents: str = "{db}.incident_goodput"
     ),
     lost AS (
         SELECT assumeNotNull(job_id) AS job_id, count() AS incidents,
-            countIf(running_again_at IS NULL) AS incidents_not_running_again,
+            countIf(lost_basis = 'still down') AS incidents_not_running_again,
+            countIf(lost_basis = 'job kept running') AS incidents_kept_running,
+            countIf(lost_basis = 'outage' AND charged_to = incident_id) AS outages,
             sum(gpu_hours_lost) AS gpu_hours_lost
         FROM {incidents}
         WHERE job_id IS NOT NULL
@@ -700,7 +807,9 @@ SELECT
     if({judged} = 0 OR j.wall_s - j.unknown_s <= 0, NULL, j.productive_s / (j.wall_s - j.unknown_s)) AS effective_ratio,
     l.incidents AS incidents,
     l.incidents_not_running_again AS incidents_not_running_again,
-    ifNull(l.gpu_hours_lost, 0) AS gpu_hours_lost
+    ifNull(l.gpu_hours_lost, 0) AS gpu_hours_lost,
+    l.incidents_kept_running AS incidents_kept_running,
+    l.outages AS outages
 FROM (SELECT job_id FROM jobs UNION DISTINCT SELECT job_id FROM lost) AS k
 LEFT JOIN jobs AS j ON j.job_id = k.job_id
 LEFT JOIN lost AS l ON l.job_id = k.job_id"""
@@ -721,14 +830,16 @@ def goodput(
 ) -> dict[str, Any]:
     """Goodput of the last `since` (everything: None), for one job or the fleet.
 
-    `fleet`: the window's incidents (GPU-hours lost, how many ran again, mean/p50/p95 of the time to
-    detect, act and recover), the jobs and their effective training time ratio (productive time over
+    `fleet`: the window's incidents (GPU-hours lost, the outages they were charged as, how many ran
+    again, were not running again or did not stop their job, mean/p50/p95 of the time to detect, act
+    and recover), the jobs and their effective training time ratio (productive time over
     the wall time whose outcome is known, summed over the jobs that have one). `incidents`: the
     window's incidents, newest first; `jobs`: the jobs with an incident or an attempt recorded in the
     window, each over its whole lineage, the most GPU-hours lost first, then the lowest ratio; both at
-    most `limit`. The rows are the incident_goodput and job_goodput views' (sinks/ddl/016_goodput.sql)
+    most `limit`. The rows are the incident_goodput and job_goodput views' (sinks/ddl/021_goodput_outages.sql)
     from bounded reads: incidents by time, their children and the jobs' attempts and scheduler
-    reports through the incident and job bloom filters.
+    reports through the incident and job bloom filters. Outages are merged among the window's
+    incidents: one that began before the window is charged to its first incident inside it.
     """
     params: dict[str, Any] = {"limit": limit}
     where_i, child = ["1"], "1"
@@ -758,8 +869,11 @@ def goodput(
 
     totals = _rows(
         store,
-        f"SELECT count() AS incidents, count(running_again_at) AS incidents_running_again, "
-        f"countIf(running_again_at IS NULL) AS incidents_not_running_again, "
+        "SELECT count() AS incidents, countIf(lost_basis = 'outage') AS incidents_running_again, "
+        "countIf(lost_basis = 'still down') AS incidents_not_running_again, "
+        "countIf(lost_basis = 'job kept running') AS incidents_kept_running, "
+        "countIf(lost_basis = 'no job') AS incidents_no_job, "
+        "countIf(lost_basis = 'outage' AND charged_to = incident_id) AS outages, "
         f"sum(gpu_hours_lost) AS gpu_hours_lost, {_GOODPUT_STATS} FROM ({inc})",
         params,
     )[0]

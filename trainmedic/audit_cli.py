@@ -292,10 +292,10 @@ def node(
     database: Database = "trainmedic",
     as_json: AsJson = False,
 ) -> None:
-    """A node's history: incidents it was blamed for, actions taken on it, anomalies seen on it."""
+    """A node's history: incidents it was blamed for, actions taken on it, anomalies seen on it, returns to service."""
     with _store(data_dir, clickhouse, database) as store:
         data = q.node_history(store, name)
-    if not (data["incidents"] or data["events"] or data["anomalies"]):
+    if not (data["incidents"] or data["events"] or data["anomalies"] or data["returns"]):
         raise NotFound(f"node {name}: nothing in the audit database {database!r}")
     if as_json:
         _print_json(data)
@@ -318,6 +318,20 @@ def node(
             "anomalies seen on this node",
             data["anomalies"],
             (("signature", "signature"), ("role", "role"), ("anomalies", "count"), ("last_seen", "last (UTC)")),
+        )
+    )
+    console.print(
+        _table(
+            "returns to service (by an operator, or trainmedic-auto: the automatic path)",
+            data["returns"],
+            (
+                ("time", "time (UTC)"),
+                ("outcome", "outcome"),
+                ("operator", "by"),
+                ("incident_id", "drained for"),
+                ("check_passed", "check passed"),
+                ("detail", "why"),
+            ),
         )
     )
 
@@ -355,17 +369,22 @@ def _hours(seconds: Any) -> str:
     return "-" if seconds is None else f"{seconds / 3600:.2f} h"
 
 
+# What an incident that charged no outage shows instead of a running-again time (lost_basis).
+_NOT_AN_OUTAGE = {"still down": "not running again", "job kept running": "job kept running", "no job": "no job"}
+
+
 def _goodput_incident_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for r in rows:
-        never = r["running_again_at"] is None
-        out.append(
-            {
-                **r,
-                "again": "not running again" if never else f"{_fmt(r['running_again_at'])} ({r['running_again_from']})",
-                "lost": "-" if never else f"{r['gpu_hours_lost']:.2f}",
-            }
-        )
+        basis = r["lost_basis"]
+        if basis == "outage":
+            again = f"{_fmt(r['running_again_at'])} ({r['running_again_from']})"
+        else:
+            again = _NOT_AN_OUTAGE.get(basis, basis)
+        lost = "-" if r["gpu_hours_lost"] is None else f"{r['gpu_hours_lost']:.2f}"
+        if r["charged_to"] is not None and r["charged_to"] != r["incident_id"]:
+            lost += f" (outage of {r['charged_to']})"
+        out.append({**r, "again": again, "lost": lost})
     return out
 
 
@@ -374,8 +393,16 @@ def _goodput_job_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in rows:
         ratio = r["effective_ratio"]
         incidents = f"{r['incidents'] or 0}"
-        if r["incidents_not_running_again"]:
-            incidents += f" ({r['incidents_not_running_again']} not running again)"
+        notes = [
+            f"{n} {what}"
+            for n, what in (
+                (r["incidents_not_running_again"], "not running again"),
+                (r["incidents_kept_running"], "kept running"),
+            )
+            if n
+        ]
+        if notes:
+            incidents += f" ({', '.join(notes)})"
         progress = "-"
         if r["attempts"]:
             progress = (
@@ -406,8 +433,9 @@ def goodput(
     database: Database = "trainmedic",
     as_json: AsJson = False,
 ) -> None:
-    """GPU-hours lost per incident (fault -> running again), time to detect / act / recover, and each
-    job's effective training time across its restarts (docs/audit.md, "Goodput")."""
+    """GPU-hours lost per outage (fault -> running again, each outage once, only incidents that stopped
+    their job), time to detect / act / recover, and each job's effective training time across its
+    restarts (docs/audit.md, "Goodput")."""
     with _store(data_dir, clickhouse, database) as store:
         data = q.goodput(store, since=since, job=job, limit=limit)
     if as_json:
@@ -420,8 +448,11 @@ def goodput(
     gpn = data["assumptions"]["gpus_per_node"]
     console.print(
         f"[bold]goodput, {who}, {window}[/]: {f['incidents']} incident(s): {f['gpu_hours_lost']:.1f} GPU-hours lost "
-        f"(fault -> running again, {gpn} GPUs per node); {f['incidents_running_again']} running again, "
-        f"{f['incidents_not_running_again']} not running again (no loss counted for those)"
+        f"in {f['outages']} outage(s) (fault -> running again, overlapping ones merged and charged once, "
+        f"{gpn} GPUs per node); {f['incidents_running_again']} running again, "
+        f"{f['incidents_not_running_again']} not running again (no loss counted for those), "
+        f"{f['incidents_kept_running']} did not stop their job (0)"
+        + (f", {f['incidents_no_job']} without a job" if f["incidents_no_job"] else "")
     )
     ratio = f["effective_ratio"]
     console.print(

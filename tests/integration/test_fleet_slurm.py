@@ -141,8 +141,11 @@ def test_a_drain_set_over_the_cap_is_refused_as_a_whole(
             timeout=120,
         )[0]
         assert trip["guardrail"] == "blast_radius" and "refused as a whole" in trip["detail"], trip
-        for node in ("gpu01", "gpu02"):
-            wait_for(f"{node} drained for its own fault", lambda n=node: backend.node_state(n).drained, timeout=60)
+        wait_for(
+            "gpu01 and gpu02 drained for their own faults",
+            lambda: all(backend.node_state(n).drained for n in ("gpu01", "gpu02")),
+            timeout=60,
+        )
         assert not backend.node_state("gpu03").drained
     finally:
         stack.stop()

@@ -1,6 +1,6 @@
 """Goodput accounting (#20 item 5) on the real chDB: the incident_goodput and job_goodput views
-(sinks/ddl/016_goodput.sql), sinks.audit_queries.goodput, `trainmedic audit goodput` and the
-console's GET /api/goodput.
+(sinks/ddl/016_goodput.sql, replaced by 021_goodput_outages.sql), sinks.audit_queries.goodput,
+`trainmedic audit goodput` and the console's GET /api/goodput.
 
 One audit with every case, inserted twice (Kafka redelivers; FINAL counts each event once):
 
@@ -15,22 +15,36 @@ One audit with every case, inserted twice (Kafka redelivers; FINAL counts each e
 - job 9005: one attempt still running whose restart's cause record shares the attempt's start time
   (the tie the latest-record rule must break towards the cause: it says the attempt progressed).
 
+A second audit (`outage_events`) holds the two over-counts of 016 that 021 removes:
+
+- job 9101, 4 nodes: a kernel Xid incident and a hang incident of one outage (the hang's requeue was
+  skipped: the Xid's had already stopped the job), then a second outage: charged 8 + 4 GPU-hours,
+  the outage of both to the Xid incident, whose fault came first (016: 8 + 7.82 + 4).
+- job 9102, 2 nodes: a recommendation only (monitor mode) on a job that kept running; a person
+  requeued it two hours later (016 charged the two hours: 32.4 GPU-hours).
+- job 9103, 1 node: a drain only on a job that kept running to completion (016: "not running again").
+- job 9104, 1 node: three requeues; the second's outage (fault -> its next attempt RUNNING) began
+  before the first's ended and outlasts it: one outage from the first fault to the second's running
+  again; the third fault at that very instant starts an outage of its own.
+
 Every expected number is computed here by hand from the times below, not read back.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from schemas.events import Event, JobAttempt, SchedEvent
+from schemas.events import Action, ActionResult, Decision, Event, JobAttempt, SchedEvent
 from sinks import audit_queries as q
-from sinks.audit import DDL_DIR, AuditStore, split_sql
+from sinks.audit import DDL_DIR, AuditStore, load_migrations, split_sql
 from tests.integration.test_audit import incident_events, insert_events
 from trainmedic.replay import GPUS_PER_NODE
 
@@ -263,6 +277,14 @@ def test_goodput_views_count_each_incident_and_job_exactly(store: AuditStore) ->
         assert {k: got[k] for k in expected_incident(iid)} == expected_incident(iid), iid
     assert rows["inc-9001-0"]["gpu_hours_lost"] == 8.0 and rows["inc-9001-1"]["gpu_hours_lost"] == 4.0
     assert rows["inc-9001-0"]["culprit_node"] == "gpu11" and rows["inc-9001-0"]["category"] == "gpu_hardware"
+    # Each of 9001's incidents stopped the job (a verified drain_and_requeue) and is an outage of its own;
+    # 9003's requeue has no result, but the job ran again; 9002 was stopped and is still down.
+    assert {i: (r["lost_basis"], r["charged_to"], r["stop_evidence"]) for i, r in rows.items()} == {
+        "inc-9001-0": ("outage", "inc-9001-0", "stopping action done"),
+        "inc-9001-1": ("outage", "inc-9001-1", "stopping action done"),
+        "inc-9002-0": ("still down", "inc-9002-0", "stopping action done"),
+        "inc-9003-0": ("outage", "inc-9003-0", "stopping action without a result, ran again"),
+    }
     # Never running again: no loss counted (not 0, not "until now").
     assert rows["inc-9002-0"]["running_again_at"] is None and rows["inc-9002-0"]["gpu_hours_lost"] is None
 
@@ -274,8 +296,9 @@ def test_goodput_views_count_each_incident_and_job_exactly(store: AuditStore) ->
 
 
 def test_the_views_are_the_queries_sql(store: AuditStore) -> None:
-    """016's views and goodput()'s bounded reads are one text: every filter "1" gives the view."""
-    (migration,) = DDL_DIR.glob("016_*.sql")
+    """021's views (the latest of the goodput views) and goodput()'s bounded reads are one text: every
+    filter "1" gives the view."""
+    (migration,) = DDL_DIR.glob("021_*.sql")
     statements = split_sql(migration.read_text())
 
     def norm(sql: str) -> str:
@@ -293,6 +316,7 @@ def test_goodput_totals_and_rows(store: AuditStore) -> None:
     expected = [expected_incident(i) for i in INCIDENTS]
     lost = [e["gpu_hours_lost"] for e in expected if e["gpu_hours_lost"] is not None]
     assert (fleet["incidents"], fleet["incidents_running_again"], fleet["incidents_not_running_again"]) == (4, 3, 1)
+    assert (fleet["outages"], fleet["incidents_kept_running"], fleet["incidents_no_job"]) == (3, 0, 0)
     assert fleet["gpu_hours_lost"] == sum(lost) == 16.0
     for m in ("time_to_detect", "time_to_act", "time_to_recover"):
         values = [e[f"{m}_s"] for e in expected if e[f"{m}_s"] is not None]
@@ -344,7 +368,7 @@ def test_cli_goodput(store: AuditStore, chdb_url: str, database: str) -> None:
     result = CliRunner().invoke(audit_app, [*base, "--since", "7d"], env=wide)
     assert result.exit_code == 0, result.output
     out = result.output
-    assert "goodput, fleet, last 7d: 4 incident(s): 16.0 GPU-hours lost" in out
+    assert "goodput, fleet, last 7d: 4 incident(s): 16.0 GPU-hours lost in 3 outage(s)" in out
     assert "1 not running again" in out
     assert "effective training time" in out
     for line in ("9001", "9002", "9003", "inc-9001-0", "inc-9002-0"):
@@ -384,3 +408,196 @@ def test_console_goodput_route(store: AuditStore) -> None:
         assert body["since"] == "7d"
         bad = client.get("/api/goodput", params={"since": "7x"}, headers={"Authorization": "Bearer tok"})
         assert bad.status_code == 422
+
+
+# --- the over-counts of 016: one outage charged once, only an incident that stopped its job ------------
+
+
+def recommendation_only(events: list[Event]) -> list[Event]:
+    """An incident's events in monitor mode: the decision recommends, no action is taken."""
+    out: list[Event] = []
+    for e in events:
+        if isinstance(e, Decision):
+            out.append(e.model_copy(update={"mode": "monitor", "executed": False}))
+        elif not isinstance(e, Action | ActionResult):
+            out.append(e)
+    return out
+
+
+def outage_events() -> list[Event]:
+    events: list[Event] = []
+    # job 9101: Xid at 1000 (requeue verified 1040), the hang it caused seen from 1020 (detected at 1320,
+    # after the requeue: its own requeue skipped); RUNNING again at 1900. Another Xid at 3000, RUNNING 3450.
+    n1 = ["gpu61", "gpu61-peer1", "gpu61-peer2", "gpu61-peer3"]
+    events += [
+        attempt("9101", 1, 0),
+        attempt("9101", 1, 0, record=1010, cause="inc-9101-0"),
+        attempt("9101", 1, 0, ended=1040, progressed=True, cause="inc-9101-0", steps=(None, 500)),
+        attempt("9101", 2, 1040, excluded=("gpu61",), steps=(500, None)),
+        attempt("9101", 2, 1040, record=3010, cause="inc-9101-2", excluded=("gpu61",)),
+        attempt("9101", 2, 1040, ended=3030, progressed=True, cause="inc-9101-2", excluded=("gpu61",)),
+        attempt("9101", 3, 3030, excluded=("gpu61", "gpu62")),
+        running("9101", 0, n1),
+        running("9101", 1900, n1),
+        running("9101", 3450, n1),
+    ]
+    events += incident_events(0, T0 + 1000, job="9101", node="gpu61", detect_s=10, act_s=30, job_nodes=4)
+    events += incident_events(
+        1,
+        T0 + 1020,
+        job="9101",
+        node="gpu61",
+        category="hang",
+        detect_s=300,
+        act_s=5,
+        job_nodes=4,
+        action="requeue",
+        status="skipped",
+    )
+    events += incident_events(2, T0 + 3000, job="9101", node="gpu62", detect_s=10, act_s=30, job_nodes=4)
+    # job 9102: a recommendation at 2000 (monitor mode); the job ran on; a person requeued it at 9200.
+    events += [
+        attempt("9102", 1, 0),
+        attempt("9102", 1, 0, ended=9200, progressed=True, end_reason="requeued (Slurm restart count 1)"),
+        attempt("9102", 2, 9200),
+        running("9102", 0, ["gpu71", "gpu71-peer1"]),
+        running("9102", 9290, ["gpu71", "gpu71-peer1"]),
+    ]
+    events += recommendation_only(
+        incident_events(0, T0 + 2000, job="9102", node="gpu71", detect_s=5, act_s=None, job_nodes=2)
+    )
+    # job 9103: a drain only (verified at 1522) at 1500; the job ran on and completed at 6000.
+    events += [
+        attempt("9103", 1, 0),
+        attempt("9103", 1, 0, ended=6000, progressed=True, end_reason="completed"),
+        running("9103", 0, ["gpu81"]),
+    ]
+    events += incident_events(0, T0 + 1500, job="9103", node="gpu81", detect_s=2, act_s=20, job_nodes=1, action="drain")
+    # job 9104: requeues verified at 1010, 1500 and 2000; RUNNING in attempts 2, 3 and 4 at 1450, 1900, 2350.
+    for n, (start, end) in enumerate([(0, 1010), (1010, 1500), (1500, 2000)], start=1):
+        cause = f"inc-9104-{n - 1}"
+        events += [attempt("9104", n, start), attempt("9104", n, start, ended=end, progressed=False, cause=cause)]
+    events += [attempt("9104", 4, 2000)]
+    events += [running("9104", t, ["gpu91"]) for t in (0, 1450, 1900, 2350)]
+    for n, (fault, act_s) in enumerate([(1000, 5), (1200, 290), (1900, 95)]):
+        events += incident_events(
+            n, T0 + fault, job="9104", node="gpu91", detect_s=5 if n != 1 else 10, act_s=act_s, job_nodes=1
+        )
+    return events
+
+
+# The Xid + hang outage of 9101 once (1000 -> 1900), then its second outage (3000 -> 3450), 32 GPUs.
+OUTAGE_9101 = 32 * (1900 - 1000) / 3600 + 32 * (3450 - 3000) / 3600
+# What 016 charged: the hang incident again (1020 -> 1900), and 9102 from its recommendation to the
+# RUNNING report after the person's requeue (16 GPUs x 7290 s).
+OLD_9101 = OUTAGE_9101 + 32 * (1900 - 1020) / 3600
+OLD_9102 = 16 * (9290 - 2000) / 3600
+# 9104: 1000 -> 1450 and 1200 -> 1900 are one outage (1000 -> 1900); 1900 -> 2350 touches it: another.
+OUTAGE_9104 = 8 * (1900 - 1000) / 3600 + 8 * (2350 - 1900) / 3600
+OLD_9104 = 8 * ((1450 - 1000) + (1900 - 1200) + (2350 - 1900)) / 3600
+
+
+@pytest.fixture
+def outage_store(chdb_url: str, database: str) -> Iterator[AuditStore]:
+    s = AuditStore(chdb_url, database)
+    s.migrate()
+    events = outage_events()
+    insert_events(s, events)
+    insert_events(s, events)  # redelivered
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def test_one_outage_is_charged_once_to_its_first_incident(outage_store: AuditStore) -> None:
+    jobs = by(q._rows(outage_store, "SELECT * FROM {db}.job_goodput"), "job_id")
+    assert jobs["9101"]["gpu_hours_lost"] == OUTAGE_9101 == 12.0
+    rows = by(q._rows(outage_store, "SELECT * FROM {db}.incident_goodput"), "incident_id")
+    got = {
+        i: (r["lost_basis"], r["gpu_hours_lost"], r["charged_to"], r["stop_evidence"], r["time_to_recover_s"])
+        for i, r in rows.items()
+        if i.startswith("inc-9101")
+    }
+    assert got == {
+        "inc-9101-0": ("outage", 8.0, "inc-9101-0", "stopping action done", 900.0),
+        # The hang's fault fell inside the Xid's outage, and the job had stopped before it was published.
+        "inc-9101-1": ("outage", 0.0, "inc-9101-0", "job stopped before the incident", 880.0),
+        "inc-9101-2": ("outage", 4.0, "inc-9101-2", "stopping action done", 450.0),
+    }
+    assert rows["inc-9101-1"]["running_again_at"] == at(1900)
+    j = jobs["9101"]
+    assert (j["incidents"], j["outages"], j["incidents_not_running_again"], j["incidents_kept_running"]) == (3, 2, 0, 0)
+    # The fleet counts it once too, and goodput() (bounded reads) says what the views say.
+    data = q.goodput(outage_store, since=timedelta(days=7))
+    fleet = data["fleet"]
+    assert fleet["gpu_hours_lost"] == OUTAGE_9101 + OUTAGE_9104 == 15.0 and fleet["outages"] == 4
+    assert (fleet["incidents"], fleet["incidents_running_again"], fleet["incidents_kept_running"]) == (8, 6, 2)
+    assert fleet["incidents_not_running_again"] == 0
+    assert by(data["incidents"], "incident_id") == rows
+    assert q.goodput(outage_store, since=timedelta(days=7), job="9101")["fleet"]["gpu_hours_lost"] == 12.0
+
+
+def test_overlapping_outages_chain_and_touching_ones_do_not(outage_store: AuditStore) -> None:
+    rows = by(q._rows(outage_store, "SELECT * FROM {db}.incident_goodput WHERE job_id = '9104'"), "incident_id")
+    got = {i: (r["gpu_hours_lost"], r["charged_to"], r["running_again_at"]) for i, r in rows.items()}
+    assert got == {
+        "inc-9104-0": (2.0, "inc-9104-0", at(1450)),  # the whole 1000 -> 1900
+        "inc-9104-1": (0.0, "inc-9104-0", at(1900)),
+        "inc-9104-2": (1.0, "inc-9104-2", at(2350)),
+    }
+    (job,) = q._rows(outage_store, "SELECT * FROM {db}.job_goodput WHERE job_id = '9104'")
+    assert (job["gpu_hours_lost"], job["outages"]) == (OUTAGE_9104, 2) and OUTAGE_9104 == 3.0
+
+
+def test_an_incident_that_did_not_stop_its_job_is_not_charged(outage_store: AuditStore) -> None:
+    jobs = by(q._rows(outage_store, "SELECT * FROM {db}.job_goodput"), "job_id")
+    assert (jobs["9102"]["gpu_hours_lost"], jobs["9103"]["incidents_not_running_again"]) == (0.0, 0)
+    rows = by(q._rows(outage_store, "SELECT * FROM {db}.incident_goodput"), "incident_id")
+    for iid in ("inc-9102-0", "inc-9103-0"):
+        r = rows[iid]
+        assert r["lost_basis"] == "job kept running", iid
+        assert r["gpu_hours_lost"] == 0.0 and r["charged_to"] is None and r["stop_evidence"] is None, iid
+        assert r["running_again_at"] is None and r["time_to_recover_s"] is None, iid
+    assert rows["inc-9103-0"]["acted_at"] == at(1522)  # the drain was carried out: it stops no job
+    for job in ("9102", "9103"):
+        j = jobs[job]
+        assert (j["gpu_hours_lost"], j["incidents_kept_running"], j["incidents_not_running_again"]) == (0.0, 1, 0), job
+        assert j["outages"] == 0 and j["incidents"] == 1, job
+
+
+def test_the_cli_says_what_was_charged(outage_store: AuditStore, chdb_url: str, database: str) -> None:
+    from typer.testing import CliRunner
+
+    from trainmedic.audit_cli import audit_app
+
+    base = ["goodput", "--clickhouse", chdb_url, "--database", database, "--since", "7d"]
+    result = CliRunner().invoke(audit_app, base, env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "8 incident(s): 15.0 GPU-hours lost in 4 outage(s)" in out
+    assert "2 did not stop their job (0)" in out
+    (hang,) = [ln for ln in out.splitlines() if "inc-9101-1" in ln]
+    assert "0.00 (outage of inc-9101-0)" in hang
+    (rec,) = [ln for ln in out.splitlines() if "inc-9102-0" in ln]
+    assert "job kept running" in rec and "0.00" in rec
+
+
+def test_the_016_views_over_count_this_audit(chdb_url: str, database: str, tmp_path: Path) -> None:
+    """The same events on the views of 016 (021 not applied) show both over-counts, so the tests above
+    test something: the hang incident charged again, the recommendation charged until the requeue, the
+    drain-only incident "not running again"."""
+    for m in load_migrations():
+        if m.version < 21:
+            shutil.copy(m.path, tmp_path / m.path.name)
+    old = AuditStore(chdb_url, database)
+    try:
+        old.migrate(tmp_path)
+        insert_events(old, outage_events())
+        jobs = by(q._rows(old, "SELECT * FROM {db}.job_goodput"), "job_id")
+        assert jobs["9101"]["gpu_hours_lost"] == pytest.approx(OLD_9101) and OLD_9101 > 19.8
+        assert jobs["9102"]["gpu_hours_lost"] == pytest.approx(OLD_9102) == 32.4
+        assert jobs["9103"]["incidents_not_running_again"] == 1
+        assert jobs["9104"]["gpu_hours_lost"] == pytest.approx(OLD_9104) and OLD_9104 > 3.5
+    finally:
+        old.close()

@@ -359,6 +359,9 @@
   function onNodeReturn(ev) {
     if (ev.outcome === "refused") {
       activity(`Node ${ev.node} stays drained (resume by ${ev.operator} refused): ${ev.detail}`, ev.event_time);
+    } else if (ev.outcome === "recommended") {
+      // The automatic path judged it fit but did not act (monitor mode, kill switch): still drained.
+      activity(`Node ${ev.node} may return to service (${ev.operator}, not resumed): ${ev.detail}`, ev.event_time);
     } else {
       activity(`Node ${ev.node} returned to service by ${ev.operator}`, ev.event_time);
     }
@@ -818,9 +821,10 @@
     const f = r.body.fleet;
     const gpn = r.body.assumptions.gpus_per_node;
     const parts = [
-      `${f.incidents} incident(s): ${fmtNum(f.gpu_hours_lost, 1)} GPU-hours lost (fault to running again, ${gpn} GPUs per node)`,
+      `${f.incidents} incident(s): ${fmtNum(f.gpu_hours_lost, 1)} GPU-hours lost in ${f.outages} outage(s) (fault to running again, overlapping ones charged once, ${gpn} GPUs per node)`,
     ];
     if (f.incidents_not_running_again) parts.push(`${f.incidents_not_running_again} not running again (not counted)`);
+    if (f.incidents_kept_running) parts.push(`${f.incidents_kept_running} did not stop their job (0)`);
     parts.push(
       f.effective_ratio === null
         ? "effective training time: no job reported progress"
@@ -853,6 +857,7 @@
       lost.className = "num";
       lost.textContent = fmtNum(j.gpu_hours_lost, 2);
       if (j.incidents_not_running_again) lost.append(text("span", `${j.incidents_not_running_again} not running again`, "why"));
+      if (j.incidents_kept_running) lost.append(text("span", `${j.incidents_kept_running} kept running`, "why"));
       const restarts = tr.insertCell();
       restarts.className = "num";
       restarts.textContent = String(j.restarts ?? 0);
