@@ -15,8 +15,18 @@ Fail closed, at every step:
 - the node must be idle: no job on it per Slurm (squeue, and the node's own state IDLE) and no
   compute, graphics or MPS process on any of its GPUs per NVML. Whatever cannot be read counts as
   busy. Still busy after the idle timeout: refused, saying what was seen last;
+- the Slurm and NVML look that says go is the one right before the reset command starts: a node
+  resumed or drained for something else while the command waited is refused, never reset;
 - after the reset command exits 0, the GPU must answer NVML again at its index with the PCI bus
   id it had before; else the result is `failed` with the command's output.
+
+Asked to stop (SIGTERM): before the reset began, the agent stops at once and resets nothing (the
+command is delivered again at the next start). Once it began, the reset command and the
+verification after it are carried to their end, each within its own timeout (`reset_timeout_s`,
+`verify_timeout_s`), and the real outcome is reported before the agent stops: a GPU left half
+reset by a killed nvidia-smi, or reported `failed` while it was coming back, helps nobody. Whoever
+stops the agent must give it that long (systemd TimeoutStopSec, the chart's
+terminationGracePeriodSeconds).
 
 NVML is opened only for each look and closed again: a GPU reset is refused while any process
 holds the GPU, an NVML client included.
@@ -115,8 +125,10 @@ class AgentSettings:
     reset_all_command: tuple[str, ...] = DEFAULT_RESET_ALL
     idle_timeout_s: float = 1800.0
     reset_timeout_s: float = 300.0
-    # How long the GPU may take to answer NVML again after the reset command returned.
+    # How long the GPU may take to answer NVML again after the reset command returned, and how
+    # often NVML is asked meanwhile.
     verify_timeout_s: float = 60.0
+    verify_interval_s: float = 1.0
     poll_interval_s: float = 10.0
     slurm_timeout_s: float = 30.0
     group: str = "trainmedic-node-agent"
@@ -538,19 +550,24 @@ class NodeAgent:
         return judge_gpus(command, gpus), gpus
 
     def carry_out(self, command: NodeCommand) -> NodeCommandResult | None:
-        """Wait until the node is idle, reset, verify. None when asked to stop while waiting (the
-        command is delivered again at the next start)."""
+        """Wait until the node is idle, reset, verify. None when asked to stop before the reset began
+        (nothing done; the command is delivered again at the next start)."""
         s = self.settings
         started = time.time()
         deadline = time.monotonic() + s.idle_timeout_s
         said = ""
         while True:
             self._health.beat()
+            if self.stop_event.is_set():
+                return None
+            # Every look reads Slurm and NVML afresh: the one that says go is the last before the reset.
             verdict, before = self._look(command)
             if verdict.refuse is not None:
                 return self._result(command, "refused", verdict.refuse, started, time.time())
             if verdict.go:
-                break
+                if self.stop_event.is_set():
+                    return None  # asked to stop while looking: the reset is not begun
+                return self._reset(command, before, started)
             why = verdict.wait or "?"
             if why != said:
                 log.info("command %s (%s of %s): waiting: %s", command.command_id, command.kind, command.node, why)
@@ -564,8 +581,13 @@ class NodeAgent:
                     started,
                     time.time(),
                 )
-            if self.stop_event.wait(s.poll_interval_s):
-                return None
+            self.stop_event.wait(s.poll_interval_s)
+
+    def _reset(self, command: NodeCommand, before: GpuView, started: float) -> NodeCommandResult:
+        """The reset command, then NVML until the GPU answers again. Once begun, both run to their end
+        (each bounded by its own timeout) whether or not stop is asked meanwhile: the result says
+        what became of the GPU, not that the agent was leaving."""
+        s = self.settings
         argv = s.argv(command.gpu)
         what = shlex.join(argv)
         self.log.started(command)
@@ -576,9 +598,17 @@ class NodeAgent:
         if code != 0:
             how = tail if code is None else f"exited {code}: {tail}"
             return self._finish(command, "failed", f"{what} {how}", started)
+        if self.stop_event.is_set():
+            log.warning(
+                "command %s: asked to stop during the reset: verifying it first (at most %g s)",
+                command.command_id,
+                s.verify_timeout_s,
+            )
         why_not = back_after_reset(before, self.probe.look(), command.gpu)
         verify_until = time.monotonic() + s.verify_timeout_s
-        while why_not is not None and time.monotonic() < verify_until and not self.stop_event.wait(1.0):
+        while why_not is not None and (left := verify_until - time.monotonic()) > 0:
+            time.sleep(min(s.verify_interval_s, left))  # not stop_event.wait: a stop does not cut it short
+            self._health.beat()
             why_not = back_after_reset(before, self.probe.look(), command.gpu)
         if why_not is not None:
             return self._finish(command, "failed", f"{what} exited 0, but {why_not}; output: {tail}", started)

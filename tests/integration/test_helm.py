@@ -633,6 +633,8 @@ def test_the_node_agent_is_off_by_default_and_runs_as_root_with_sys_admin_only(c
         "nvidia-smi --gpu-reset",
         "--idle-timeout",
         "1800",
+        "--reset-timeout",
+        "300",
     ]
     security = agent["securityContext"]
     assert security["runAsUser"] == 0 and security["allowPrivilegeEscalation"] is False
@@ -652,6 +654,34 @@ def test_the_node_agent_is_off_by_default_and_runs_as_root_with_sys_admin_only(c
     assert [v["name"] for v in alone["volumes"]].count("munge-socket") == 1
     with pytest.raises(helm.HelmError, match="metricsPort must differ"):
         render(chart, {"nodeProducers": {"agent": {"enabled": True, "metricsPort": 9481}}})
+
+
+def test_the_node_agents_pod_is_given_the_time_to_finish_a_gpu_reset_it_began(chart: Any) -> None:
+    """Stopped during a reset, the agent finishes it (--reset-timeout), checks the GPU answers NVML
+    again (its 60 s verify timeout) and publishes the outcome: the pod's grace period covers that
+    plus a margin, where Kubernetes' default 30 s would kill nvidia-smi mid-reset."""
+    off = pod_spec(find(render(chart), "DaemonSet", "-node-producers"))
+    assert "terminationGracePeriodSeconds" not in off  # no agent: the pod as it was
+    on = pod_spec(find(render(chart, CASES["node-agent"]), "DaemonSet", "-node-producers"))
+    assert on["terminationGracePeriodSeconds"] == 300 + 60 + 60
+    longer = find(
+        render(chart, {"nodeProducers": {"agent": {"enabled": True, "resetTimeoutSeconds": 900}}}),
+        "DaemonSet",
+        "-node-producers",
+    )
+    assert pod_spec(longer)["terminationGracePeriodSeconds"] == 900 + 120
+    assert container(longer, "agent")["args"][-2:] == ["--reset-timeout", "900"]
+    fraction = find(
+        render(chart, {"nodeProducers": {"agent": {"enabled": True, "resetTimeoutSeconds": 90.5}}}),
+        "DaemonSet",
+        "-node-producers",
+    )
+    assert pod_spec(fraction)["terminationGracePeriodSeconds"] == 91 + 120  # whole seconds, rounded up
+    # A reset timeout the grace period does not know of is refused.
+    with pytest.raises(helm.HelmError, match="set resetTimeoutSeconds, not --reset-timeout"):
+        render(chart, {"nodeProducers": {"agent": {"enabled": True, "extraArgs": ["--reset-timeout=900"]}}})
+    with pytest.raises(helm.HelmError, match="resetTimeoutSeconds"):
+        render(chart, {"nodeProducers": {"agent": {"enabled": True, "resetTimeoutSeconds": 0}}})
 
 
 def test_kernel_from_kmsg_gpu_from_dcgm_logs_from_the_bus(chart: Any) -> None:

@@ -6,13 +6,16 @@ chDB. The whole path on real Slurm and the real broker: tests/integration/test_g
 from __future__ import annotations
 
 import stat
+import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pynvml
 import pytest
 
+import sinks.node_agent as node_agent
 from bus.publish import NotDelivered
 from schemas.events import Action, Evidence, Incident, NodeCommand, NodeCommandResult
 from sinks.audit import TABLES, AuditStore
@@ -24,6 +27,7 @@ from sinks.node_agent import (
     CommandLog,
     GpuProbe,
     GpuView,
+    NodeAgent,
     NvmlUnavailable,
     ResetCommandError,
     SlurmView,
@@ -267,6 +271,167 @@ def test_the_command_log_survives_a_restart_and_says_what_was_begun_and_never_fi
     refused = result("refused")
     fresh.published(refused)
     assert CommandLog(tmp_path / "other.jsonl").result("cmd-1") == refused
+
+
+# --- carrying a command out: wait, reset, verify (NodeAgent.carry_out, Kafka left out) ---------------
+
+
+BUSY = SlurmView(NodeInfo("gpu03", "MIXED", ("DRAIN",), REASON), ("42",))
+
+
+class Scene:
+    """One agent for node gpu03 with the fake pynvml module, Slurm answering `views` look by look (the
+    last one again once they run out), the reset a real script; `events` says in which order Slurm
+    was read and the reset run."""
+
+    def __init__(self, tmp_path: Path, fake: FakeNvml, monkeypatch: pytest.MonkeyPatch, **settings: Any) -> None:
+        self.fake = fake
+        self.views: list[SlurmView] = [drained()]
+        self.events: list[str] = []
+        self.on_read: Callable[[], None] = lambda: None
+        self.resets = tmp_path / "resets.txt"
+        script = _script(
+            tmp_path / "reset.sh",
+            f'echo "begun $*" >> {self.resets}\nsleep "${{RESET_SLEEP:-0}}"\necho "done $*" >> {self.resets}\n'
+            'echo "GPU 00000000:38:00.0 was successfully reset."\n',
+        )
+        monkeypatch.setattr(node_agent, "Publisher", lambda *a, **k: None)
+        monkeypatch.setattr(node_agent, "group_consumer", lambda *a, **k: None)
+        monkeypatch.setattr(node_agent, "read_slurm", self._read_slurm)
+        self.real_run_reset = node_agent.run_reset
+        self.during_reset: Callable[[], None] = lambda: None
+        monkeypatch.setattr(node_agent, "run_reset", self._run_reset)
+        defaults: dict[str, Any] = {"poll_interval_s": 0.05, "verify_interval_s": 0.05, "verify_timeout_s": 10.0}
+        config = AgentSettings(
+            node="gpu03",
+            state_dir=tmp_path / "state",
+            reset_command=(str(script), "-i", "{gpu}"),
+            reset_all_command=(str(script), "all"),
+            **{**defaults, **settings},
+        )
+        self.agent = NodeAgent("127.0.0.1:1", config, GpuProbe(fake), runner=lambda argv, timeout: "")
+
+    def _read_slurm(self, runner: Any, node: str, timeout: float) -> SlurmView:
+        view = self.views.pop(0) if len(self.views) > 1 else self.views[0]
+        self.on_read()
+        v = node_agent.judge_node(command(), view)
+        self.events.append("slurm: " + ("go" if v.go else "refuse" if v.refuse else "wait"))
+        return view
+
+    def _run_reset(self, argv: Any, timeout_s: float) -> tuple[int | None, str]:
+        self.events.append("reset")
+        self.during_reset()
+        return self.real_run_reset(argv, timeout_s)
+
+    def reset_lines(self) -> list[str]:
+        return self.resets.read_text().splitlines() if self.resets.exists() else []
+
+
+@pytest.fixture
+def scene(tmp_path: Path, fake: FakeNvml, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Scene]]:
+    made: list[Scene] = []
+
+    def make(**settings: Any) -> Scene:
+        made.append(Scene(tmp_path, fake, monkeypatch, **settings))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.agent._health.stop()
+
+
+def test_a_stop_asked_during_the_reset_lets_it_and_its_verification_finish_and_reports_the_outcome(
+    scene: Callable[..., Scene], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s = scene()
+    monkeypatch.setenv("RESET_SLEEP", "0.3")
+
+    def sigterm_while_nvidia_smi_runs() -> None:
+        s.agent.stop_event.set()
+        # The reset takes the GPU away from NVML; it answers again 0.8 s after the command returned.
+        s.fake.lose(2)
+        threading.Timer(1.1, lambda: setattr(s.fake.gpus[2], "lost_code", None)).start()
+
+    s.during_reset = sigterm_while_nvidia_smi_runs
+    t0 = time.monotonic()
+    result = s.agent.carry_out(command())
+    assert result is not None and result.status == "done", result
+    assert time.monotonic() - t0 >= 1.0  # it waited for the GPU, stop or no stop
+    assert "back in NVML: GPU 2 00000000:38:00.0" in result.detail and "successfully reset" in result.detail
+    assert s.reset_lines() == ["begun -i 2", "done -i 2"]  # the command was not cut short
+    assert s.agent.log.stage("cmd-1") == "finished" and s.agent.log.result("cmd-1") == result
+
+
+def test_a_stop_does_not_stretch_the_verification_past_its_own_timeout(
+    scene: Callable[..., Scene], fake: FakeNvml
+) -> None:
+    s = scene(verify_timeout_s=0.6)
+
+    def gone_for_good() -> None:
+        s.agent.stop_event.set()
+        fake.lose(2)
+
+    s.during_reset = gone_for_good
+    t0 = time.monotonic()
+    result = s.agent.carry_out(command())
+    took = time.monotonic() - t0
+    assert result is not None and result.status == "failed", result
+    assert 0.6 <= took < 5
+    assert "exited 0, but GPU 2 (00000000:38:00.0) does not answer NVML after the reset" in result.detail
+    assert s.agent.log.stage("cmd-1") == "finished"
+
+
+def test_a_stop_asked_before_the_reset_began_stops_at_once_and_resets_nothing(
+    scene: Callable[..., Scene], fake: FakeNvml
+) -> None:
+    # While waiting for the node to be idle: a job on it.
+    s = scene(poll_interval_s=30.0)
+    s.views = [BUSY]
+    threading.Timer(0.3, s.agent.stop_event.set).start()
+    t0 = time.monotonic()
+    assert s.agent.carry_out(command()) is None
+    assert time.monotonic() - t0 < 5  # not the 30 s poll interval
+    assert s.reset_lines() == [] and s.agent.log.stage("cmd-1") is None and "reset" not in s.events
+    # While the look that would say go is under way (the signal lands during squeue).
+    s.agent.stop_event.clear()
+    s.views = [drained()]
+    s.on_read = s.agent.stop_event.set
+    assert s.agent.carry_out(command()) is None
+    assert s.reset_lines() == [] and s.agent.log.stage("cmd-1") is None and "reset" not in s.events
+    # Already asked to stop: Slurm is not even read.
+    s.events.clear()
+    assert s.agent.carry_out(command()) is None and s.events == []
+
+
+@pytest.mark.parametrize(
+    ("changed", "refusal"),
+    [
+        # `scontrol update nodename=gpu03 state=resume`
+        (drained(flags=()), "gpu03 is not drained any more (IDLE): it was returned to service"),
+        # `scontrol update nodename=gpu03 reason="hold: no reset"`
+        (drained(reason="hold: no reset"), "gpu03 is drained for another reason now (reason 'hold: no reset')"),
+    ],
+)
+def test_the_drain_is_read_again_right_before_the_reset_so_a_resume_or_new_reason_stops_a_waiting_command(
+    scene: Callable[..., Scene], changed: SlurmView, refusal: str
+) -> None:
+    s = scene()
+    # The job leaves, and in the same moment the operator acts: the look that finds the node idle
+    # also finds it is no longer drained for the incident.
+    s.views = [BUSY, BUSY, changed]
+    result = s.agent.handle(command())
+    assert result[0] is not None and result[0].status == "refused" and result[0].detail.startswith(refusal)
+    assert s.events == ["slurm: wait", "slurm: wait", "slurm: refuse"] and s.reset_lines() == []
+    assert s.agent.log.stage("cmd-1") == "finished"
+
+
+def test_the_look_that_says_go_is_the_last_thing_before_the_reset(scene: Callable[..., Scene]) -> None:
+    s = scene()
+    s.views = [BUSY, drained()]
+    result = s.agent.carry_out(command())
+    assert result is not None and result.status == "done", result
+    assert s.events == ["slurm: wait", "slurm: go", "reset"]
+    assert s.reset_lines() == ["begun -i 2", "done -i 2"]
 
 
 # --- the executor asks, once ----------------------------------------------------------------------
