@@ -553,7 +553,9 @@ GOODPUT_ASSUMPTIONS = {
     "RUNNING); or a stopping action whose result is not recorded and the job ran again. Otherwise the job kept "
     "running: 0 GPU-hours lost (lost_basis 'job kept running')",
     "outage": "per job, the fault -> running again intervals of the incidents that stopped it, merged where they "
-    "overlap: one outage, charged once, to the incident whose fault came first (charged_to); the others 0",
+    "overlap: one outage, charged once, to the incident whose fault came first (charged_to); the others 0. An "
+    "incident that did not stop the job but whose fault fell inside the outage: 0, no running again and no time "
+    "to recover of its own (lost_basis 'within outage', charged_to the outage's incident)",
     "gpu_hours_lost": "the GPUs of the outage's incidents (len(job_nodes) * 8, the largest) * (the outage's last "
     "running again - its first fault) / 3600; none while the job is not running again (lost_basis 'still down')",
     "productive": "the whole duration of each attempt that progressed (a higher step or a new checkpoint)",
@@ -606,7 +608,10 @@ def incident_goodput_sql(
     the instant of the fault. `chained`/`outages`: per job, by fault, an interval that starts before the
     furthest end of those before it belongs to their outage (gaps and islands: a running max, then a
     running count of the rows that start a new one). `charged`: each outage's first incident, span and
-    GPUs. Window functions only, each CTE read once: `judged` is computed once."""
+    GPUs. An incident that did not stop the job (`kept`) never extends an outage nor starts one that has
+    another incident, so each outage's first incident stopped the job; a `kept` one inside an outage is
+    'within outage': it has no running again and no time to recover (only the incidents that stopped the
+    job recover), 0 lost. Window functions only, each CTE read once: `judged` is computed once."""
     return f"""WITH
     faults AS (
         SELECT incident_id, job_id, first_signal_time, event_time FROM {{db}}.incidents FINAL WHERE job_id != '' AND ({where_i})
@@ -720,6 +725,7 @@ SELECT
     multiIf(
         job_id IS NULL, 'no job',
         stopping = 0, 'job kept running',
+        kept = 1, 'within outage',
         until_ms = {_NEVER_MS}, 'still down',
         'outage'
     ) AS lost_basis,
@@ -733,7 +739,7 @@ SELECT
         lost_basis = 'still down', NULL,
         0.0
     ) AS gpu_hours_lost,
-    if(lost_basis IN ('outage', 'still down'), first_incident, NULL) AS charged_to,
+    if(lost_basis IN ('outage', 'still down', 'within outage'), first_incident, NULL) AS charged_to,
     stop_evidence
 FROM charged"""
 
@@ -831,8 +837,9 @@ def goodput(
     """Goodput of the last `since` (everything: None), for one job or the fleet.
 
     `fleet`: the window's incidents (GPU-hours lost, the outages they were charged as, how many ran
-    again, were not running again or did not stop their job, mean/p50/p95 of the time to detect, act
-    and recover), the jobs and their effective training time ratio (productive time over
+    again, were not running again, did not stop their job, or did not stop it inside another's outage;
+    mean/p50/p95 of the time to detect, act and recover: recovery of the incidents that stopped their
+    job only), the jobs and their effective training time ratio (productive time over
     the wall time whose outcome is known, summed over the jobs that have one). `incidents`: the
     window's incidents, newest first; `jobs`: the jobs with an incident or an attempt recorded in the
     window, each over its whole lineage, the most GPU-hours lost first, then the lowest ratio; both at
@@ -873,6 +880,7 @@ def goodput(
         "countIf(lost_basis = 'still down') AS incidents_not_running_again, "
         "countIf(lost_basis = 'job kept running') AS incidents_kept_running, "
         "countIf(lost_basis = 'no job') AS incidents_no_job, "
+        "countIf(lost_basis = 'within outage') AS incidents_within_outage, "
         "countIf(lost_basis = 'outage' AND charged_to = incident_id) AS outages, "
         f"sum(gpu_hours_lost) AS gpu_hours_lost, {_GOODPUT_STATS} FROM ({inc})",
         params,

@@ -370,7 +370,13 @@ def _hours(seconds: Any) -> str:
 
 
 # What an incident that charged no outage shows instead of a running-again time (lost_basis).
-_NOT_AN_OUTAGE = {"still down": "not running again", "job kept running": "job kept running", "no job": "no job"}
+# 'within outage': it did not stop its job, which another incident's outage had stopped (charged_to).
+_NOT_AN_OUTAGE = {
+    "still down": "not running again",
+    "job kept running": "job kept running",
+    "within outage": "within outage (job already down)",
+    "no job": "no job",
+}
 
 
 def _goodput_incident_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -452,6 +458,11 @@ def goodput(
         f"{gpn} GPUs per node); {f['incidents_running_again']} running again, "
         f"{f['incidents_not_running_again']} not running again (no loss counted for those), "
         f"{f['incidents_kept_running']} did not stop their job (0)"
+        + (
+            f", {f['incidents_within_outage']} within another's outage (0, no recovery)"
+            if f["incidents_within_outage"]
+            else ""
+        )
         + (f", {f['incidents_no_job']} without a job" if f["incidents_no_job"] else "")
     )
     ratio = f["effective_ratio"]

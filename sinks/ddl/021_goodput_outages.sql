@@ -4,7 +4,9 @@
 --
 -- incident_goodput, one row per incident:
 --   lost_basis          'outage': the job stopped and ran again; 'still down': it stopped and is not
---                       (yet) running again; 'job kept running': nothing stopped it; 'no job'
+--                       (yet) running again; 'job kept running': nothing stopped it; 'within outage': it
+--                       did not stop the job, but its fault fell inside an outage of the job that another
+--                       incident (charged_to) stopped; 'no job'
 --   stop_evidence       why the job counts as stopped, NULL if it kept running:
 --                       'stopping action done'       a requeue / stop / drain_and_requeue / drain_and_stop
 --                                                    of the incident verified done (action_results)
@@ -13,20 +15,24 @@
 --                                                    state other than RUNNING (it died of the fault)
 --                       'stopping action without a result, ran again'  one was asked (actions), no result
 --                                                    is recorded, and the job ran again after the fault
---   running_again_at    as 016 for 'outage' rows; NULL otherwise (a job that kept running never stopped)
---   time_to_recover_s   fault -> running again, per incident ('outage' rows only)
+--   running_again_at    as 016 for 'outage' rows; NULL otherwise (a job that kept running never stopped,
+--                       and an incident 'within outage' did not stop it: the outage recovers through the
+--                       incidents that stopped the job)
+--   time_to_recover_s   fault -> running again, per incident ('outage' rows only: the incidents that
+--                       stopped the job)
 --   gpu_hours_lost      per job, the fault -> running again intervals of the incidents that stopped it are
 --                       merged where they overlap (gaps and islands over window functions: ClickHouse has
 --                       no recursive CTE). One merged outage is charged once, to the incident whose fault
 --                       came first: its GPUs (the largest len(job_nodes) * 8 among the outage's incidents)
 --                       * (the outage's last running again - its first fault) / 3600; the outage's other
---                       incidents 0 (also an incident that did not stop the job but whose fault fell inside
---                       the outage). 'job kept running' and 'no job': 0. 'still down': NULL, as in 016.
---   charged_to          the incident the outage was charged to (itself for the first); NULL when the job
---                       kept running or there is no job
+--                       incidents 0. 'within outage', 'job kept running' and 'no job': 0. 'still down':
+--                       NULL, as in 016 (its 'within outage' incidents 0).
+--   charged_to          the incident the outage was charged to (itself for the first; also on the outage's
+--                       'within outage' incidents); NULL when the job kept running or there is no job
 --
--- job_goodput: incidents_not_running_again counts 'still down' incidents; new incidents_kept_running and
--- outages (the merged outages charged); gpu_hours_lost sums incident_goodput's, so each outage once.
+-- job_goodput: incidents_not_running_again counts 'still down' incidents (that stopped the job); new
+-- incidents_kept_running and outages (the merged outages charged); gpu_hours_lost sums incident_goodput's,
+-- so each outage once. An incident 'within outage' is in `incidents` only.
 --
 -- sinks/audit_queries.py renders the same SQL for bounded reads (goodput()); a test checks that the
 -- statements below are its text with every filter "1".
@@ -154,6 +160,7 @@ SELECT
     multiIf(
         job_id IS NULL, 'no job',
         stopping = 0, 'job kept running',
+        kept = 1, 'within outage',
         until_ms = toInt64(253402300799999), 'still down',
         'outage'
     ) AS lost_basis,
@@ -167,7 +174,7 @@ SELECT
         lost_basis = 'still down', NULL,
         0.0
     ) AS gpu_hours_lost,
-    if(lost_basis IN ('outage', 'still down'), first_incident, NULL) AS charged_to,
+    if(lost_basis IN ('outage', 'still down', 'within outage'), first_incident, NULL) AS charged_to,
     stop_evidence
 FROM charged;
 

@@ -566,6 +566,122 @@ def test_an_incident_that_did_not_stop_its_job_is_not_charged(outage_store: Audi
         assert j["outages"] == 0 and j["incidents"] == 1, job
 
 
+# --- an incident that did not stop its job, inside another's outage: no recovery of its own ----------
+
+
+def within_outage_events() -> list[Event]:
+    """Job 9105, 4 nodes: a kernel Xid at 1000 stops it (requeue verified at 1040; Slurm reports it
+    PENDING), RUNNING again at 1900. A hang whose last progress is at 1100, while the job was already
+    down, is published at 1400; its requeue is skipped: it did not stop the job (no stop of its own, no
+    attempt ended and no state other than RUNNING reported between its fault and its publication)."""
+    nodes = ["gpu95", "gpu95-peer1", "gpu95-peer2", "gpu95-peer3"]
+    events: list[Event] = [
+        attempt("9105", 1, 0),
+        attempt("9105", 1, 0, record=1010, cause="inc-9105-0"),
+        attempt("9105", 1, 0, ended=1040, progressed=True, cause="inc-9105-0", steps=(None, 500)),
+        attempt("9105", 2, 1040, excluded=("gpu95",), steps=(500, None)),
+        running("9105", 0, nodes),
+        SchedEvent(
+            event_id="sched-9105-pending",
+            event_time=T0 + 1040,
+            kind="job",
+            job_id="9105",
+            state="PENDING",
+            previous_state="RUNNING",
+            nodes=[],
+            partition="gpu",
+        ),
+        running("9105", 1900, nodes),
+    ]
+    events += incident_events(0, T0 + 1000, job="9105", node="gpu95", detect_s=10, act_s=30, job_nodes=4)
+    events += incident_events(
+        1,
+        T0 + 1100,
+        job="9105",
+        node="gpu95",
+        category="hang",
+        detect_s=300,
+        act_s=5,
+        job_nodes=4,
+        action="requeue",
+        status="skipped",
+    )
+    return events
+
+
+@pytest.fixture
+def within_store(chdb_url: str, database: str) -> Iterator[AuditStore]:
+    s = AuditStore(chdb_url, database)
+    s.migrate()
+    events = within_outage_events()
+    insert_events(s, events)
+    insert_events(s, events)  # redelivered
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def test_an_incident_inside_an_outage_that_did_not_stop_the_job_has_no_recovery(within_store: AuditStore) -> None:
+    """The hang belongs to the Xid's outage (charged_to the Xid, 0 lost) but did not stop the job: no
+    running again, no time to recover; the job counts one outage and one recovery (fleet and per job)."""
+    rows = by(q._rows(within_store, "SELECT * FROM {db}.incident_goodput"), "incident_id")
+    got = {
+        i: (
+            r["lost_basis"],
+            r["gpu_hours_lost"],
+            r["charged_to"],
+            r["stop_evidence"],
+            r["running_again_at"],
+            r["running_again_from"],
+            r["time_to_recover_s"],
+        )
+        for i, r in rows.items()
+    }
+    assert got == {
+        "inc-9105-0": (
+            "outage",
+            32 * 900 / 3600,
+            "inc-9105-0",
+            "stopping action done",
+            at(1900),
+            "next attempt RUNNING",
+            900.0,
+        ),
+        "inc-9105-1": ("within outage", 0.0, "inc-9105-0", None, None, None, None),
+    }
+    (job,) = q._rows(within_store, "SELECT * FROM {db}.job_goodput")
+    assert (job["job_id"], job["incidents"], job["outages"], job["gpu_hours_lost"]) == ("9105", 2, 1, 8.0)
+    assert (job["incidents_not_running_again"], job["incidents_kept_running"]) == (0, 0)
+    for data in (q.goodput(within_store, since=timedelta(days=7)), q.goodput(within_store, job="9105")):
+        f = data["fleet"]
+        assert (f["incidents"], f["outages"], f["incidents_running_again"], f["incidents_within_outage"]) == (
+            2,
+            1,
+            1,
+            1,
+        )
+        assert (f["incidents_not_running_again"], f["incidents_kept_running"], f["gpu_hours_lost"]) == (0, 0, 8.0)
+        # One outage, one recovery: the Xid's 900 s, not the hang's 800 s beside it.
+        assert (f["time_to_recover_mean"], f["time_to_recover_p50"], f["time_to_recover_p95"]) == (900.0,) * 3
+        assert by(data["incidents"], "incident_id") == rows
+
+
+def test_the_cli_says_an_incident_was_within_an_outage(within_store: AuditStore, chdb_url: str, database: str) -> None:
+    from typer.testing import CliRunner
+
+    from trainmedic.audit_cli import audit_app
+
+    base = ["goodput", "--clickhouse", chdb_url, "--database", database, "--since", "7d"]
+    result = CliRunner().invoke(audit_app, base, env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "2 incident(s): 8.0 GPU-hours lost in 1 outage(s)" in out
+    assert "1 running again" in out and "1 within another's outage (0, no recovery)" in out
+    (hang,) = [ln for ln in out.splitlines() if "inc-9105-1" in ln]
+    assert "within outage (job already down)" in hang and "0.00 (outage of inc-9105-0)" in hang
+
+
 def test_the_cli_says_what_was_charged(outage_store: AuditStore, chdb_url: str, database: str) -> None:
     from typer.testing import CliRunner
 
