@@ -306,6 +306,9 @@ class Incident(Event):
     # ("switch:leaf3", a rack), and all its nodes; None for a job's incident.
     domain: str | None = Field(default=None, max_length=256)
     domain_nodes: list[str] = Field(default_factory=list)
+    # The domain's nodes whose own incidents made the fleet incident: they keep those drains (their
+    # way back needs a health check); a drain set takes only the others (streams/policy.py).
+    domain_failed_nodes: list[str] = Field(default_factory=list)
     category: Category
     severity: Severity
     culprit_node: str | None = None

@@ -271,6 +271,7 @@ INCIDENTS_T = Table(
         # migration 018: a fleet incident's shared component and its nodes (streams/fleet.py)
         Column("domain", "Nullable(String)", _a("domain")),
         Column("domain_nodes", "Array(String)", _a("domain_nodes")),
+        Column("domain_failed_nodes", "Array(String)", _a("domain_failed_nodes")),  # migration 022
     ),
     ("event_time", "incident_id"),
     (_bf("job_id"), _bf("culprit_node"), _bf("incident_id")),

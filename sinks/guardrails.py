@@ -251,16 +251,17 @@ class Guardrails:
             )
         with self._lock:
             if action.nodes and action.action in DRAINS:
-                return self._check_drain_set(s, action.nodes, now)
+                return self._check_drain_set(s, action, now)
             if action.node and action.action in DRAINS:
                 return self._check_drain(s, action.node, now)
         return None
 
-    def _check_drain_set(self, s: GuardrailSettings, members: list[str], now: float) -> Trip | None:
+    def _check_drain_set(self, s: GuardrailSettings, action: Action, now: float) -> Trip | None:
         """A fleet incident's drain set, judged as a whole: the nodes it would newly take out count
         against the drains per window and each partition's blast radius together, and a set over
         either is refused entirely. Part of a switch's nodes drained would leave the rest serving
         jobs through the broken part while looking handled."""
+        members = action.nodes
         nodes = self.backend.list_nodes()
         by_name = {n.name: n for n in nodes}
         unknown = sorted(set(members) - set(by_name))
@@ -269,6 +270,14 @@ class Guardrails:
         new = [n for n in members if not by_name[n].drained]
         if not new:
             return None
+        if action.requested_by == "policy" and s.autonomy_partitions is not None:
+            # The set's own nodes, not the partition of the job whose incident came last.
+            outside = sorted({p for n in new for p in by_name[n].partitions or [""]} - set(s.autonomy_partitions))
+            if outside:
+                return "partition_not_allowed", (
+                    f"the drain set ({', '.join(new)}) has nodes in partition(s) {', '.join(p or '(none)' for p in outside)}, "
+                    f"not in guardrails.autonomy_partitions {s.autonomy_partitions}: refused as a whole"
+                )
         for node in new:
             last = self._node_acted.get(node)
             if last is not None and now - last < s.node_cooldown_s:

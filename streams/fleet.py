@@ -155,6 +155,7 @@ class DomainCorrelator:
             partition=latest.partition,
             domain=domain,
             domain_nodes=domain_nodes,
+            domain_failed_nodes=nodes,
             category=latest.category,
             severity="critical",
             culprit_node=None,

@@ -19,7 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from schemas.errors import ConfigError
-from schemas.events import Action, Decision, Incident
+from schemas.events import Action, Decision, Evidence, Incident
 from schemas.ids import stable_id
 from schemas.job_settings import Effective, JobSetting, JobSettingError, from_comment, merge, parse_value
 from schemas.vocab import (
@@ -592,9 +592,15 @@ def decide(
     if mode == "monitor":
         reasons.append(f"mode monitor for partition {incident.partition or '(default)'}: recommendation only")
     decision_id = stable_id("dec", incident.incident_id)
-    remedy = remediation_for(policy, incident) if action in DRAINS else None
-    if remedy is not None:
-        reasons.append(f"then {remedy[0]} the node ({remedy[1]})")
+    deciding = _deciding_xid(policy, incident) if action in DRAINS else None
+    remedy = deciding[:2] if deciding is not None else None
+    culprit_gpu = incident.culprit_gpu
+    if deciding is not None:
+        reasons.append(f"then {deciding[0]} the node ({deciding[1]})")
+        if deciding[0] == "reset_gpu":
+            # The GPU whose Xid called for the reset, not whichever the incident names first
+            # (None: the node agent resets every GPU of the idle node).
+            culprit_gpu = deciding[2].gpu
     decision = Decision(
         event_id=decision_id,
         event_time=now,
@@ -605,7 +611,7 @@ def decide(
         category=incident.category,
         culprit_node=incident.culprit_node,
         culprit_rank=incident.culprit_rank,
-        culprit_gpu=incident.culprit_gpu,
+        culprit_gpu=culprit_gpu,
         action=action,
         mode=mode,
         executed=executed,
@@ -630,35 +636,45 @@ def decide(
 
 def _fleet_decision(policy: Policy, incident: Incident, now: float) -> tuple[Decision, Action | None]:
     """A fleet incident (streams/fleet.py) names a shared component: it is recommended for repair.
-    With `fleet.action: drain` (and autonomy for its partition and category), every node of the
-    component is also taken out as one drain set: the executor's guardrails judge the set as a
-    whole (blast radius, drains per window) and refuse it entirely rather than drain part of it.
-    The nodes that failed were each drained by their own incident; the set adds the ones still
-    serving jobs through the broken component."""
+    With `fleet.action: drain` and autonomy, the component's other nodes are also taken out as one
+    drain set: the executor's guardrails judge the set as a whole (blast radius, drains per window,
+    autonomy_partitions of every node in it) and refuse it entirely rather than drain part of it.
+
+    The nodes that failed keep their own incidents' drains (for their own faults: their way back
+    needs a health check); the set takes only the others, whichever reaches the executor first. A
+    fleet incident that does not name its failed nodes gets no set. The set spans jobs and may
+    span partitions this worker cannot map its nodes to, so it acts only where the category is
+    autonomous by default and in every partition the policy names."""
     decision_id = stable_id("dec", incident.incident_id)
     nodes = ", ".join(incident.domain_nodes) or "-"
-    mode = policy.mode_for(incident.partition, incident.category)
     rule = f"fleet: {incident.domain}: repair the shared component"
     reasons = [incident.explanation, f"its nodes: {nodes}"]
     action: ActionKind = "none"
     executed = False
-    # The nodes that failed are drained by their own incidents (for their own faults: their way
-    # back needs a health check); the set is the rest, whichever reaches the executor first.
-    failed = {e.node for e in incident.evidence}
-    drain_set = [n for n in incident.domain_nodes if n not in failed]
-    if policy.fleet.action == "drain" and not drain_set:
+    monitored = [
+        p or "(default)" for p in (None, *policy.partitions) if policy.mode_for(p, incident.category) != "autonomous"
+    ]
+    mode: Mode = "monitor" if monitored else "autonomous"
+    failed = set(incident.domain_failed_nodes)
+    drain_set = fleet_drain_set(incident.domain_nodes, incident.domain_failed_nodes)
+    if policy.fleet.action != "drain":
+        reasons.append("recommendation only")
+    elif not failed:
+        reasons.append("the fleet incident names no failed nodes: no drain set (recommendation only)")
+    elif not drain_set:
         reasons.append("every node of it failed and is drained for its own fault: no drain set")
-    elif policy.fleet.action == "drain":
+    else:
         action = "drain"
         rule += "; fleet.action=drain: its other nodes as one drain set"
         executed = mode == "autonomous"
-        if mode == "monitor":
-            reasons.append(f"mode monitor for partition {incident.partition or '(default)'}: recommendation only")
+        if monitored:
+            reasons.append(
+                f"{incident.category} is in monitor mode for {', '.join(monitored)}; a drain set may span "
+                "partitions: recommendation only"
+            )
         elif incident.confidence < policy.min_confidence:
             executed = False
             reasons.append(f"below min_confidence {policy.min_confidence:.2f}: recommendation only")
-    else:
-        reasons.append("recommendation only")
     decision = Decision(
         event_id=decision_id,
         event_time=now,
@@ -679,14 +695,31 @@ def _fleet_decision(policy: Policy, incident: Incident, now: float) -> tuple[Dec
     if not executed:
         return decision, None
     act = make_action(decision, incident.incident_id, requested_by="policy", now=now)
-    # The repair label keeps the automatic return path off these nodes: the component needs a
-    # person first. The incident id stays first, so the drain is recognisably trainmedic's.
-    return decision, act.model_copy(update={"nodes": drain_set, "reason": f"{act.reason} | repair: {incident.domain}"})
+    return decision, with_drain_set(act, incident.domain or "", drain_set)
+
+
+def fleet_drain_set(domain_nodes: list[str], failed_nodes: list[str]) -> list[str]:
+    """A fleet incident's drain set: its domain's nodes but those whose own incidents made it."""
+    failed = set(failed_nodes)
+    return [n for n in domain_nodes if n not in failed]
+
+
+def with_drain_set(action: Action, domain: str, nodes: list[str]) -> Action:
+    """The fleet incident's drain action carrying its set. The repair label keeps the automatic
+    return path off these nodes: the component needs a person first. The incident id stays first,
+    so the drain is recognisably trainmedic's."""
+    return action.model_copy(update={"nodes": nodes, "reason": f"{action.reason} | repair: {domain}"})
 
 
 def remediation_for(policy: Policy, incident: Incident) -> tuple[Remediation, str] | None:
     """The remediation and resolution bucket of the incident's deciding Xid, when the policy
     enables remediation and maps that bucket; None otherwise (no Xid, or a bucket with none)."""
+    deciding = _deciding_xid(policy, incident)
+    return deciding[:2] if deciding is not None else None
+
+
+def _deciding_xid(policy: Policy, incident: Incident) -> tuple[Remediation, str, Evidence] | None:
+    """remediation_for's answer and the Xid evidence it comes from."""
     if not policy.remediation.enabled or incident.culprit_node is None:
         return None
     from streams.catalog import default_xids
@@ -697,7 +730,7 @@ def remediation_for(policy: Policy, incident: Incident) -> tuple[Remediation, st
             continue
         entry = xids.get(int(e.signature[4:])) if e.signature[4:].isdigit() else None
         if entry is not None and (kind := policy.remediation.buckets.get(entry.bucket)) is not None:
-            return kind, entry.bucket
+            return kind, entry.bucket, e
     return None
 
 

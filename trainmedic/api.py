@@ -28,21 +28,23 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from bus.publish import NotDelivered, Publisher
 from schemas.errors import TrainmedicError
-from schemas.events import Approval, Decision, ModeChange, incident_in_reason
+from schemas.events import Action, Approval, Decision, ModeChange, incident_in_reason
 from schemas.ids import current_cluster, stable_id
 from schemas.topics import ACTIONS, APPROVALS, MODE_CHANGES
-from schemas.vocab import Category, Mode, RejectReason
+from schemas.vocab import DRAINS, Category, Mode, RejectReason
 from schemas.yamlsafe import API_LIMITS
 from sinks.audit import AuditStore
 from sinks.backends.base import SchedulerBackend
 from streams.modes import apply_change
 from streams.policy import (
     PolicyError,
+    fleet_drain_set,
     load_overlay,
     load_policy,
     make_action,
     parse_policy,
     save_overlay,
+    with_drain_set,
 )
 from trainmedic.console import LiveFeed, console_router
 from trainmedic.limits import MAX_LOOKBACK_DAYS
@@ -257,6 +259,19 @@ def create_api(
             {**r, "event_time": r["event_time"].isoformat(), "verdict": decided.get(r["decision_id"])} for r in rows
         ]
 
+    def fleet_action(action: Action) -> Action:
+        """An approved fleet drain: the incident's drain set, as policy would have sent it."""
+        rows = store.query(
+            "SELECT domain, domain_nodes, domain_failed_nodes FROM {db}.incidents FINAL WHERE incident_id = {i:String}",
+            {"i": action.incident_id},
+        )
+        if not rows or not rows[0]["domain"]:
+            raise HTTPException(status_code=409, detail=f"{action.incident_id}: no node to drain is known")
+        nodes = fleet_drain_set(list(rows[0]["domain_nodes"]), list(rows[0]["domain_failed_nodes"]))
+        if not rows[0]["domain_failed_nodes"] or not nodes:
+            raise HTTPException(status_code=409, detail=f"{action.incident_id}: the fleet incident has no drain set")
+        return with_drain_set(action, str(rows[0]["domain"]), nodes)
+
     @api.post("/api/recommendations/{decision_id}/approve", status_code=202, dependencies=auth)
     def approve(decision_id: str, body: ApproveBody) -> dict[str, str]:
         with lock:
@@ -267,6 +282,8 @@ def create_api(
             # The same path as an autonomous decision: an action event for the executor,
             # with the same stable id, so approving twice cannot act twice.
             action = make_action(d, d.incident_id, requested_by=f"operator:{body.operator}", now=time.time())
+            if d.job_id is None and d.culprit_node is None and d.action in DRAINS:
+                action = fleet_action(action)
             publisher.publish(ACTIONS, action)
             if publisher.flush(10):
                 raise HTTPException(status_code=503, detail="Kafka did not confirm the approval; retry")

@@ -8,8 +8,9 @@ the check, the NodeReturn recorded before the resume), as operator `trainmedic-a
 - it has been drained at least `after_s` by Slurm's own reason time (unknown: not judged);
 - no reboot is pending (REBOOT_REQUESTED / REBOOT_ISSUED) and its reason carries no `| repair:`
   label (a lemon or a repair bucket is left to a person);
-- a GPU reset it waits for (`| gpu reset (` in the reason) is done: the node agent's last
-  gpu_reset command in the audit's node_commands says `done` (no such table: not done);
+- a GPU reset asked for its drain (`| gpu reset (` in the reason, or a command for the drain's
+  incident in the audit's node_commands) is done: the node agent answered that command `done`
+  (not answered, failed or refused: not judged; a failed reset is left to a person);
 - the automatic path has not judged it within `retry_s`.
 
 At most `max_per_hour` nodes are returned (or recommended for return) per rolling hour,
@@ -57,7 +58,16 @@ from sinks.backends.base import NodeState, SchedulerBackend
 from sinks.guardrails import GuardrailSettings
 from streams.modes import ModeState
 from streams.policy import AutoReturn, Policy, PolicyError, ReturnToService, load_policy
-from trainmedic.return_to_service import Returned, ReturnRefused, Runner, not_resumable, return_node, run_check
+from trainmedic.return_to_service import (
+    GPU_RESET_MARK,
+    Returned,
+    ReturnRefused,
+    Runner,
+    gpu_reset_status,
+    not_resumable,
+    return_node,
+    run_check,
+)
 
 log = logging.getLogger("trainmedic.auto_return")
 
@@ -66,8 +76,6 @@ AUTO_OPERATOR = "trainmedic-auto"
 HOUR_S = 3600.0
 #: A label after trainmedic's reason that leaves the node to a person (a lemon, a repair bucket).
 REPAIR_MARK = "| repair:"
-#: The remediation's GPU reset, pending until the node agent reports it done.
-GPU_RESET_MARK = "| gpu reset ("
 #: Outcomes that count against max_per_hour: in monitor mode a recommendation stands for the
 #: resume autonomy would have made, cap included.
 RETURNS = ("resumed", "recommended")
@@ -88,7 +96,7 @@ def eligible(
     auto: AutoReturn,
     now: float,
     last_judged: Mapping[str, float],
-    reset_done: Callable[[str], bool],
+    reset_status: Callable[[NodeState], str | None],
 ) -> tuple[list[NodeState], dict[str, str]]:
     """The nodes to judge now, longest drained first, and why each other node trainmedic drained is
     not judged. Nodes nobody drained, or someone else drained, are not mentioned at all."""
@@ -120,8 +128,14 @@ def eligible(
     ready: list[NodeState] = []
     for state in sorted(todo, key=lambda s: (s.reason_time or 0.0, s.name)):
         # Last, and only for the nodes otherwise ready: it asks the audit.
-        if GPU_RESET_MARK in (state.reason or "") and not reset_done(state.name):
+        status = reset_status(state)
+        if status is None and GPU_RESET_MARK in (state.reason or ""):
+            status = "issued"  # marked, and the audit sink has not written the command yet
+        if status == "issued":
             skipped[state.name] = "its GPU reset is not done yet (node_commands)"
+            continue
+        if status not in (None, "done"):
+            skipped[state.name] = f"its GPU reset ended {status}: left to a person"
             continue
         ready.append(state)
     return ready, skipped
@@ -179,26 +193,14 @@ class History:
         return [at for _, at, outcome in self.seen.values() if outcome in RETURNS]
 
 
-def gpu_reset_done(store: AuditStore, node: str) -> bool:
-    """The node agent finished the node's latest gpu_reset command `done` (no table yet: not done).
+def reset_status_of(store: AuditStore) -> Callable[[NodeState], str | None]:
+    """The GPU reset of each node's drain, as the audit has it (trainmedic.return_to_service)."""
 
-    The latest command is the latest `issued` row, by the executor's clock alone; its result is
-    matched by command id, not by time, since the agent's clock on the node may differ."""
-    exists = store.query(
-        "SELECT 1 AS x FROM system.tables WHERE database = {d:String} AND name = 'node_commands'",
-        {"d": store.database},
-    )
-    if not exists:
-        return False
-    rows = store.query(
-        "SELECT status, finished_at FROM {db}.node_commands FINAL WHERE node = {n:String} AND kind = 'gpu_reset' "
-        "AND cluster = {c:String} AND status != 'issued' AND command_id = ("
-        "SELECT command_id FROM {db}.node_commands FINAL WHERE node = {n:String} AND kind = 'gpu_reset' "
-        "AND cluster = {c:String} AND status = 'issued' ORDER BY event_time DESC LIMIT 1"
-        ") ORDER BY finished_at DESC LIMIT 1",
-        {"n": node, "c": current_cluster()},
-    )
-    return bool(rows) and rows[0]["status"] == "done"
+    def status(state: NodeState) -> str | None:
+        incident_id = incident_in_reason(state.reason)
+        return gpu_reset_status(store, state.name, incident_id) if incident_id else None
+
+    return status
 
 
 class AutoReturnService:
@@ -301,9 +303,7 @@ class AutoReturnService:
             self.history.read_audit(self.store, horizon)
             self.history.forget_before(horizon)
             nodes = self.backend.list_nodes()
-            todo, skipped = eligible(
-                nodes, auto, now, self.history.last_judged(), lambda n: gpu_reset_done(self.store, n)
-            )
+            todo, skipped = eligible(nodes, auto, now, self.history.last_judged(), reset_status_of(self.store))
         except Exception as exc:  # BackendError, and the audit client's own kinds
             # Fail closed: without the audit's count the cap could be passed; without Slurm nothing is known.
             self._say(f"paused this pass: {type(exc).__name__}: {exc}")

@@ -35,7 +35,7 @@ from typing import Any, Literal
 from bus.publish import Publisher
 from schemas.errors import Refused
 from schemas.events import NodeReturn, incident_in_reason
-from schemas.ids import stable_id
+from schemas.ids import current_cluster, stable_id
 from schemas.topics import NODE_RETURNS
 from sinks.audit import AuditStore
 from sinks.backends.base import BackendError, NodeState, SchedulerBackend
@@ -174,6 +174,52 @@ class ReturnRefused(Refused, RuntimeError):
         self.status, self.detail, self.event = status, detail, event
 
 
+#: The executor's mark in a drain reason: a GPU reset asked of the node agent (sinks/executor.py).
+GPU_RESET_MARK = "| gpu reset ("
+
+
+def gpu_reset_status(store: AuditStore, node: str, incident_id: str) -> str | None:
+    """Where the GPU reset asked for `incident_id`'s drain of `node` stands: None when none was
+    asked (or the audit has no node_commands table), "issued" while the node agent has not
+    answered, else the agent's status (done, failed, refused).
+
+    Scoped by the drain's incident: a reset done for an earlier drain says nothing about this one.
+    The latest command is the latest `issued` row by the executor's clock; its result is matched
+    by command id, not by time (the agent's clock on the node may differ)."""
+    exists = store.query(
+        "SELECT 1 AS x FROM system.tables WHERE database = {d:String} AND name = 'node_commands'",
+        {"d": store.database},
+    )
+    if not exists:
+        return None
+    where = "node = {n:String} AND kind = 'gpu_reset' AND cluster = {c:String}"
+    params = {"n": node, "i": incident_id, "c": current_cluster()}
+    asked = store.query(
+        f"SELECT command_id FROM {{db}}.node_commands FINAL WHERE {where} AND incident_id = {{i:String}} "
+        "AND status = 'issued' ORDER BY event_time DESC LIMIT 1",
+        params,
+    )
+    if not asked:
+        return None
+    answered = store.query(
+        f"SELECT status FROM {{db}}.node_commands FINAL WHERE {where} AND command_id = {{m:String}} "
+        "AND status != 'issued' ORDER BY event_time DESC LIMIT 1",
+        {**params, "m": str(asked[0]["command_id"])},
+    )
+    return str(answered[0]["status"]) if answered else "issued"
+
+
+def gpu_reset_pending(store: AuditStore, state: NodeState, incident_id: str) -> str | None:
+    """Why the node must not return yet because of its GPU reset; None when no reset is in the way.
+    Pending: asked and not answered, or marked in the reason while the audit has no command yet
+    (the audit sink writes in batches) - a job must never land on a GPU being reset."""
+    status = gpu_reset_status(store, state.name, incident_id)
+    marked = GPU_RESET_MARK in (state.reason or "")
+    if status == "issued" or (status is None and marked):
+        return f"{state.name}: its GPU reset for {incident_id} is not done yet (node_commands)"
+    return None
+
+
 def not_resumable(state: NodeState) -> str | None:
     """Why trainmedic may not resume this node now; None when it may (its own drain, no reboot pending)."""
     ours_down = state.state == "DOWN" and incident_in_reason(state.reason) is not None
@@ -252,6 +298,8 @@ def return_node(
         raise ReturnRefused(409, f"{node}: a resume is already running")
     try:
         state, incident_id = resumable(backend, node)
+        if (pending := gpu_reset_pending(store, state, incident_id)) is not None:
+            raise ReturnRefused(409, pending)
         verdict = judge(settings(), store, node, incident_id, runner=runner)
         if verdict.allowed:
             # The check took time: resume only what was judged (same drain, same reason).

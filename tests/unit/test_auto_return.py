@@ -22,11 +22,10 @@ from trainmedic.auto_return import (
     History,
     drain_category,
     eligible,
-    gpu_reset_done,
     node_mode,
     room,
 )
-from trainmedic.return_to_service import CheckResult
+from trainmedic.return_to_service import CheckResult, gpu_reset_status
 
 NOW = 1_800_000_000.0
 OURS = "trainmedic inc-0123456789abcdef0123: gpu_hardware"
@@ -46,8 +45,8 @@ def _node(name: str, reason: str | None = OURS, drained_s: float | None = 3600, 
     )
 
 
-def _never(node: str) -> bool:
-    raise AssertionError(f"the audit was asked about {node}'s GPU reset")
+def _never(state: NodeState) -> str | None:
+    return None  # no GPU reset asked for any drain
 
 
 def test_only_trainmedics_own_drains_old_enough_and_not_left_to_a_person_are_judged() -> None:
@@ -88,16 +87,26 @@ def test_our_down_node_back_from_a_reboot_is_judged_like_a_drained_one() -> None
 def test_a_pending_gpu_reset_waits_for_the_node_agent() -> None:
     reset = f"{OURS} | gpu reset (RESET_GPU)"
     asked: list[str] = []
+    status = {"gpu01": "issued", "gpu02": "done", "gpu04": "failed", "gpu05": None, "gpu06": "issued"}
 
-    def done(node: str) -> bool:
-        asked.append(node)
-        return node == "gpu02"
+    def reset_status(state: NodeState) -> str | None:
+        asked.append(state.name)
+        return status[state.name]
 
-    nodes = [_node("gpu01", reason=reset), _node("gpu02", reason=reset), _node("gpu03", reason=reset, drained_s=1)]
-    todo, skipped = eligible(nodes, AUTO, NOW, {}, done)
+    nodes = [
+        _node("gpu01", reason=reset),
+        _node("gpu02", reason=reset),
+        _node("gpu03", reason=reset, drained_s=1),
+        _node("gpu04", reason=reset),
+        _node("gpu05", reason=reset),  # marked; the audit sink has not written the command yet
+        _node("gpu06"),  # a command for its drain, though the mark did not make it into the reason
+    ]
+    todo, skipped = eligible(nodes, AUTO, NOW, {}, reset_status)
     assert [s.name for s in todo] == ["gpu02"]
-    assert skipped["gpu01"] == "its GPU reset is not done yet (node_commands)"
-    assert sorted(asked) == ["gpu01", "gpu02"]  # gpu03 was too young to ask about
+    for node in ("gpu01", "gpu05", "gpu06"):
+        assert skipped[node] == "its GPU reset is not done yet (node_commands)"
+    assert skipped["gpu04"] == "its GPU reset ended failed: left to a person"
+    assert sorted(asked) == ["gpu01", "gpu02", "gpu04", "gpu05", "gpu06"]  # gpu03 was too young to ask about
 
 
 def test_the_cap_is_a_rolling_hour() -> None:
@@ -233,10 +242,14 @@ def test_a_node_that_passed_is_held_when_the_brakes_came_on_during_its_check(tmp
 class _Audit:
     """The audit as judge() reads it: the node's isolating faults, and its drain's incident."""
 
+    database = "trainmedic"
+
     def __init__(self, faults: int) -> None:
         self.faults = faults
 
     def query(self, sql: str, parameters: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        if "system.tables" in sql:  # no node_commands table: no GPU reset asked
+            return []
         if "culprit_node" in sql:  # lemon_incidents: one fault a day, oldest first
             return [{"incident_id": f"inc-{i}", "began_ms": int((NOW + i * 86400) * 1000)} for i in range(self.faults)]
         return [{"category": "gpu_hardware", "isolate": True}]
@@ -304,41 +317,70 @@ def test_a_verdict_kafka_did_not_confirm_changes_nothing() -> None:
     assert refused.status == 503 and state.drained and state.reason == OURS
 
 
-def test_a_gpu_reset_is_done_when_the_latest_command_finished_done(chdb_url: str, database: str) -> None:
+def test_a_gpu_reset_stands_as_the_latest_command_of_the_drains_incident(chdb_url: str, database: str) -> None:
     store = AuditStore(chdb_url, database)
     try:
         store.client.command(f"CREATE DATABASE IF NOT EXISTS {database}")
-        assert not gpu_reset_done(store, "gpu01")  # no node_commands table yet: not done
+        assert gpu_reset_status(store, "gpu01", "inc-b") is None  # no node_commands table yet
         store.migrate()
-        if "node_commands" not in {r["name"] for r in store.query(f"SHOW TABLES FROM {database}")}:
-            pytest.skip("the audit has no node_commands table in this tree (the node agent's migration)")
-        columns = ["event_id", "event_time", "command_id", "node", "kind", "status", "finished_at", "cluster"]
+        columns = ["event_id", "event_time", "command_id", "node", "kind", "incident_id", "status", "finished_at"]
+        columns.append("cluster")
 
-        def row(event: str, at: float, command: str, status: str, finished: float | None) -> list[Any]:
+        def row(event: str, at: float, command: str, incident: str, status: str, finished: float | None) -> list[Any]:
             def ts(x: float) -> datetime:
                 return datetime.fromtimestamp(x, tz=UTC)
 
-            return [
-                event,
-                ts(at),
-                command,
-                "gpu01",
-                "gpu_reset",
-                status,
-                ts(finished) if finished else None,
-                current_cluster(),
-            ]
+            done_at = ts(finished) if finished else None
+            return [event, ts(at), command, "gpu01", "gpu_reset", incident, status, done_at, current_cluster()]
 
-        assert not gpu_reset_done(store, "gpu01")  # no command at all
-        store.insert("node_commands", [row("c1", NOW, "cmd-1", "issued", None)], columns)
-        assert not gpu_reset_done(store, "gpu01")  # issued, no result yet
+        assert gpu_reset_status(store, "gpu01", "inc-a") is None  # no command at all
+        store.insert("node_commands", [row("c1", NOW, "cmd-1", "inc-a", "issued", None)], columns)
+        assert gpu_reset_status(store, "gpu01", "inc-a") == "issued"  # no result yet
         # The agent's clock is behind the executor's: its result still answers its command.
-        store.insert("node_commands", [row("r1", NOW - 60, "cmd-1", "done", NOW - 60)], columns)
-        assert gpu_reset_done(store, "gpu01")
-        # A later reset asked for: the earlier one being done says nothing about it.
-        store.insert("node_commands", [row("c2", NOW + 600, "cmd-2", "issued", None)], columns)
-        assert not gpu_reset_done(store, "gpu01")
-        store.insert("node_commands", [row("r2", NOW + 660, "cmd-2", "failed", NOW + 660)], columns)
-        assert not gpu_reset_done(store, "gpu01")
+        store.insert("node_commands", [row("r1", NOW - 60, "cmd-1", "inc-a", "done", NOW - 60)], columns)
+        assert gpu_reset_status(store, "gpu01", "inc-a") == "done"
+        # The node drained again for incident b: a's done reset says nothing about b's drain.
+        assert gpu_reset_status(store, "gpu01", "inc-b") is None
+        store.insert("node_commands", [row("c2", NOW + 600, "cmd-2", "inc-b", "issued", None)], columns)
+        assert gpu_reset_status(store, "gpu01", "inc-b") == "issued"
+        store.insert("node_commands", [row("r2", NOW + 660, "cmd-2", "inc-b", "failed", NOW + 660)], columns)
+        assert gpu_reset_status(store, "gpu01", "inc-b") == "failed"
+        assert gpu_reset_status(store, "gpu02", "inc-b") is None  # another node
     finally:
         store.close()
+
+
+class _AuditResetPending(_Audit):
+    """A GPU reset asked for the drain's incident and not answered yet."""
+
+    def query(self, sql: str, parameters: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        if "system.tables" in sql:
+            return [{"x": 1}]
+        if "status = 'issued'" in sql:
+            return [{"command_id": "cmd-1"}]
+        if "status != 'issued'" in sql:
+            return []  # no answer from the node agent yet
+        return super().query(sql, parameters)
+
+
+def test_no_resume_at_all_while_the_drains_gpu_reset_is_pending() -> None:
+    """Manual or automatic: a job must never land on a GPU the node agent is about to reset."""
+    from sinks.backends.simulated import SimulatedScheduler
+    from streams.policy import ReturnToService
+    from trainmedic.return_to_service import ReturnRefused, return_node
+
+    sched = SimulatedScheduler(["gpu01"])
+    sched.drain_node("gpu01", OURS)
+    publisher = _Publisher()
+    with pytest.raises(ReturnRefused) as refused:
+        return_node(
+            sched,
+            cast(AuditStore, _AuditResetPending(0)),
+            cast(Any, publisher),
+            lambda: ReturnToService(health_check=["true"]),
+            "gpu01",
+            "alice",
+            runner=lambda argv, timeout_s: CheckResult(" ".join(argv), True, ""),
+        )
+    assert refused.value.status == 409 and "GPU reset" in refused.value.detail
+    assert sched.node_state("gpu01").drained and publisher.events == []

@@ -251,3 +251,27 @@ def test_scontrol_show_topology_reads_as_topology_conf() -> None:
         "SwitchName=spine Level=1 LinkSpeed=1 Nodes=gpu[01-04] Switches=leaf[1-2]\n"
     )
     assert parse_topology_conf(shown) == parse_topology_conf(TOPOLOGY)
+
+
+def test_a_fleet_incident_naming_no_failed_nodes_gets_no_drain_set() -> None:
+    policy = parse_policy("mode: autonomous\nfleet: {action: drain}\n" + POLICY)
+    found = _fleet_incident(["gpu01", "gpu02", "gpu03"]).model_copy(update={"domain_failed_nodes": []})
+    decision, action = decide(policy, found, 10.0)
+    assert action is None and decision.action == "none" and "names no failed nodes" in decision.reason
+
+
+def test_a_drain_set_acts_only_where_every_named_partition_is_autonomous() -> None:
+    # The set may hold nodes of any partition: one in monitor mode for the category holds it back.
+    text = "mode: autonomous\nfleet: {action: drain}\npartitions: {debug: {categories: {interconnect: monitor}}}\n"
+    decision, action = decide(parse_policy(text + POLICY), _fleet_incident(["gpu01", "gpu02", "gpu03"]), 10.0)
+    assert action is None and not decision.executed and decision.action == "drain"
+    assert "monitor mode for debug" in decision.reason
+
+
+def test_a_drain_set_with_a_node_outside_the_autonomy_partitions_is_refused() -> None:
+    sched = SimulatedScheduler(NODES[:5], partition="train")
+    sched._nodes["gpu03"].partition = "debug"
+    g = rails(sched, max_drains_per_window=10, max_drain_fraction=1.0, autonomy_partitions=["train"])
+    trip = g.check(set_action(["gpu03", "gpu04"]).model_copy(update={"partition": "train"}), 10.0)
+    assert trip is not None and trip[0] == "partition_not_allowed" and "debug" in trip[1]
+    assert g.check(set_action(["gpu04", "gpu05"]).model_copy(update={"partition": "train"}), 10.0) is None

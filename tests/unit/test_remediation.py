@@ -120,3 +120,15 @@ def test_a_reboot_already_done_is_not_asked_again() -> None:
     sched._node("gpu02").reboot = False  # the reboot is over; the node is back, drained, our reason kept
     again = ex.execute(action("reboot", "RESTART_BM"), lambda a, call: None)
     assert sched.calls.count("reboot gpu02") == 1 and any("already requested" in s for s in again.steps)
+
+
+def test_a_gpu_reset_is_for_the_gpu_whose_xid_called_for_it() -> None:
+    on = parse_policy("mode: autonomous\nremediation: {enabled: true}\n" + ACTIONS)
+    xid = incident(95)
+    # The incident names GPU 5 (other evidence); the RESET_GPU Xid came from GPU 2.
+    xid = xid.model_copy(update={"culprit_gpu": 5, "evidence": [xid.evidence[0].model_copy(update={"gpu": 2})]})
+    decision, action = decide(on, xid, 11.0)
+    assert decision.remediation == "reset_gpu" and action is not None and action.culprit_gpu == 2
+    # An Xid that names no GPU: the node agent resets every GPU of the idle node.
+    anyone = xid.model_copy(update={"evidence": [xid.evidence[0].model_copy(update={"gpu": None})]})
+    assert decide(on, anyone, 11.0)[1].culprit_gpu is None  # type: ignore[union-attr]
