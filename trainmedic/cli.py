@@ -157,6 +157,9 @@ def up(
     )
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
+    # Explicitly: a process started in the background of a non-interactive shell inherits SIGINT
+    # ignored, and Python then installs no KeyboardInterrupt for it - `kill -INT` did nothing.
+    signal.signal(signal.SIGINT, lambda *_: done.set())
     supervisor = stack.supervisor
     assert supervisor is not None
     with contextlib.suppress(KeyboardInterrupt):
