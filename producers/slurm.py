@@ -103,7 +103,7 @@ from schemas.ids import stable_id
 from schemas.topics import SCHED_EVENTS
 from slurmio.hostlist import HostlistError, expand_hostlist
 from slurmio.nodes import read_all_nodes
-from slurmio.records import ExitStatus, NodeInfo
+from slurmio.records import FINISHED_JOB_STATES, ExitStatus, NodeInfo
 from slurmio.reservations import maintenance_nodes, read_reservations
 from slurmio.runners import LocalRunner, Runner, SlurmCommandError
 from slurmio.sinfo import parse_sinfo as slurmio_parse_sinfo
@@ -150,19 +150,7 @@ _UNAVAILABLE_FLAGS = frozenset(
         "INVALID_REG",
     }
 )
-_FINISHED = frozenset(
-    {
-        "COMPLETED",
-        "CANCELLED",
-        "FAILED",
-        "TIMEOUT",
-        "NODE_FAIL",
-        "PREEMPTED",
-        "BOOT_FAIL",
-        "DEADLINE",
-        "OUT_OF_MEMORY",
-    }
-)
+_FINISHED = FINISHED_JOB_STATES
 
 
 def default_state_path(data_dir: Path) -> Path:

@@ -62,6 +62,7 @@ from schemas.topics import DEADLETTER, NODE_COMMAND_RESULTS, NODE_COMMANDS
 from sinks import metrics
 from slurmio import SQUEUE_ALL, JobInfo, NodeInfo, Runner, SlurmCommandError, SlurmFormatError, show_node
 from slurmio.hostlist import HostlistError, expand_hostlist
+from slurmio.records import FINISHED_JOB_STATES
 from slurmio.squeue import read_jobs
 
 log = logging.getLogger("trainmedic.node_agent")
@@ -73,20 +74,7 @@ OUTPUT_TAIL = 2000
 
 # A job in one of these (Slurm's base states) no longer holds its nodes, unless a flag below says
 # it is still leaving them.
-_OFF_NODE = frozenset(
-    {
-        "PENDING",
-        "COMPLETED",
-        "CANCELLED",
-        "FAILED",
-        "TIMEOUT",
-        "NODE_FAIL",
-        "PREEMPTED",
-        "BOOT_FAIL",
-        "DEADLINE",
-        "OUT_OF_MEMORY",
-    }
-)
+_OFF_NODE = FINISHED_JOB_STATES | {"PENDING"}
 _LEAVING = frozenset({"COMPLETING", "CONFIGURING", "STAGE_OUT", "SIGNALING", "STOPPED", "RESIZING"})
 
 

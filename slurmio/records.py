@@ -4,7 +4,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["ExitStatus", "JobInfo", "NodeInfo"]
+__all__ = ["FINISHED_JOB_STATES", "ExitStatus", "JobInfo", "NodeInfo"]
+
+#: Slurm's base states of a job that has ended, in every supported version.
+FINISHED_JOB_STATES = frozenset(
+    {
+        "COMPLETED",
+        "CANCELLED",
+        "FAILED",
+        "TIMEOUT",
+        "NODE_FAIL",
+        "PREEMPTED",
+        "BOOT_FAIL",
+        "DEADLINE",
+        "OUT_OF_MEMORY",
+    }
+)
 
 
 @dataclass(frozen=True)
