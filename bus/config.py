@@ -82,7 +82,18 @@ def producer_config(bootstrap: str, client_id: str) -> dict[str, Any]:
     }
 
 
-def consumer_config(bootstrap: str, group: str, client_id: str) -> dict[str, Any]:
+# How long the embedded broker holds a fetch. Tansu (0.6) answers a fetch only when its wait
+# expires, not when data arrives, and reads every partition of the request again while it waits:
+# a short wait bounds the latency a hop adds, but each consumer's fetch loop costs the broker CPU
+# in proportion to its partitions, with or without data (docs/scaling.md: all consumers at
+# 100 ms kept an idle embedded broker at 50 % of a core). So the consumers on a fault's path wait
+# briefly and those that only record or follow wait longer.
+PROMPT_FETCH_WAIT_MS = 100
+BACKGROUND_FETCH_WAIT_MS = 500
+
+
+def consumer_config(bootstrap: str, group: str, client_id: str, *, background: bool = False) -> dict[str, Any]:
+    """`background`: a consumer no decision waits on (the audit, followers, the console)."""
     return {
         "bootstrap.servers": bootstrap,
         "group.id": group,
@@ -96,9 +107,7 @@ def consumer_config(bootstrap: str, group: str, client_id: str) -> dict[str, Any
         "session.timeout.ms": 6000,
         "heartbeat.interval.ms": 1000,
         "max.poll.interval.ms": 300_000,
-        # The embedded broker answers a fetch only when its wait expires, not when
-        # data arrives: a short wait bounds the latency each hop adds.
-        "fetch.wait.max.ms": 100,
+        "fetch.wait.max.ms": BACKGROUND_FETCH_WAIT_MS if background else PROMPT_FETCH_WAIT_MS,
     }
 
 

@@ -17,9 +17,13 @@ from bus.config import consumer_config
 from schemas.errors import Unavailable
 
 
-def group_consumer(bootstrap: str, group: str, client_id: str, **overrides: Any) -> Consumer:
-    """A consumer in `group` with the shared settings; `overrides` are librdkafka keys."""
-    return Consumer({**consumer_config(bootstrap, group, client_id), **overrides})
+def group_consumer(
+    bootstrap: str, group: str, client_id: str, *, background: bool = False, **overrides: Any
+) -> Consumer:
+    """A consumer in `group` with the shared settings; `overrides` are librdkafka keys.
+    `background`: nothing on a fault's path waits on it, so it fetches less often
+    (`bus.config.BACKGROUND_FETCH_WAIT_MS`)."""
+    return Consumer({**consumer_config(bootstrap, group, client_id, background=background), **overrides})
 
 
 def read_records(bootstrap: str, topic: str, since: float, timeout_s: float = 30.0) -> list[tuple[float, bytes]]:
@@ -87,6 +91,7 @@ class Follower:
             bootstrap,
             f"{client_id}-{uuid.uuid4().hex[:8]}",
             client_id,
+            background=True,
             # Each partition says when its backlog is read.
             **{"enable.partition.eof": True},
         )

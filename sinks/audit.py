@@ -578,7 +578,7 @@ class AuditSink:
         self.store = store
         self.batch_max = batch_max
         self.batch_wait_s = batch_wait_s
-        self._consumer = group_consumer(bootstrap, cluster_scoped(group), "trainmedic-audit")
+        self._consumer = group_consumer(bootstrap, cluster_scoped(group), "trainmedic-audit", background=True)
         self.stop_event = threading.Event()
         self.inserted: dict[str, int] = defaultdict(int)
         self.undecodable = 0

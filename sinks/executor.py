@@ -625,6 +625,7 @@ class ExecutorService:
             self._bootstrap,
             cluster_scoped(settings.group),
             self._client_id,
+            background=False,  # an action waits on this fetch
             **{"max.poll.interval.ms": int(settings.max_poll_interval_s * 1000)},
         )
         consumer.subscribe(

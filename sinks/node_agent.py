@@ -458,6 +458,7 @@ class NodeAgent:
             bootstrap,
             settings.consumer_group,
             client_id,
+            background=True,
             **{"max.poll.interval.ms": int(min(longest, 86_400) * 1000)},
         )
         self._health = health.loop("node-agent", stale_after_s=max(180.0, settings.reset_timeout_s + 120))

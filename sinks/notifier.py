@@ -623,7 +623,11 @@ class Notifier:
         # whole batch of events that all end up given up on.
         poll_ms = int(min(86_400_000, max(300_000, (worst * batch_max + 60) * 1000)))
         self._consumer = group_consumer(
-            bootstrap, cluster_scoped(group), "trainmedic-notifier", **{"max.poll.interval.ms": poll_ms}
+            bootstrap,
+            cluster_scoped(group),
+            "trainmedic-notifier",
+            background=True,
+            **{"max.poll.interval.ms": poll_ms},
         )
         self._own_publisher = publisher is None and config.dead_letter
         self._publisher = (

@@ -184,7 +184,9 @@ class LiveFeed:
         return self._thread is not None and self._thread.is_alive()
 
     def _run(self) -> None:
-        consumer = group_consumer(self.bootstrap, self.group, "trainmedic-console", **{"enable.partition.eof": False})
+        consumer = group_consumer(
+            self.bootstrap, self.group, "trainmedic-console", background=True, **{"enable.partition.eof": False}
+        )
         assigned: set[tuple[str, int]] = set()
         next_refresh = 0.0
         try:
