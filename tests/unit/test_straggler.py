@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from schemas.events import Anomaly, GpuMetrics, GpuSample, ProgressBatch, ProgressSample, SchedEvent
-from streams.detectors.straggler import StragglerDetector, rank_ranges, slowdown_reason
+from streams.detectors.straggler import StragglerDetector, _peer_medians, rank_ranges, slowdown_reason
 
 T0 = 1_700_000_000.0
 NODES4 = ("gpu01", "gpu02", "gpu03", "gpu04")
@@ -273,3 +277,20 @@ def test_job_wide_checkpoint_dips_sampled_a_little_differently_are_not_a_straggl
             found += det.check(t + 0.5)
         t += 1.0
     assert found == []
+
+
+@given(
+    st.dictionaries(
+        st.tuples(st.sampled_from(["a", "b", "c", "d", "e"]), st.integers(min_value=-1, max_value=7)),
+        # Few distinct values, so that ties between nodes are common.
+        st.sampled_from([0.0, 0.5, 0.9, 1.0, 1.0, 1.1, 2.5, 1980.0]) | st.floats(0, 2000, allow_nan=False),
+        max_size=40,
+    )
+)
+def test_each_nodes_peer_median_is_the_median_of_the_other_nodes_values(values: dict[tuple[str, int], float]) -> None:
+    expected = {
+        node: statistics.median(v for (n, _), v in values.items() if n != node)
+        for node in {n for n, _ in values}
+        if any(n != node for n, _ in values)
+    }
+    assert _peer_medians(values) == expected
