@@ -1,7 +1,8 @@
 """Single scale points without the full search (bench.pipeline runs that until a size fails).
 
-Run: .venv/bin/python -m bench.scale_points [--seconds 150] 1024x1 1024x2 4096x1@5   (NODESxWORKERS, 90 s each;
-@S: edge aggregation, each node's GPU samples published every S s and at once on a health change)
+Run: .venv/bin/python -m bench.scale_points [--seconds 150] [--profile-seconds 30] 1024x1 1024x2 4096x1@5
+(NODESxWORKERS, 90 s each; @S: edge aggregation, each node's GPU samples published every S s and at once
+on a health change; --profile-seconds: py-spy the streams worker for that long, from 30 s before the end).
 Prints one JSON row per point and writes them to var/bench/scale-points/rows.json.
 """
 
@@ -21,8 +22,15 @@ def main(argv: list[str]) -> int:
     rows: list[dict[str, Any]] = []
     ref: float | None = None
     seconds = 90.0
-    if argv[:1] == ["--seconds"]:
-        seconds, argv = float(argv[1]), argv[2:]
+    profile_s = 0.0
+    while argv[:1] in (["--seconds"], ["--profile-seconds"]):
+        if len(argv) < 2:
+            raise SystemExit(f"{argv[0]} needs a number of seconds")
+        if argv[0] == "--seconds":
+            seconds = float(argv[1])
+        else:
+            profile_s = float(argv[1])
+        argv = argv[2:]
     for spec in argv:
         size, _, every = spec.partition("@")
         n, w = (int(x) for x in size.split("x"))
@@ -32,6 +40,10 @@ def main(argv: list[str]) -> int:
             raise SystemExit(f"{spec}: @ needs the summary period in seconds (e.g. {size}@5)")
         cfg.gpu_summary_every_s = float(every) if every else None
         cfg.name = f"scale-{n}-w{w}" + (f"-every{every}" if every else "")
+        if profile_s > 0:
+            # The straggler window (90 s) is full by then: the profile sees the steady state.
+            cfg.profile_s = profile_s
+            cfg.profile_at_s = max(0.0, seconds - 30.0)
         t = time.time()
         ev = evaluate(run_child(cfg, out, timeout_s=900), BaselineAssumptions())
         ok, why = sustained(ev, ref)
@@ -55,6 +67,8 @@ def main(argv: list[str]) -> int:
             "input_events_per_s": r["input_events_per_s"],
             "wall_s": round(time.time() - t),
         }
+        if profile_s > 0:
+            row["profile"] = ev.get("profile")
         rows.append(row)
         print(json.dumps(row), flush=True)
     (out / "rows.json").write_text(json.dumps(rows, indent=1))
