@@ -85,7 +85,7 @@ def producer_config(bootstrap: str, client_id: str) -> dict[str, Any]:
 # How long the embedded broker holds a fetch. Tansu (0.6) answers a fetch only when its wait
 # expires, not when data arrives, and reads every partition of the request again while it waits:
 # a short wait bounds the latency a hop adds, but each consumer's fetch loop costs the broker CPU
-# in proportion to its partitions, with or without data (docs/scaling.md: all consumers at
+# in proportion to its partitions, with or without data (docs/environment.md: all consumers at
 # 100 ms kept an idle embedded broker at 50 % of a core). So the consumers on a fault's path wait
 # briefly and those that only record or follow wait longer.
 PROMPT_FETCH_WAIT_MS = 100
