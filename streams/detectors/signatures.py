@@ -8,13 +8,14 @@ collective timeout) carry what the job's other ranks were last doing (ActivityTr
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from schemas.events import Anomaly, LogBatch, LogLine
 from schemas.ids import stable_id
 from streams.catalog import Signature, default_signatures
 from streams.detectors.activity import ActivityTracker
+from streams.detectors.prefilter import may_match
 
 MAX_LINE_IN_ANOMALY = 2000
 _ATTRIBUTION_GROUPS = ("node", "rank", "gpu")
@@ -25,6 +26,7 @@ MAX_FACT_CHARS = 200
 class _Compiled:
     sig: Signature
     regex: re.Pattern[str]
+    may_match: Callable[[str], bool] | None  # False: the line lacks text every match contains
 
 
 class SignatureDetector:
@@ -32,12 +34,14 @@ class SignatureDetector:
 
     def __init__(self, signatures: Sequence[Signature] | None = None) -> None:
         sigs = default_signatures() if signatures is None else signatures
-        self._compiled = [_Compiled(s, re.compile(s.pattern)) for s in sigs]
+        self._compiled = [_Compiled(s, re.compile(s.pattern), may_match(s.pattern)) for s in sigs]
         self.activity = ActivityTracker()
 
     def match_line(self, text: str) -> tuple[Signature, re.Match[str]] | None:
         """The first catalog entry matching the line (catalog order is priority)."""
         for c in self._compiled:
+            if c.may_match is not None and not c.may_match(text):
+                continue
             m = c.regex.search(text)
             if m:
                 return c.sig, m
