@@ -441,12 +441,22 @@ def ours(event: Event, agent: str) -> bool:
     return False
 
 
+# (agent, topic) -> its events counter and record-age gauge: looking a labelled child up on every
+# event showed in the worker's profile at fleet scale.
+_consumed_children: dict[tuple[str, str], tuple[Any, Any]] = {}
+
+
 def consumed(agent: str, event: Any) -> None:
     msg = event.message
-    metrics.EVENTS_IN.labels(agent, msg.topic).inc()
+    children = _consumed_children.get((agent, msg.topic))
+    if children is None:
+        children = (metrics.EVENTS_IN.labels(agent, msg.topic), metrics.RECORD_AGE.labels(agent, msg.topic))
+        _consumed_children[(agent, msg.topic)] = children
+    events_in, record_age = children
+    events_in.inc()
     health.processed(f"streams.{agent}")
     if msg.timestamp:
-        metrics.RECORD_AGE.labels(agent, msg.topic).set(max(0.0, time.time() - msg.timestamp))
+        record_age.set(max(0.0, time.time() - msg.timestamp))
 
 
 async def dead_letter(component: str, event: Any, reason: str) -> None:
