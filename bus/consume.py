@@ -85,13 +85,15 @@ class Follower:
     so every follower reads everything, and a restarted one reads it again.
     """
 
-    def __init__(self, bootstrap: str, topic: str, client_id: str, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, bootstrap: str, topic: str, client_id: str, timeout_s: float = 10.0, *, background: bool = True
+    ) -> None:
         self.topic = topic
         self._consumer = group_consumer(
             bootstrap,
             f"{client_id}-{uuid.uuid4().hex[:8]}",
             client_id,
-            background=True,
+            background=background,
             # Each partition says when its backlog is read.
             **{"enable.partition.eof": True},
         )

@@ -66,7 +66,11 @@ class ModeState:
                 # An unreadable record is no record: in doubt until the topic is read.
                 log.error("mode state file refused (%s): monitor mode until mode.changes is read", exc)
         self._make_follower = follower or (
-            (lambda: Follower(bootstrap, MODE_CHANGES.name, "trainmedic-modes")) if bootstrap else None
+            # Prompt, not background: a switch to monitor mode is an operator's brake, and one
+            # follower of a small topic costs the broker little.
+            (lambda: Follower(bootstrap, MODE_CHANGES.name, "trainmedic-modes", background=False))
+            if bootstrap
+            else None
         )
         self._follower: Follower | None = None
         self._pending: ModeOverlay | None = None  # the backlog read so far, before it is all read
