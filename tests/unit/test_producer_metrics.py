@@ -4,6 +4,7 @@ kernel stream readers' idle wake-ups, and `produce gpu` on a host without NVML."
 from __future__ import annotations
 
 import os
+import resource
 import sys
 import threading
 from collections.abc import Iterator
@@ -136,7 +137,10 @@ def test_produce_gpu_without_the_nvml_bindings_says_so(monkeypatch: pytest.Monke
 def test_a_pipe_reader_works_on_a_descriptor_numbered_past_1024() -> None:
     """A busy process (many sockets and files) hands out descriptors past select()'s 1024."""
     r, w = os.pipe()
-    high = 1500
+    # A free one: dup2 onto a descriptor an earlier test's thread still holds would close it under
+    # that thread, whose later close() then closes this pipe (seen in the clean-clone CI, where
+    # the suite's one process had passed 1,500 descriptors).
+    high = next(fd for fd in range(1500, resource.getrlimit(resource.RLIMIT_NOFILE)[0]) if not _is_open(fd))
     os.dup2(r, high)
     os.close(r)
     try:
@@ -148,3 +152,11 @@ def test_a_pipe_reader_works_on_a_descriptor_numbered_past_1024() -> None:
         assert list(reader) == []
     finally:
         os.close(high)
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
