@@ -323,7 +323,12 @@ def test_a_worker_joining_during_a_storm_loses_no_incident_and_doubles_none(
     broker: EmbeddedBroker, chdb_url: str, database: str, tmp_path: Path
 ) -> None:
     jobs = {f"s{i}": NODES[2 * i : 2 * i + 2] for i in range(8)}
-    stack = _stack(broker.bootstrap, chdb_url, database, tmp_path, 2)
+    # Supervised, as `up`, the systemd units and the chart run workers: in one clean-clone CI run
+    # the embedded broker answered the placements changelog's end offset below what both running
+    # workers had already read (highwater 5, read 7) as the third joined; Faust stops a worker on
+    # that (ConsistencyError), and unrestarted the group never settled. What this test holds -
+    # no incident lost or doubled while the group changes - must hold through such a restart.
+    stack = _stack(broker.bootstrap, chdb_url, database, tmp_path, 2, supervise=True)
     try:
         store = stack.store
         assert store is not None
