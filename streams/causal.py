@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from schemas.events import Anomaly, RankActivity
 from schemas.vocab import SEVERITY_RANK, Category, Severity
 from streams.detectors.activity import default_activities
-from streams.detectors.straggler import rank_ranges
+from streams.ranks import rank_ranges
 
 _SOURCE_RANK = {"kernel": 3, "scheduler": 2, "gpu": 2, "external": 1, "job_log": 0}
 # torch's default NCCL collective timeout (10 min; 30 min for other backends and older torch).

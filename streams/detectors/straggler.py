@@ -44,13 +44,17 @@ import bisect
 import statistics
 import zlib
 from collections import Counter, defaultdict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
 
 from schemas.events import Anomaly, GpuSample, ProgressBatch, SchedEvent
 from schemas.ids import stable_id
 from schemas.vocab import Category
 from streams.detectors.hang import job_state_kind
+from streams.ranks import rank_ranges
 
 MAD_FLOOR_FRACTION = 0.02
 MAX_STEP_SAMPLES_PER_NODE = 20000
@@ -92,20 +96,6 @@ def slowdown_reason(name: str) -> str | None:
     return _SLOWDOWN_REASONS.get(key)
 
 
-def rank_ranges(ranks: Iterable[int], sep: str = ",") -> str:
-    """[12, 13, 14, 15, 20] -> '12-15,20' (sep ', ' for prose)."""
-    out: list[str] = []
-    rs = sorted(set(ranks))
-    i = 0
-    while i < len(rs):
-        j = i
-        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
-            j += 1
-        out.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
-        i = j + 1
-    return sep.join(out)
-
-
 @dataclass(frozen=True)
 class _Gpu:
     index: int
@@ -115,10 +105,13 @@ class _Gpu:
     slowdown: tuple[str, ...]
 
 
-# One kept GPU reading of a node: its time, its GPUs, and for each of _METRIC_FIELDS the
-# (GPU index, value) pairs of the GPUs that report it. Each reading is judged by every check of
-# the window (about six); extracting the values once when it arrives keeps that out of the checks.
-_Reading = tuple[float, tuple[_Gpu, ...], tuple[tuple[tuple[int, float], ...], ...]]
+# One kept GPU reading of a node: its time, the GPUs that report a slowdown throttle reason
+# (most readings: none), the indices of its GPUs (lost ones left out), and for each of
+# _METRIC_FIELDS a row of their values (NaN where a GPU does not report it). Each reading is judged
+# by every check of the window (about six): a check concatenates the readings' arrays and takes
+# the medians with numpy, where reading value by value in Python was the worker's largest cost
+# at 2,048 nodes.
+_Reading = tuple[float, tuple[_Gpu, ...], npt.NDArray[np.int64], npt.NDArray[np.float64]]
 
 
 @dataclass
@@ -185,6 +178,30 @@ def _peer_medians(values: dict[tuple[str, int], float]) -> dict[str, float]:
         else:
             out[node] = (_kth_without(ordered, mine, n // 2 - 1) + _kth_without(ordered, mine, n // 2)) / 2
     return out
+
+
+def _group_medians(
+    groups: npt.NDArray[np.int64], values: npt.NDArray[np.float64]
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float64], npt.NDArray[np.int64]]:
+    """Each group's median of `values`, as statistics.median takes it (the middle value, or the mean
+    of the two middle ones): the groups (sorted), their medians and their sizes."""
+    order = np.lexsort((values, groups))
+    g, v = groups[order], values[order]
+    codes, start, n = np.unique(g, return_index=True, return_counts=True)
+    return codes, (v[start + (n - 1) // 2] + v[start + n // 2]) / 2, n
+
+
+def _per_gpu(
+    keys: npt.NDArray[np.int64],
+    values: npt.NDArray[np.float64],
+    eligible: npt.NDArray[np.int64],
+    min_values: int,
+    as_key: Callable[[int], tuple[str, int]],
+) -> dict[tuple[str, int], float]:
+    """(node, GPU) -> the median of its values, for the eligible GPUs with at least `min_values`."""
+    codes, medians, n = _group_medians(keys, values)
+    keep = np.isin(codes, eligible) & (n >= min_values)
+    return {as_key(c): m for c, m in zip(codes[keep].tolist(), medians[keep].tolist(), strict=True)}
 
 
 def _median_mad(values: Sequence[float]) -> tuple[float, float]:
@@ -302,7 +319,7 @@ class StragglerDetector:
             # A window median needs tens of readings, not one per second: keeping one every
             # few seconds cut the check's cost (half of the worker at 1024 nodes) by as much.
             return
-        gpus = tuple(
+        gpus = [
             _Gpu(
                 index=g.index,
                 sm_clock=g.sm_clock_mhz,
@@ -312,11 +329,13 @@ class StragglerDetector:
             )
             for g in sample.gpus
             if not g.lost
-        )
-        values = tuple(
-            tuple((g.index, v) for g in gpus if (v := getattr(g, attr)) is not None) for _, attr in _METRIC_FIELDS
-        )
-        q.append((sample.event_time, gpus, values))
+        ]
+        indices = np.fromiter((g.index for g in gpus), dtype=np.int64, count=len(gpus))
+        values = np.array(
+            [[np.nan if (v := getattr(g, attr)) is None else v for g in gpus] for _, attr in _METRIC_FIELDS],
+            dtype=np.float64,
+        ).reshape(len(_METRIC_FIELDS), len(gpus))
+        q.append((sample.event_time, tuple(g for g in gpus if g.slowdown), indices, values))
         while q and q[0][0] < sample.event_time - self.window_s:
             q.popleft()
 
@@ -406,50 +425,66 @@ class StragglerDetector:
         # Each GPU reading is judged against the job's other GPUs at the same moment (5 s
         # buckets): a checkpoint or an eval pass drops every GPU of the job at once and must
         # not make a straggler out of whichever GPUs happened to sample more of it.
+        names = list(dict.fromkeys(nodes))  # a node listed twice is still one node
         window = [
-            (node, t, int(t // _BUCKET_S), gpus, values)
-            for node in nodes
-            for t, gpus, values in self._gpu.get(node, ())
+            (pos, t, slow, indices, values)
+            for pos, node in enumerate(names)
+            for t, slow, indices, values in self._gpu.get(node, ())
             if lo <= t <= now
         ]
-        times: dict[tuple[str, int], list[float]] = defaultdict(list)
-        reasons: dict[tuple[str, int], Counter[str]] = defaultdict(Counter)
-        for node, t, _, gpus, _ in window:
-            for g in gpus:
-                times[(node, g.index)].append(t)
-                if g.slowdown:  # most samples have none; Counter.update showed in the profile
-                    reasons[(node, g.index)].update(set(g.slowdown))
-        # Metric by metric, over the readings of the window: each metric's values go into a flat
-        # list per bucket (this loop is the detector's cost at fleet scale).
-        raw: dict[tuple[str, int], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
-        ratio: dict[tuple[str, int], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+        if not window:
+            return verdicts
+        # One entry per (reading, GPU): which node and GPU, when, in which bucket.
+        counts = np.fromiter((len(w[3]) for w in window), dtype=np.int64, count=len(window))
+        gpu_index = np.concatenate([w[3] for w in window])
+        values = np.concatenate([w[4] for w in window], axis=1)
+        node_pos = np.repeat(np.fromiter((w[0] for w in window), dtype=np.int64, count=len(window)), counts)
+        ts = np.repeat(np.fromiter((w[1] for w in window), dtype=np.float64, count=len(window)), counts)
+        bucket = np.floor_divide(ts, _BUCKET_S).astype(np.int64)
+        stride = int(gpu_index.max(initial=0)) + 1
+        key = node_pos * stride + gpu_index
+
+        def as_key(code: int) -> tuple[str, int]:
+            return names[code // stride], code % stride
+
+        # Persistent: enough readings of the GPU, spanning enough time (the entries of a GPU are in
+        # time order: each node's readings are).
+        order = np.argsort(key, kind="stable")
+        codes, first, n = np.unique(key[order], return_index=True, return_counts=True)
+        span = ts[order][first + n - 1] - ts[order][first]
+        persistent = (n >= self.min_samples) & (span >= self.min_span_s)
+        eligible_codes = codes[persistent]
+        eligible = {as_key(c) for c in eligible_codes.tolist()}
+        reasons: dict[int, Counter[str]] = defaultdict(Counter)
+        for pos, _, slow, _, _ in window:
+            for g in slow:
+                reasons[pos * stride + g.index].update(set(g.slowdown))
+        readings_of = dict(zip(codes.tolist(), n.tolist(), strict=True))
+        for code, counted in reasons.items():
+            k = as_key(code)
+            persistent_reasons = sorted(r for r, c in counted.items() if c * 2 >= readings_of[code])
+            if k in eligible and persistent_reasons:
+                verdicts[k[0]].slowdown[k[1]] = persistent_reasons
+        # Metric by metric: each bucket's median over the job's GPUs (of at least two nodes), each
+        # value's ratio to its bucket's median, then each GPU's medians over the window.
+        raw: dict[str, tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]] = {}
+        ratio: dict[str, tuple[npt.NDArray[np.int64], npt.NDArray[np.float64]]] = {}
         for i, (metric, _) in enumerate(_METRIC_FIELDS):
-            per_reading = [(node, b, values[i]) for node, _, b, _, values in window]
-            bucket_values: dict[int, list[float]] = defaultdict(list)
-            bucket_nodes: dict[int, set[str]] = defaultdict(set)
-            for node, b, values in per_reading:
-                if values:
-                    bucket_values[b].extend(v for _, v in values)
-                    bucket_nodes[b].add(node)
-            bucket_median = {b: statistics.median(vs) for b, vs in bucket_values.items() if len(bucket_nodes[b]) >= 2}
-            for node, b, values in per_reading:
-                m = bucket_median.get(b)
-                for index, v in values:
-                    key = (node, index)
-                    raw[key][metric].append(v)
-                    if m is not None and m > 0:
-                        ratio[key][metric].append(v / m)
-        eligible = {k for k, ts in times.items() if self._persistent(sorted(ts))}
-        for key in eligible:
-            persistent = sorted(r for r, c in reasons[key].items() if c * 2 >= len(times[key]))
-            if persistent:
-                verdicts[key[0]].slowdown[key[1]] = persistent
+            v = values[i]
+            have = ~np.isnan(v)
+            v, b, k, pos = v[have], bucket[have], key[have], node_pos[have]
+            buckets, b_inv = np.unique(b, return_inverse=True)
+            node_buckets = np.unique(b_inv * len(names) + pos)
+            nodes_in = np.bincount(node_buckets // len(names), minlength=len(buckets))
+            _, b_median, _ = _group_medians(b_inv, v)
+            m = np.where(nodes_in >= 2, b_median, np.nan)[b_inv]
+            usable = m > 0  # NaN compares False: a bucket of one node gives no ratio
+            raw[metric] = (k, v)
+            ratio[metric] = (k[usable], v[usable] / m[usable])
         outliers: dict[str, dict[tuple[str, int], _Outlier]] = {}
         for metric in ("SM clock", "power", "utilization"):
             # Decided on each GPU's median ratio to its peers of the moment (1.0: like them).
-            medians = {
-                k: statistics.median(ratio[k][metric]) for k in eligible if len(ratio[k][metric]) >= self.min_samples
-            }
+            medians = _per_gpu(*ratio[metric], eligible_codes, self.min_samples, as_key)
             outliers[metric] = self._outliers(medians, higher_is_worse=False)
             throttled_keys = [
                 k for k in eligible if k not in outliers[metric] and k[1] in verdicts[k[0]].slowdown and k in medians
@@ -465,7 +500,7 @@ class StragglerDetector:
             # Operators read MHz, W and %: explain with the raw window medians.
             if not outliers[metric]:
                 continue
-            raw_medians = {k: statistics.median(raw[k][metric]) for k in eligible if raw[k][metric]}
+            raw_medians = _per_gpu(*raw[metric], eligible_codes, 1, as_key)
             raw_peers = _peer_medians(raw_medians)
             for key, o in list(outliers[metric].items()):
                 if key in raw_medians and key[0] in raw_peers:

