@@ -319,4 +319,3 @@ def test_each_groups_median_is_what_statistics_median_says(pairs: list[tuple[int
     assert codes.tolist() == sorted(by_group)
     assert counts.tolist() == [len(by_group[g]) for g in sorted(by_group)]
     assert medians.tolist() == [statistics.median(by_group[g]) for g in sorted(by_group)]
-
