@@ -41,6 +41,7 @@ not been flagged for a whole window, after which a new episode may start.
 from __future__ import annotations
 
 import bisect
+import logging
 import statistics
 import zlib
 from collections import Counter, defaultdict, deque
@@ -56,9 +57,16 @@ from schemas.vocab import Category
 from streams.detectors.hang import job_state_kind
 from streams.ranks import rank_ranges
 
+log = logging.getLogger("trainmedic.straggler")
+
 MAD_FLOOR_FRACTION = 0.02
 MAX_STEP_SAMPLES_PER_NODE = 20000
 MAX_GPU_SAMPLES_PER_NODE = 4096
+#: NVML and DCGM number a node's GPUs from 0 (eight or so per node): a larger index is a producer's
+#: mistake. The check keys GPUs by node and index in int64 arrays, so such a GPU is left out of the
+#: comparison, with a warning naming it, instead of overflowing them (the schema bounds it below
+#: only by 0; GPU health still reads it).
+MAX_GPU_INDEX = 4095
 JOB_TTL_S = 3600.0
 _RECENT_BATCHES = 256
 _BUCKET_S = 5.0  # GPU readings of one job compared within buckets this long
@@ -256,6 +264,7 @@ class StragglerDetector:
         self._jobs: dict[str, _Job] = {}
         self._ended: dict[str, float] = {}  # job id -> when its end was seen
         self._gpu: dict[str, deque[_Reading]] = {}
+        self._odd_index_nodes: set[str] = set()  # warned once each
 
     # -- inputs ------------------------------------------------------------------------------
 
@@ -328,8 +337,19 @@ class StragglerDetector:
                 slowdown=tuple(r for r in (slowdown_reason(x) for x in g.throttle_reasons or ()) if r),
             )
             for g in sample.gpus
-            if not g.lost
+            if not g.lost and g.index <= MAX_GPU_INDEX
         ]
+        if len(gpus) < len(sample.gpus) and sample.node not in self._odd_index_nodes:
+            odd = sorted({g.index for g in sample.gpus if g.index > MAX_GPU_INDEX})
+            if odd:
+                self._odd_index_nodes.add(sample.node)
+                log.warning(
+                    "straggler check: node %s reports GPU index %s, above %d; that GPU is left out of the "
+                    "comparison (is its producer numbering GPUs as NVML does?)",
+                    sample.node,
+                    ",".join(map(str, odd[:4])),
+                    MAX_GPU_INDEX,
+                )
         indices = np.fromiter((g.index for g in gpus), dtype=np.int64, count=len(gpus))
         values = np.array(
             [[np.nan if (v := getattr(g, attr)) is None else v for g in gpus] for _, attr in _METRIC_FIELDS],

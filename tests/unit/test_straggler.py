@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import statistics
 from collections.abc import Callable
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -319,3 +321,30 @@ def test_each_groups_median_is_what_statistics_median_says(pairs: list[tuple[int
     assert codes.tolist() == sorted(by_group)
     assert counts.tolist() == [len(by_group[g]) for g in sorted(by_group)]
     assert medians.tolist() == [statistics.median(by_group[g]) for g in sorted(by_group)]
+
+
+def test_a_gpu_index_past_any_real_one_is_left_out_with_a_warning_not_a_crash(caplog: pytest.LogCaptureFixture) -> None:
+    # The schema bounds a GPU index only below; the check keys GPUs by node and index in int64
+    # arrays. A producer's bogus index (here u64's largest, as orjson still parses it) must neither
+    # raise in the worker nor keep the node's other GPUs from being compared.
+    det = StragglerDetector(warmup_s=0.0, check_every_s=0.0)
+    det.observe_sched(
+        SchedEvent(event_id="s", event_time=T0, kind="job", job_id="7", state="RUNNING", nodes=list(NODES4)), T0
+    )
+    found: list[Anomaly] = []
+    with caplog.at_level(logging.WARNING, logger="trainmedic.straggler"):
+        for k in range(40):
+            t = T0 + 5.0 * k
+            for node in NODES4:
+                slow = node == "gpu03" and k >= 4
+                gpus = [
+                    GpuMetrics(index=i, sm_clock_mhz=1500.0 if slow else 1980.0, power_w=650.0, utilization_pct=98.0)
+                    for i in range(GPUS_PER_NODE)
+                ]
+                if node == "gpu02":
+                    gpus.append(GpuMetrics(index=2**64 - 1, sm_clock_mhz=1980.0, power_w=650.0, utilization_pct=98.0))
+                det.observe_gpu(GpuSample(event_id=f"g-{node}-{k}", event_time=t, node=node, gpus=gpus), t)
+            found += det.check(t)
+    assert [a.node for a in found] == ["gpu03"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "node gpu02 reports GPU index 18446744073709551615" in warnings[0]
