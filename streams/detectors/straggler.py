@@ -71,8 +71,8 @@ JOB_TTL_S = 3600.0
 _RECENT_BATCHES = 256
 _BUCKET_S = 5.0  # GPU readings of one job compared within buckets this long
 GPU_SAMPLE_EVERY_S = 2.9  # keep about one GPU sample per node every 3 s
-# The GPU metrics compared with the peers: how explanations name them, and the _Gpu field.
-_METRIC_FIELDS = (("SM clock", "sm_clock"), ("power", "power"), ("utilization", "util"))
+# The GPU metrics compared with the peers: how explanations name them, and the GpuMetrics field.
+_METRIC_FIELDS = (("SM clock", "sm_clock_mhz"), ("power", "power_w"), ("utilization", "utilization_pct"))
 
 # Normalised throttle-reason names (lower case, letters only) -> how an operator says it.
 # producers.gpu_nvml / gpu_dcgm use dcgm-exporter's clock_event names (hw_thermal, ...);
@@ -104,22 +104,13 @@ def slowdown_reason(name: str) -> str | None:
     return _SLOWDOWN_REASONS.get(key)
 
 
-@dataclass(frozen=True)
-class _Gpu:
-    index: int
-    sm_clock: float | None
-    power: float | None
-    util: float | None
-    slowdown: tuple[str, ...]
-
-
-# One kept GPU reading of a node: its time, the GPUs that report a slowdown throttle reason
-# (most readings: none), the indices of its GPUs (lost ones left out), and for each of
+# One kept GPU reading of a node: its time, (GPU index, slowdown reasons) of the GPUs that report a
+# slowdown throttle reason (most readings: none), the indices of its GPUs (lost ones left out), and for each of
 # _METRIC_FIELDS a row of their values (NaN where a GPU does not report it). Each reading is judged
 # by every check of the window (about six): a check concatenates the readings' arrays and takes
 # the medians with numpy, where reading value by value in Python was the worker's largest cost
 # at 2,048 nodes.
-_Reading = tuple[float, tuple[_Gpu, ...], npt.NDArray[np.int64], npt.NDArray[np.float64]]
+_Reading = tuple[float, tuple[tuple[int, frozenset[str]], ...], npt.NDArray[np.int64], npt.NDArray[np.float64]]
 
 
 @dataclass
@@ -328,17 +319,7 @@ class StragglerDetector:
             # A window median needs tens of readings, not one per second: keeping one every
             # few seconds cut the check's cost (half of the worker at 1024 nodes) by as much.
             return
-        gpus = [
-            _Gpu(
-                index=g.index,
-                sm_clock=g.sm_clock_mhz,
-                power=g.power_w,
-                util=g.utilization_pct,
-                slowdown=tuple(r for r in (slowdown_reason(x) for x in g.throttle_reasons or ()) if r),
-            )
-            for g in sample.gpus
-            if not g.lost and g.index <= MAX_GPU_INDEX
-        ]
+        gpus = [g for g in sample.gpus if not g.lost and g.index <= MAX_GPU_INDEX]
         if len(gpus) < len(sample.gpus) and sample.node not in self._odd_index_nodes:
             odd = sorted({g.index for g in sample.gpus if g.index > MAX_GPU_INDEX})
             if odd:
@@ -355,7 +336,12 @@ class StragglerDetector:
             [[np.nan if (v := getattr(g, attr)) is None else v for g in gpus] for _, attr in _METRIC_FIELDS],
             dtype=np.float64,
         ).reshape(len(_METRIC_FIELDS), len(gpus))
-        q.append((sample.event_time, tuple(g for g in gpus if g.slowdown), indices, values))
+        slow = tuple(
+            (g.index, reasons)
+            for g in gpus
+            if g.throttle_reasons and (reasons := frozenset(r for x in g.throttle_reasons if (r := slowdown_reason(x))))
+        )
+        q.append((sample.event_time, slow, indices, values))
         while q and q[0][0] < sample.event_time - self.window_s:
             q.popleft()
 
@@ -477,8 +463,8 @@ class StragglerDetector:
         eligible = {as_key(c) for c in eligible_codes.tolist()}
         reasons: dict[int, Counter[str]] = defaultdict(Counter)
         for pos, _, slow, _, _ in window:
-            for g in slow:
-                reasons[pos * stride + g.index].update(set(g.slowdown))
+            for index, said in slow:
+                reasons[pos * stride + index].update(said)
         readings_of = dict(zip(codes.tolist(), n.tolist(), strict=True))
         for code, counted in reasons.items():
             k = as_key(code)
