@@ -16,7 +16,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
-import aiokafka  # type: ignore[import-untyped]
 import faust
 import orjson
 from aiokafka.partitioner import murmur2  # type: ignore[import-untyped]
@@ -72,6 +71,7 @@ from streams.detectors.signatures import SignatureDetector
 from streams.detectors.straggler import GPU_SAMPLE_EVERY_S, StragglerDetector
 from streams.detectors.throughput import ThroughputDetector
 from streams.detectors.xid import XidDetector
+from streams.fetching import cap_fetch_wait, pace_fetches
 from streams.fleet import DomainCorrelator, TopologyCache, watched
 from streams.lineage import Lineages
 from streams.modes import ModeState
@@ -98,20 +98,8 @@ FETCH_MAX_WAIT_MS = SETTINGS.fetch_max_wait_ms
 PRODUCER_LINGER_S = 0.005
 
 
-def _short_fetch_wait() -> None:
-    """Faust hard-codes aiokafka's fetch_max_wait_ms=1500. A broker that does not
-    answer a fetch as soon as data arrives then adds up to 1.5 s per hop, and a fault
-    crosses three hops (signal -> anomaly -> incident -> decision). Cap it."""
-    original = aiokafka.AIOKafkaConsumer.__init__
-
-    def init(self: aiokafka.AIOKafkaConsumer, *args: Any, **kwargs: Any) -> None:
-        kwargs["fetch_max_wait_ms"] = min(int(kwargs.get("fetch_max_wait_ms", 500)), FETCH_MAX_WAIT_MS)
-        original(self, *args, **kwargs)
-
-    aiokafka.AIOKafkaConsumer.__init__ = init  # type: ignore[method-assign]
-
-
-_short_fetch_wait()
+cap_fetch_wait(FETCH_MAX_WAIT_MS)
+pace_fetches(SETTINGS.fetch_pace_ms / 1000.0)
 
 app = faust.App(
     cluster_scoped(SETTINGS.streams_id),

@@ -97,6 +97,13 @@ class Settings(BaseSettings):
     settle_s: float = Field(default=1.0, gt=0, description="attribution window once a root cause is seen")
     collateral_s: float = Field(default=5.0, gt=0, description="how long collateral-only symptoms wait")
     fetch_max_wait_ms: int = Field(default=100, ge=1, le=1500, description="cap on the Faust consumer's fetch wait")
+    fetch_pace_ms: int = Field(
+        default=50,
+        ge=0,
+        le=1000,
+        description="the streams worker sends at most one fetch per broker this often (0: as fast as records are "
+        "taken); a record waits up to this much longer per hop, and a busy worker and broker handle far fewer requests",
+    )
     streams_data_dir: Path = Field(
         default=Path("trainmedic-streams-data"), description="the streams worker's local Faust data folder (writable)"
     )
