@@ -65,7 +65,7 @@ def pace_fetches(pace_s: float) -> None:
                 # await it, expecting "no new data", not the cancellation.
                 return False
         try:
-            return bool(await original(self, assignment, node_id, request))
+            return await original(self, assignment, node_id, request)  # type: ignore[no-any-return]
         finally:
             answered[node_id] = loop.time()
 

@@ -6,7 +6,6 @@ least the pace apart and every record still arrives."""
 from __future__ import annotations
 
 import asyncio
-import statistics
 from typing import Any
 
 import pytest
@@ -24,10 +23,14 @@ RECORDS = 40
 # Each fetch carries a few records of the backlog, so the broker always has more to answer with.
 PARTITION_FETCH_BYTES = 1024
 PAYLOAD = b"x" * 300
+FETCH_WAIT_MS = 40
+MIN_FETCHES = 4
 
 
 async def _backlog_read(bootstrap: str, topic: str) -> list[float]:
-    """Fetch-request send times (loop clock) while a backlog of RECORDS records is read."""
+    """Fetch-request send times (loop clock) while a backlog of RECORDS records is read, and at
+    least MIN_FETCHES of them: the broker does not always split the backlog, and a consumer with
+    nothing left fetches again after fetch_max_wait_ms (well under the pace)."""
     loop = asyncio.get_running_loop()
     sent_at: list[float] = []
     original_send = AIOKafkaClient.send
@@ -37,7 +40,6 @@ async def _backlog_read(bootstrap: str, topic: str) -> list[float]:
             sent_at.append(loop.time())
         return await original_send(self, node_id, request, **kwargs)
 
-    AIOKafkaClient.send = send
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
     await producer.start()
     try:
@@ -49,7 +51,7 @@ async def _backlog_read(bootstrap: str, topic: str) -> list[float]:
         topic,
         bootstrap_servers=bootstrap,
         auto_offset_reset="earliest",
-        fetch_max_wait_ms=100,
+        fetch_max_wait_ms=FETCH_WAIT_MS,
         max_partition_fetch_bytes=PARTITION_FETCH_BYTES,
     )
     AIOKafkaClient.send = send
@@ -57,7 +59,7 @@ async def _backlog_read(bootstrap: str, topic: str) -> list[float]:
         await consumer.start()
         seen: list[bytes] = []
         async with asyncio.timeout(60):
-            while len(seen) < RECORDS:
+            while len(seen) < RECORDS or len(sent_at) < MIN_FETCHES:
                 for records in (await consumer.getmany(timeout_ms=500)).values():
                     seen.extend(r.value for r in records)
         assert sorted(seen) == sorted(b"%d:" % n + PAYLOAD for n in range(RECORDS))
@@ -78,8 +80,7 @@ def test_paced_fetches_are_a_pace_apart_and_lose_nothing(broker: EmbeddedBroker,
         return [b - a for a, b in zip(times, times[1:], strict=False)]
 
     # Unpaced, the broker answers faster than the pace: the paced bound below is not a given.
-    assert statistics.median(gaps(unpaced)) < PACE_S / 4, gaps(unpaced)
-    assert len(paced) >= 3
+    assert min(gaps(unpaced)) < PACE_S / 2, gaps(unpaced)
     assert min(gaps(paced)) >= PACE_S - 0.01, gaps(paced)
 
 
