@@ -498,9 +498,9 @@ _PLUMBING = (
 def run_scenario(cfg: ScenarioConfig) -> dict[str, Any]:
     """One run of the real stack against the simulated cluster; raw records, evaluated later."""
     from bus.publish import Publisher
-    from schemas.topics import DEFAULT_PARTITIONS
     from sim.cluster import ClusterConfig, SimCluster
     from trainmedic.runtime import Stack, StackConfig
+    from trainmedic.settings import Settings
 
     root = Path(cfg.data_dir) / cfg.name
     shutil.rmtree(root, ignore_errors=True)
@@ -539,7 +539,7 @@ def run_scenario(cfg: ScenarioConfig) -> dict[str, Any]:
     assert stack.store is not None
     publisher = Publisher(stack.bootstrap, "bench-sim")
     sampler = ProcSampler()
-    prober = Prober(stack.bootstrap, cfg.probe_interval_s, DEFAULT_PARTITIONS)
+    prober = Prober(stack.bootstrap, cfg.probe_interval_s, Settings.load().topic_partitions)
     profile: dict[str, Any] | None = None
     try:
         sampler.start()

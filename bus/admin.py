@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka import TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
 
 from bus.config import admin_config
 from schemas.errors import ConfigError, Unavailable
@@ -93,3 +94,19 @@ def ensure_topics(
                     raise TopicsUnavailable(f"cannot create topic {name} on {bootstrap}: {exc}") from None
                 report.existing.append(name)
     return report
+
+
+def end_offsets(bootstrap: str, timeout: float = 10.0) -> dict[tuple[str, int], int]:
+    """(topic, partition) -> its end offset, for every topic on the broker (internal ones too).
+    On the embedded broker an end offset is the first offset of the partition's last batch + 1
+    (docs/environment.md): it is used to size what the broker holds, never to position a consumer."""
+    admin = AdminClient(admin_config(bootstrap))
+    try:
+        meta = admin.list_topics(timeout=timeout).topics
+        wanted = {TopicPartition(name, p): OffsetSpec.latest() for name, tm in meta.items() for p in tm.partitions}
+        if not wanted:
+            return {}
+        futures = admin.list_offsets(wanted, request_timeout=timeout)
+        return {(tp.topic, tp.partition): int(f.result(timeout).offset) for tp, f in futures.items()}
+    except Exception as exc:  # confluent_kafka raises KafkaException with a cause
+        raise TopicsUnavailable(f"cannot read the end offsets at {bootstrap}: {exc}") from None

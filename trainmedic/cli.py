@@ -144,7 +144,8 @@ def up(
     stack = Stack(config, sched).start()
     durability = (
         f"The embedded broker on {stack.bootstrap} keeps events in memory only: stopping or restarting `up` "
-        "loses events not yet processed; the audit is the durable record."
+        "loses events not yet processed; the audit is the durable record. It also keeps every event, and grows "
+        "slower as it holds more: for a demo or a trial; run a cluster on Kafka (--bootstrap)."
         if stack.broker is not None
         else f"Kafka {stack.bootstrap}."
     )

@@ -142,6 +142,12 @@ class Settings(BaseSettings):
         description="partitions of every topic, fixed when they are first created; the streams' tables and "
         "job ownership use it, so it must match the topics (4 for topics an earlier trainmedic created)",
     )
+    embedded_broker_warn_records: int = Field(
+        default=100_000,
+        ge=1,
+        description="`up` warns (log, health, metrics) when one partition of the embedded broker holds this many "
+        "records: it keeps every record, and each fetch of a partition lists all it holds",
+    )
     topic_retention_hours: float = Field(
         default=168.0,
         ge=24.0,

@@ -1,0 +1,124 @@
+"""What the embedded broker holds and costs, read from the real broker `up` starts
+(trainmedic/broker_watch.py): it keeps every record, so `up` measures and says it before it
+becomes detection latency."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from confluent_kafka import Producer
+from confluent_kafka.admin import AdminClient, NewTopic
+from prometheus_client import REGISTRY
+
+from bus.config import admin_config, producer_config
+from sinks.backends.simulated import SimulatedScheduler
+from tests.conftest import wait_for
+from trainmedic.broker import EmbeddedBroker
+from trainmedic.broker_watch import BrokerWatch
+from trainmedic.runtime import Stack, StackConfig
+
+
+def _send(bootstrap: str, topic: str, partition: int, n: int) -> None:
+    producer = Producer(producer_config(bootstrap, "test-broker-watch") | {"linger.ms": 0})
+    for _ in range(n):
+        producer.produce(topic, b"{}", partition=partition)
+        producer.flush(10)  # one batch each: the end offset counts them exactly
+
+
+def test_the_watch_names_the_fullest_partition_and_warns_once_per_doubling(
+    broker: EmbeddedBroker, caplog: pytest.LogCaptureFixture
+) -> None:
+    admin = AdminClient(admin_config(broker.bootstrap))  # held: a collected client cancels its futures
+    admin.create_topics([NewTopic("watched", 2, 1)])["watched"].result(15)
+    _send(broker.bootstrap, "watched", 1, 25)
+    watch = BrokerWatch(broker.bootstrap, lambda: broker.pid, warn_records=10)
+    caplog.set_level(logging.WARNING, "trainmedic.broker_watch")
+
+    held = watch.check()
+    assert held.largest == ("watched", 1, 25)
+    assert held.total >= 25 and held.resident_bytes is not None and held.resident_bytes > 0
+    assert held.busy is None  # no interval yet
+    assert REGISTRY.get_sample_value("trainmedic_embedded_broker_largest_partition_records") == 25
+    assert REGISTRY.get_sample_value("trainmedic_embedded_broker_resident_bytes") == held.resident_bytes
+    [warning] = watch.warnings
+    assert "25 records in watched[1]" in warning and "--bootstrap" in warning
+    assert len(caplog.records) == 1
+
+    watch.check()  # nothing new: no second line in the log, the health warning stays
+    assert len(caplog.records) == 1 and len(watch.warnings) == 1
+    _send(broker.bootstrap, "watched", 1, 16)  # 41: past 4 x 10
+    assert watch.check().largest == ("watched", 1, 41)
+    assert len(caplog.records) == 2 and "41 records" in caplog.records[-1].getMessage()
+
+    quiet = BrokerWatch(broker.bootstrap, lambda: broker.pid, warn_records=1000)
+    quiet.check()
+    assert quiet.warnings == []
+    with pytest.raises(ValueError, match="embedded_broker_warn_records"):
+        BrokerWatch(broker.bootstrap, lambda: broker.pid, warn_records=0)
+
+
+def test_the_watch_reads_the_brokers_cpu_from_proc(broker: EmbeddedBroker) -> None:
+    """Busy is read from the process's own CPU time: a process spinning a core is busy, an idle one
+    is not (stand-ins for the broker's pid; the records are the real broker's)."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        busy_watch = BrokerWatch(broker.bootstrap, lambda: spinner.pid, warn_records=10**9)
+        idle_watch = BrokerWatch(broker.bootstrap, lambda: idle.pid, warn_records=10**9)
+        busy_watch.check()
+        idle_watch.check()
+        before = REGISTRY.get_sample_value("trainmedic_embedded_broker_cpu_seconds_total") or 0.0
+        time.sleep(2)
+        busy = busy_watch.check().busy
+        assert busy is not None and busy >= 0.5, busy
+        assert (REGISTRY.get_sample_value("trainmedic_embedded_broker_cpu_seconds_total") or 0.0) - before >= 1.0
+        [warning] = busy_watch.warnings
+        assert "of a core lately" in warning
+        idle_busy = idle_watch.check().busy
+        assert idle_busy is not None and idle_busy < 0.1 and idle_watch.warnings == []
+    finally:
+        spinner.kill()
+        idle.kill()
+        spinner.wait()
+        idle.wait()
+
+
+def test_up_says_it_in_health_and_restarts_a_dead_watch(
+    chdb_url: str, database: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In-process Stack with its embedded broker, as `up` runs it."""
+    monkeypatch.setenv("TRAINMEDIC_EMBEDDED_BROKER_WARN_RECORDS", "3")
+    stack = Stack(
+        StackConfig(
+            data_dir=tmp_path / "var",
+            clickhouse=chdb_url,
+            database=database,
+            supervise=True,
+            restart_backoff_s=(1.0,),
+            broker_watch_s=0.5,
+        ),
+        SimulatedScheduler([]),
+    ).start()
+    try:
+        assert stack.broker is not None and stack.broker_watch is not None
+        _send(stack.bootstrap, "gpu.samples", 0, 4)
+        health = wait_for("the warning in health", lambda: (h := stack.health()).get("warnings") and h, timeout=30)
+        assert health["ok"] is True, health  # a warning, not a fault
+        assert any("embedded broker holds" in w for w in health["warnings"])
+        assert health["components"]["broker-watch"]["state"] == "up"
+
+        first = stack.broker_watch
+        first.stop_event.set()  # its loop ends: the supervisor sees the thread gone
+        wait_for(
+            "the watch restarted",
+            lambda: stack.broker_watch is not first and stack.health()["components"]["broker-watch"]["restarts"] == 1,
+            timeout=30,
+        )
+        wait_for("the warning again", lambda: stack.health().get("warnings"), timeout=30)
+    finally:
+        stack.stop()
