@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import threading
 import time
 from pathlib import Path
@@ -35,22 +34,26 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from bench.machine import machine
 from bus.config import PROMPT_FETCH_WAIT_MS, admin_config, consumer_config, producer_config
 from trainmedic.broker import EmbeddedBroker
+from trainmedic.broker_watch import process_usage
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 PAYLOAD = b"x" * 600  # about a GPU summary of one node
 TAIL_FETCHES = 20
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    usage = process_usage(pid)
+    if usage is None:
+        raise RuntimeError(f"the broker (pid {pid}) is gone")
+    return usage[0]
 
 
 def rss_mb(pid: int) -> float:
-    line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("VmRSS:"))
-    return int(line.split()[1]) / 1024
+    usage = process_usage(pid)
+    if usage is None:
+        raise RuntimeError(f"the broker (pid {pid}) is gone")
+    return usage[1] / 2**20
 
 
 def create_topic(bootstrap: str, name: str, partitions: int) -> None:

@@ -47,7 +47,7 @@ class Holding:
     busy: float | None  # the broker's CPU over the last interval, in cores; None on the first check
 
 
-def _proc(pid: int) -> tuple[float, int] | None:
+def process_usage(pid: int) -> tuple[float, int] | None:
     """CPU seconds and resident bytes of a process; None once it is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -67,14 +67,15 @@ class BrokerWatch:
         self.warn_records = warn_records
         self.warnings: list[str] = []
         self.stop_event = threading.Event()
-        self._logged: set[str] = set()  # which warnings were logged, by kind and level
+        self._records_logged = 0  # the multiple of warn_records (a power of two) last logged; 0: below it
+        self._busy_logged = False
         self._last: tuple[int, float, float] | None = None  # pid, its CPU seconds, when
 
     def check(self) -> Holding:
         offsets = end_offsets(self.bootstrap)
         (topic, partition), most = max(offsets.items(), key=lambda kv: kv[1], default=(("", -1), 0))
         pid, busy, rss = self.pid(), None, None
-        usage = _proc(pid) if pid else None
+        usage = process_usage(pid) if pid else None
         if pid and usage is not None:
             cpu, rss = usage
             now = time.monotonic()
@@ -97,22 +98,22 @@ class BrokerWatch:
             "it keeps every record and each fetch of a partition lists all it holds, so it slows and grows for as "
             "long as `up` runs; for a cluster, run Kafka and start `up --bootstrap` (docs/environment.md)"
         )
-        found: dict[str, str] = {}
+        self.warnings = []
+        level = 0
         if most >= self.warn_records:
-            level = 1
-            while most >= level * 2 * self.warn_records:
-                level *= 2
-            found[f"records x{level}"] = f"the embedded broker holds {holds}: {remedy}"
-        if held.busy is not None and held.busy >= BUSY_CORE_FRACTION:
-            found["busy"] = f"the embedded broker used {held.busy:.0%} of a core lately, holding {holds}: {remedy}"
-        for key, text in found.items():
-            if key not in self._logged:
-                log.warning("%s", text)
-        # A warning that cleared may be logged again when it comes back; a level once passed stays logged.
-        self._logged = {k for k in self._logged if k.startswith("records")} | set(found)
-        if most < self.warn_records:
-            self._logged = {k for k in self._logged if not k.startswith("records")}
-        self.warnings = list(found.values())
+            level = 1 << ((most // self.warn_records).bit_length() - 1)  # the power of two reached
+            self.warnings.append(f"the embedded broker holds {holds}: {remedy}")
+            if level > self._records_logged:
+                log.warning("%s", self.warnings[-1])
+        self._records_logged = max(level, self._records_logged) if level else 0
+        busy = held.busy is not None and held.busy >= BUSY_CORE_FRACTION
+        if busy:
+            self.warnings.append(
+                f"the embedded broker used {held.busy:.0%} of a core lately, holding {holds}: {remedy}"
+            )
+            if not self._busy_logged:
+                log.warning("%s", self.warnings[-1])
+        self._busy_logged = busy  # logged again when it comes back
 
     def run(self, interval_s: float) -> None:
         """Check every `interval_s` until stopped; an unreadable broker is logged and tried again
