@@ -482,6 +482,11 @@ class PendingRecommendations(Collector):
     def __init__(self) -> None:
         self.store: AuditStore | None = None
 
+    def release(self, store: AuditStore) -> None:
+        """Before `store` closes: a scrape after that would only log that the client is closed."""
+        if self.store is store:
+            self.store = None
+
     def collect(self) -> Iterator[GaugeMetricFamily]:
         if self.store is None:
             return

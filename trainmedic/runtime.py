@@ -26,7 +26,7 @@ from sinks.backends.base import SchedulerBackend
 from sinks.executor import Executor, ExecutorService, ExecutorSettings
 from sinks.guardrails import GuardrailFile, Guardrails
 from streams.policy import DEFAULT_POLICY
-from trainmedic.api import API_MESSAGE_TIMEOUT_MS, ApiError, ApiServer, create_api, load_or_create_token
+from trainmedic.api import API_MESSAGE_TIMEOUT_MS, PENDING, ApiError, ApiServer, create_api, load_or_create_token
 from trainmedic.auto_return import AutoReturnService
 from trainmedic.broker import BrokerError, EmbeddedBroker, check_port_free, free_port, port_in_use
 from trainmedic.broker_watch import BrokerWatch
@@ -573,6 +573,7 @@ class Stack:
         if self.broker is not None:
             self.broker.stop()
         if self.store is not None:
+            PENDING.release(self.store)
             self.store.close()
             self.store = None
         if self.supervisor is not None:

@@ -30,6 +30,11 @@ def _send(bootstrap: str, topic: str, partition: int, n: int) -> None:
         producer.flush(10)  # one batch each: the end offset counts them exactly
 
 
+def _watch_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    # Only the watch's own: a thread another test left behind may log to the root logger too.
+    return [r.getMessage() for r in caplog.records if r.name == "trainmedic.broker_watch"]
+
+
 def test_the_watch_names_the_fullest_partition_and_warns_once_per_doubling(
     broker: EmbeddedBroker, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -47,13 +52,14 @@ def test_the_watch_names_the_fullest_partition_and_warns_once_per_doubling(
     assert REGISTRY.get_sample_value("trainmedic_embedded_broker_resident_bytes") == held.resident_bytes
     [warning] = watch.warnings
     assert "25 records in watched[1]" in warning and "--bootstrap" in warning
-    assert len(caplog.records) == 1
+    assert len(_watch_lines(caplog)) == 1
 
     watch.check()  # nothing new: no second line in the log, the health warning stays
-    assert len(caplog.records) == 1 and len(watch.warnings) == 1
+    assert len(_watch_lines(caplog)) == 1 and len(watch.warnings) == 1
     _send(broker.bootstrap, "watched", 1, 16)  # 41: past 4 x 10
     assert watch.check().largest == ("watched", 1, 41)
-    assert len(caplog.records) == 2 and "41 records" in caplog.records[-1].getMessage()
+    lines = _watch_lines(caplog)
+    assert len(lines) == 2 and "41 records" in lines[-1]
 
     quiet = BrokerWatch(broker.bootstrap, lambda: broker.pid, warn_records=1000)
     quiet.check()
