@@ -116,6 +116,14 @@ app = faust.App(
     # is a produce request per record, paid in the worker's socket writes and the broker's request
     # handling. A few milliseconds per hop batch them; a fault crosses three hops.
     producer_linger=PRODUCER_LINGER_S,
+    # Faust stops a worker whose table read further into a changelog than the broker's end offset
+    # (meant for a RocksDB file left over a deleted topic; our store is memory, rebuilt from the
+    # changelog at each start). The embedded broker answers that end offset as the base offset of
+    # the partition's last batch + 1 (tansu-io/tansu v0.6.0, tansu-storage/src/dynostore.rs,
+    # `list_offsets`), below what a batch of several records already delivered: every rebalance of
+    # several workers stopped every worker that had read the placements changelog, one after the
+    # other (docs/environment.md).
+    recovery_consistency_check=False,
     web_enabled=False,
     datadir=str(SETTINGS.streams_data_dir),
 )
