@@ -91,7 +91,8 @@ def up(
         typer.Option(
             min=1,
             help="Streams workers (one consumer group; jobs split between them by partition). At most the "
-            "topics' partition count; their metrics ports are --metrics-port + 0, 1, ...",
+            "topics' partition count; their metrics ports are --metrics-port and up, passing over "
+            "--metrics-address's and --api-port's.",
         ),
     ] = 1,
     ssh: SshOpt = None,
@@ -153,7 +154,8 @@ def up(
         f"trainmedic is up: {durability} Audit {stack.store.url if stack.store else '?'}, "
         f"scheduler {sched.name}, operator API and console {stack.api.url + '/' if stack.api else '-'} "
         f"(operator token in {stack.config.token_file}, read-only token in {stack.config.viewer_token_file}), "
-        f"metrics {stack.metrics.url if stack.metrics else 'off'}, logs in {stack.logs_dir}. "
+        f"metrics {stack.metrics.url if stack.metrics else 'off'} (streams workers: "
+        f"{', '.join(f'127.0.0.1:{p}' for p in stack.worker_metrics_ports()) or 'off'}), logs in {stack.logs_dir}. "
         "Dead parts are restarted; Ctrl-C stops."
     )
     done = threading.Event()

@@ -61,7 +61,8 @@ class StackConfig:
     api_insecure: bool = False  # allow a non-loopback address without TLS
     api_tls_cert: Path | None = None  # with api_tls_key: the API serves HTTPS (and may leave loopback)
     api_tls_key: Path | None = None
-    worker_metrics_port: int | None = None  # the streams worker's Prometheus endpoint (worker i: port + i)
+    # The streams workers' Prometheus endpoints: this port and up (Stack.worker_metrics_ports).
+    worker_metrics_port: int | None = None
     # Streams workers: one consumer group splitting the jobs between them (at most the partition count).
     workers: int = 1
     metrics_host: str = "127.0.0.1"
@@ -208,11 +209,10 @@ class Stack:
             (cfg.api_host, cfg.api_port, "--api-port (operator API)"),
             (cfg.metrics_host, cfg.metrics_port, "--metrics-address (metrics listener)"),
         ]
-        if cfg.worker_metrics_port:
-            checks += [
-                ("127.0.0.1", cfg.worker_metrics_port + i, f"--metrics-port (streams worker {i} metrics: port + {i})")
-                for i in range(cfg.workers)
-            ]
+        checks += [
+            ("127.0.0.1", port, f"--metrics-port (streams worker {i} metrics)")
+            for i, port in enumerate(self.worker_metrics_ports())
+        ]
         if not cfg.bootstrap and cfg.broker_port:
             checks.append(("127.0.0.1", cfg.broker_port, "--broker-port (embedded broker)"))
         for host, port, what in checks:
@@ -221,6 +221,26 @@ class Stack:
                     check_port_free(host, port, what)
                 except BrokerError as exc:
                     raise StackError(str(exc)) from None
+
+    def worker_metrics_ports(self) -> list[int]:
+        """Worker i's metrics port: --metrics-port + i, passing over the ports the rest of this stack
+        listens on. By default `up`'s own listener is 9479, right after the first worker's 9478: with
+        `+ i` alone, a second worker took 9479 and `up` stopped at start ("address already in use")."""
+        cfg = self.config
+        if not cfg.worker_metrics_port:
+            return []
+        taken = {p for p in (cfg.metrics_port, cfg.api_port, cfg.broker_port) if p}
+        ports: list[int] = []
+        port = cfg.worker_metrics_port
+        while len(ports) < cfg.workers:
+            if port > 65535:
+                raise StackError(
+                    f"--metrics-port {cfg.worker_metrics_port}: no room for {cfg.workers} worker ports below 65536"
+                )
+            if port not in taken:
+                ports.append(port)
+            port += 1
+        return ports
 
     def _broker_port(self) -> int:
         """Stable across restarts of `up`: producers that cached the address find the new broker.
@@ -408,6 +428,7 @@ class Stack:
             "broker_storage": "memory" if self.broker else "external",
             "api_url": self.api.url if self.api else None,
             "metrics_url": self.metrics.url if self.metrics else None,
+            "worker_metrics_urls": [f"http://127.0.0.1:{p}/metrics" for p in self.worker_metrics_ports()],
             "started_at": time.time(),
             "note": (
                 "Producers re-read 'bootstrap' from this file when the broker stops answering. The embedded "
@@ -490,7 +511,7 @@ class Stack:
         if cfg.mode:
             env["TRAINMEDIC_MODE"] = cfg.mode
         if cfg.worker_metrics_port:
-            env["TRAINMEDIC_METRICS_PORT"] = str(cfg.worker_metrics_port + i)
+            env["TRAINMEDIC_METRICS_PORT"] = str(self.worker_metrics_ports()[i])
         log_path = self.worker_log(i)
         if log_path.exists() and log_path.stat().st_size:
             log_path.replace(log_path.with_suffix(".log.1"))  # the last run's, for the post-mortem

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trainmedic.broker import free_port
+from trainmedic.broker import free_port, port_in_use
 
 TRAINMEDIC = [sys.executable, "-m", "trainmedic.cli"]
 
@@ -146,6 +146,62 @@ def test_up_starts_and_ctrl_c_stops_cleanly(tmp_path: Path) -> None:
     out = log.read_text()
     assert proc.returncode == 0, out[-3000:]
     assert "trainmedic stopped cleanly." in out
+
+
+def _adjacent_free_ports(n: int) -> int:
+    for _ in range(50):
+        first = free_port()
+        if first + n <= 65535 and not any(port_in_use("127.0.0.1", first + i) for i in range(1, n)):
+            return first
+    raise AssertionError(f"no {n} adjacent free ports")
+
+
+def test_up_with_two_workers_serves_every_metrics_listener(tmp_path: Path) -> None:
+    """As with the defaults (workers from 9478, `up`'s own listener 9479): the second worker's port
+    would be `up`'s own, and `up --workers 2` stopped at start with "address already in use"."""
+    base = _adjacent_free_ports(3)
+    log = tmp_path / "up.out"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(
+            [
+                *TRAINMEDIC,
+                "up",
+                "--backend",
+                "simulated",
+                "--api-port",
+                "0",
+                "--workers",
+                "2",
+                "--metrics-port",
+                str(base),
+                "--metrics-address",
+                f"127.0.0.1:{base + 1}",
+                "--data-dir",
+                str(tmp_path),
+            ],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    try:
+        deadline = time.monotonic() + 180
+        while "trainmedic is up" not in log.read_text() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert "trainmedic is up" in log.read_text(), log.read_text()[-3000:]
+        runtime = json.loads((tmp_path / "runtime.json").read_text())
+        assert runtime["worker_metrics_urls"] == [
+            f"http://127.0.0.1:{base}/metrics",
+            f"http://127.0.0.1:{base + 2}/metrics",
+        ]
+        for url in runtime["worker_metrics_urls"]:
+            assert (
+                "trainmedic_detection_latency_seconds_bucket" in urllib.request.urlopen(url, timeout=10).read().decode()
+            )
+        assert "trainmedic_actions_total" in urllib.request.urlopen(runtime["metrics_url"], timeout=10).read().decode()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    assert proc.returncode == 0, log.read_text()[-3000:]
 
 
 @pytest.mark.parametrize(
