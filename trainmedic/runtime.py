@@ -222,20 +222,22 @@ class Stack:
                 except BrokerError as exc:
                     raise StackError(str(exc)) from None
 
-    def worker_metrics_ports(self) -> list[int]:
-        """Worker i's metrics port: --metrics-port + i, passing over the ports the rest of this stack
-        listens on. By default `up`'s own listener is 9479, right after the first worker's 9478: with
-        `+ i` alone, a second worker took 9479 and `up` stopped at start ("address already in use")."""
+    def worker_metrics_ports(self, count: int | None = None) -> list[int]:
+        """The metrics ports of the first `count` workers (default: the configured workers): from
+        --metrics-port up, passing over the ports the rest of this stack listens on. By default `up`'s
+        own listener is 9479, right after the first worker's 9478: with `+ i` alone, a second worker
+        took 9479 and `up` stopped at start ("address already in use")."""
         cfg = self.config
+        count = cfg.workers if count is None else count
         if not cfg.worker_metrics_port:
             return []
         taken = {p for p in (cfg.metrics_port, cfg.api_port, cfg.broker_port) if p}
         ports: list[int] = []
         port = cfg.worker_metrics_port
-        while len(ports) < cfg.workers:
+        while len(ports) < count:
             if port > 65535:
                 raise StackError(
-                    f"--metrics-port {cfg.worker_metrics_port}: no room for {cfg.workers} worker ports below 65536"
+                    f"--metrics-port {cfg.worker_metrics_port}: no room for {count} worker ports below 65536"
                 )
             if port not in taken:
                 ports.append(port)
@@ -511,7 +513,7 @@ class Stack:
         if cfg.mode:
             env["TRAINMEDIC_MODE"] = cfg.mode
         if cfg.worker_metrics_port:
-            env["TRAINMEDIC_METRICS_PORT"] = str(self.worker_metrics_ports()[i])
+            env["TRAINMEDIC_METRICS_PORT"] = str(self.worker_metrics_ports(i + 1)[i])
         log_path = self.worker_log(i)
         if log_path.exists() and log_path.stat().st_size:
             log_path.replace(log_path.with_suffix(".log.1"))  # the last run's, for the post-mortem

@@ -39,6 +39,7 @@ def test_worker_metrics_ports_pass_over_the_stacks_other_listeners(tmp_path: Pat
         return Stack(config, SimulatedScheduler([]))
 
     assert stack(3, 8477).worker_metrics_ports() == [9478, 9480, 9481]
+    assert stack(3, 8477).worker_metrics_ports(4)[3] == 9482  # a worker started beyond the configured ones
     assert stack(1, 9479).worker_metrics_ports() == [9478]
     assert stack(2, 9480).worker_metrics_ports() == [9478, 9481]
     assert Stack(StackConfig(data_dir=tmp_path, workers=2), SimulatedScheduler([])).worker_metrics_ports() == []
