@@ -77,6 +77,52 @@ def read_records(bootstrap: str, topic: str, since: float, timeout_s: float = 30
         consumer.close()
 
 
+def fetched_end_offsets(
+    bootstrap: str, listed: dict[tuple[str, int], int], timeout_s: float = 10.0
+) -> dict[tuple[str, int], int]:
+    """Each partition's end offset as a fetch answers it, from the end offsets a ListOffsets
+    request answered (`listed`, which it never lowers).
+
+    The embedded broker answers ListOffsets with the first offset of the partition's last batch
+    + 1, but a fetch's high watermark rightly (measured: batches of 1 and 7 records, listed 2,
+    fetched 8). So each non-empty partition is read from its listed end - 1, the start of its last
+    batch, until the broker says it is at the end. On Kafka the two agree and this costs one fetch."""
+    todo = {tp: end for tp, end in listed.items() if end > 0}
+    if not todo:
+        return dict(listed)
+    consumer = group_consumer(
+        bootstrap,
+        f"trainmedic-ends-{uuid.uuid4().hex[:8]}",
+        "trainmedic-ends",
+        **{"enable.partition.eof": True},
+    )
+    try:
+        consumer.assign([TopicPartition(topic, partition, end - 1) for (topic, partition), end in todo.items()])
+        remaining = set(todo)
+        deadline = time.monotonic() + timeout_s
+        while remaining:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"reading end offsets: {sorted(remaining)} not read to their end in {timeout_s:.0f} s"
+                )
+            msg = consumer.poll(0.2)
+            if msg is None:
+                continue
+            err = msg.error()
+            if err is None:
+                continue
+            if err.code() != -191:  # _PARTITION_EOF
+                raise KafkaException(err)
+            remaining.discard((msg.topic(), msg.partition()))
+        ends = dict(listed)
+        for tp in todo:
+            _, high = consumer.get_watermark_offsets(TopicPartition(*tp), cached=True)
+            ends[tp] = max(ends[tp], high)
+        return ends
+    finally:
+        consumer.close()
+
+
 class Follower:
     """Every record of a topic, from its beginning, then as they come - in every process that
     needs the whole topic (each placement discoverer, each streams worker's mode changes).

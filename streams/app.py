@@ -61,6 +61,7 @@ from schemas.topics import (
 from schemas.vocab import STOPS
 from streams import metrics
 from streams.attribution import ALLOCATION_TTL_S, Attributor
+from streams.changelog_ends import fix_highwaters
 from streams.credentials import faust_credentials
 from streams.detectors.divergence import DivergenceDetector
 from streams.detectors.external import ExternalHealthDetector
@@ -100,6 +101,8 @@ PRODUCER_LINGER_S = 0.005
 
 cap_fetch_wait(FETCH_MAX_WAIT_MS)
 pace_fetches(SETTINGS.fetch_pace_ms / 1000.0)
+# Table recovery reads each changelog to the end a fetch reports, not the embedded broker's ListOffsets.
+fix_highwaters(BOOTSTRAP)
 
 app = faust.App(
     cluster_scoped(SETTINGS.streams_id),
