@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from bus.config import consumer_config
 from schemas.errors import Unavailable
@@ -24,6 +25,29 @@ def group_consumer(
     `background`: nothing on a fault's path waits on it, so it fetches less often
     (`bus.config.BACKGROUND_FETCH_WAIT_MS`)."""
     return Consumer({**consumer_config(bootstrap, group, client_id, background=background), **overrides})
+
+
+def _read_to_end(
+    consumer: Consumer, assignment: list[TopicPartition], timeout_s: float, what: str
+) -> Iterator[Message]:
+    """The records of `assignment` from its offsets on, until the broker says each partition is at
+    its end (the consumer is made with enable.partition.eof)."""
+    consumer.assign(assignment)
+    remaining = {(tp.topic, tp.partition) for tp in assignment}
+    deadline = time.monotonic() + timeout_s
+    while remaining:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: partitions {sorted(remaining)} not read to their end in {timeout_s:.0f} s")
+        msg = consumer.poll(0.5)
+        if msg is None:
+            continue
+        err = msg.error()
+        if err is None:
+            yield msg
+        elif err.code() == KafkaError._PARTITION_EOF:
+            remaining.discard((msg.topic(), msg.partition()))
+        else:
+            raise KafkaException(err)
 
 
 def read_records(bootstrap: str, topic: str, since: float, timeout_s: float = 30.0) -> list[tuple[float, bytes]]:
@@ -51,22 +75,8 @@ def read_records(bootstrap: str, topic: str, since: float, timeout_s: float = 30
                 todo.append(TopicPartition(topic, tp.partition, start))
         if not todo:
             return []
-        consumer.assign(todo)
-        remaining = {tp.partition for tp in todo}
         out: list[tuple[float, bytes]] = []
-        deadline = time.monotonic() + timeout_s
-        while remaining:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"reading back {topic}: partitions {sorted(remaining)} not read to their end")
-            msg = consumer.poll(0.5)
-            if msg is None:
-                continue
-            err = msg.error()
-            if err is not None:
-                if err.code() == -191:  # _PARTITION_EOF
-                    remaining.discard(msg.partition())
-                    continue
-                raise KafkaException(err)
+        for msg in _read_to_end(consumer, todo, timeout_s, f"reading back {topic}"):
             ts_type, ts_ms = msg.timestamp()
             at = ts_ms / 1000.0 if ts_type and ts_ms > 0 else time.time()
             value = msg.value()
@@ -97,23 +107,9 @@ def fetched_end_offsets(
         **{"enable.partition.eof": True},
     )
     try:
-        consumer.assign([TopicPartition(topic, partition, end - 1) for (topic, partition), end in todo.items()])
-        remaining = set(todo)
-        deadline = time.monotonic() + timeout_s
-        while remaining:
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"reading end offsets: {sorted(remaining)} not read to their end in {timeout_s:.0f} s"
-                )
-            msg = consumer.poll(0.2)
-            if msg is None:
-                continue
-            err = msg.error()
-            if err is None:
-                continue
-            if err.code() != -191:  # _PARTITION_EOF
-                raise KafkaException(err)
-            remaining.discard((msg.topic(), msg.partition()))
+        last_batches = [TopicPartition(topic, partition, end - 1) for (topic, partition), end in todo.items()]
+        for _ in _read_to_end(consumer, last_batches, timeout_s, "reading end offsets"):
+            pass
         ends = dict(listed)
         for tp in todo:
             _, high = consumer.get_watermark_offsets(TopicPartition(*tp), cached=True)

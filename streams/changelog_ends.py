@@ -29,11 +29,11 @@ def fix_highwaters(bootstrap: str) -> None:
     original = getattr(AIOKafkaConsumerThread.highwaters, _FIXED, AIOKafkaConsumerThread.highwaters)
 
     async def highwaters(self: Any, *partitions: Any) -> Mapping[Any, int]:
+        # Keyed by aiokafka's TopicPartition, a (topic, partition) named tuple; None where it cannot tell.
         listed: Mapping[Any, int] = await original(self, *partitions)
-        by_key = {(tp.topic, tp.partition): tp for tp in listed}
-        known = {key: int(listed[tp]) for key, tp in by_key.items() if listed[tp] is not None}
+        known = {tp: end for tp, end in listed.items() if end is not None}
         ends = await asyncio.get_running_loop().run_in_executor(None, fetched_end_offsets, bootstrap, known)
-        return {tp: ends.get(key, listed[tp]) for key, tp in by_key.items()}
+        return {**listed, **ends}
 
     setattr(highwaters, _FIXED, original)
     AIOKafkaConsumerThread.highwaters = highwaters  # type: ignore[method-assign]
