@@ -33,6 +33,18 @@ def encode(event: Event) -> bytes:
 
 
 def decode(event_type: type[E], payload: bytes | str) -> E:
+    return _decode(event_type, payload)[0]
+
+
+def decode_as_read(event_type: type[E], payload: bytes) -> tuple[E, bytes]:
+    """The event, and a current-version payload of it: `payload` itself when it already was one
+    (what a consumer passes on unchanged, with no second encode), else the upgraded event encoded."""
+    event, upgraded = _decode(event_type, payload)
+    return event, encode(event) if upgraded else payload
+
+
+def _decode(event_type: type[E], payload: bytes | str) -> tuple[E, bool]:
+    """(the event, whether it was upgraded from an older version)."""
     name = event_type.type_name
     try:
         data = orjson.loads(payload)
@@ -51,7 +63,7 @@ def decode(event_type: type[E], payload: bytes | str) -> E:
         except UpgradeError as exc:
             raise DecodeError(name, exc.field, f"{exc.problem} (a version {version} payload)") from None
     try:
-        return event_type.model_validate(data)
+        return event_type.model_validate(data), version != SCHEMA_VERSION
     except ValidationError as exc:
         err = exc.errors()[0]
         field = ".".join(str(p) for p in err["loc"]) or "<payload>"
