@@ -98,6 +98,16 @@ class GpuSample(Event):
     collector: Literal["nvml", "dcgm", "sim"] = "nvml"
 
 
+class GpuSampleBatch(Event):
+    """GPU samples of the nodes one job runs on, gathered by the streams for that job's partition
+    (`gpu.samples.by_job`): one record per job every few seconds instead of one per node. Each
+    sample is as its node published it (a version 2 `gpu_sample`)."""
+
+    type_name: ClassVar[str] = "gpu_sample_batch"
+    job_id: str = Field(min_length=1, max_length=64)
+    samples: list[GpuSample] = Field(min_length=1)
+
+
 class LogLine(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -580,6 +590,7 @@ class NodeCommandResult(Event):
 
 EVENT_TYPES: tuple[type[Event], ...] = (
     GpuSample,
+    GpuSampleBatch,
     LogBatch,
     ProgressBatch,
     HealthEvent,

@@ -14,6 +14,7 @@ from schemas.events import (
     Decision,
     Event,
     GpuSample,
+    GpuSampleBatch,
     GuardrailTrip,
     HealthEvent,
     Incident,
@@ -51,7 +52,10 @@ ANOMALIES = Topic("anomalies", Anomaly, "job id, else node")
 ANOMALIES_BY_JOB = Topic(
     "anomalies.by_job", Anomaly, "job id running on the anomaly's node, else node", keyed_by_router=True
 )
-GPU_SAMPLES_BY_JOB = Topic("gpu.samples.by_job", GpuSample, "job id running on the node", keyed_by_router=True)
+# A job's GPU samples, gathered for a few seconds (streams/gpu_batches.py): one record per job, not per node.
+GPU_SAMPLES_BY_JOB = Topic(
+    "gpu.samples.by_job", GpuSampleBatch, "job id running on the samples' nodes", keyed_by_router=True
+)
 INCIDENTS = Topic("incidents", Incident, "job id, else node")
 # A node's incident, once per topology domain of its node (streams/fleet.py), keyed by the domain.
 INCIDENTS_BY_DOMAIN = Topic(

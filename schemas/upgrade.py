@@ -67,7 +67,12 @@ def _incident_v1_to_v2(data: JsonObject) -> JsonObject:
 
 
 #: Types that did not exist before a version: no payload of theirs is older, so no upgrade.
-INTRODUCED: dict[str, int] = {"job_attempt": 2, "node_command": 2, "node_command_result": 2}
+INTRODUCED: dict[str, int] = {
+    "job_attempt": 2,
+    "node_command": 2,
+    "node_command_result": 2,
+    "gpu_sample_batch": 2,
+}
 
 
 def existed(type_name: str, version: int) -> bool:

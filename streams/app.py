@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 import faust
@@ -24,12 +23,14 @@ from confluent_kafka import KafkaException
 from bus import health
 from bus.config import security
 from bus.deadletter import make_dead_letter
+from bus.fit import fits
 from bus.publish import CLIENT_DEFAULT_MAX_BYTES, prepare
-from schemas.codec import DecodeError, decode, encode
+from schemas.codec import DecodeError, decode, decode_as_read, encode
 from schemas.events import (
     Anomaly,
     Event,
     GpuSample,
+    GpuSampleBatch,
     HealthEvent,
     Incident,
     JobAttempt,
@@ -74,6 +75,7 @@ from streams.detectors.throughput import ThroughputDetector
 from streams.detectors.xid import XidDetector
 from streams.fetching import cap_fetch_wait, pace_fetches
 from streams.fleet import DomainCorrelator, TopologyCache, watched
+from streams.gpu_batches import BATCH_EVERY_S, GpuBatches
 from streams.lineage import Lineages
 from streams.modes import ModeState
 from streams.placement import PlacementIndex, placement_change
@@ -145,7 +147,7 @@ gpu_topic = _topic(GPU_SAMPLES.name)
 signals_topic = _topic(JOB_PROGRESS.name, GPU_SAMPLES_BY_JOB.name, SCHED_EVENTS.name)
 _SIGNAL_TYPES: dict[str, type[Event]] = {
     JOB_PROGRESS.name: ProgressBatch,
-    GPU_SAMPLES_BY_JOB.name: GpuSample,
+    GPU_SAMPLES_BY_JOB.name: GpuSampleBatch,
     SCHED_EVENTS.name: SchedEvent,
 }
 kernel_topic = _topic(NODE_KERNEL.name)
@@ -396,20 +398,24 @@ async def publish(topic: Topic, event: Event, key: bytes | None = None) -> None:
         await out.send(key=key, value=payload)
         metrics.PUBLISHED.labels(topic.name).inc()
     for part in unfit:
-        reason = f"event over the {CLIENT_DEFAULT_MAX_BYTES}-byte message size limit (event {part.event_id})"
-        log.error("dead-lettered %s: %s", topic.name, reason)
-        letter = make_dead_letter("streams", topic.name, None, None, reason, encode(part))
-        # A letter is cut to fit (bus.deadletter): it always has one record.
-        metrics.DEAD_LETTERS.labels("streams").inc()
-        for key, payload, _ in prepare(DEADLETTER, letter, CLIENT_DEFAULT_MAX_BYTES)[0]:
-            await _outputs[DEADLETTER.name].send(key=key, value=payload)
-            metrics.PUBLISHED.labels(DEADLETTER.name).inc()
+        await _dead_letter_unfit(topic.name, part.event_id, encode(part))
+
+
+async def _dead_letter_unfit(topic_name: str, event_id: str, payload: bytes) -> None:
+    reason = f"event over the {CLIENT_DEFAULT_MAX_BYTES}-byte message size limit (event {event_id})"
+    log.error("dead-lettered %s: %s", topic_name, reason)
+    letter = make_dead_letter("streams", topic_name, None, None, reason, payload)
+    # A letter is cut to fit (bus.deadletter): it always has one record.
+    metrics.DEAD_LETTERS.labels("streams").inc()
+    for key, letter_payload, _ in prepare(DEADLETTER, letter, CLIENT_DEFAULT_MAX_BYTES)[0]:
+        await _outputs[DEADLETTER.name].send(key=key, value=letter_payload)
+        metrics.PUBLISHED.labels(DEADLETTER.name).inc()
 
 
 # node -> event time of the last GPU sample forwarded to its jobs. The straggler detector keeps one
 # reading per node every GPU_SAMPLE_EVERY_S and the hang detector's idle check needs no more, so
-# only those are forwarded (a lost GPU at once): the busiest topic crosses the broker a second
-# time at a third of its rate. GPU health above still reads every sample.
+# only those are forwarded (a lost GPU at once), each job's gathered into one record every
+# BATCH_EVERY_S (streams/gpu_batches.py). GPU health reads every sample.
 _forwarded_at: dict[str, float] = {}
 
 
@@ -426,14 +432,18 @@ def _forward_due(sample: GpuSample) -> bool:
     return due
 
 
-async def forward(topic: Topic, event: Any, jobs: list[str]) -> None:
-    """Re-key a record to each job as it was read: it decoded as its topic's type and fit the
-    message limit already, so the bytes go on unchanged (no second encode of the busiest topic)."""
-    assert topic.keyed_by_router and topic.event_type is _SIGNAL_TYPES.get(topic.name)
-    out = _outputs[topic.name]
-    for job in jobs:
-        await out.send(key=job.encode(), value=event.value)
-        metrics.PUBLISHED.labels(topic.name).inc()
+gpu_batches = GpuBatches()
+
+
+async def send_gpu_batches(records: list[tuple[str, bytes]]) -> None:
+    """Each job's gathered GPU samples, one record per job (keyed by the job)."""
+    out = _outputs[GPU_SAMPLES_BY_JOB.name]
+    for job, payload in records:
+        if not fits(payload, CLIENT_DEFAULT_MAX_BYTES):
+            await _dead_letter_unfit(GPU_SAMPLES_BY_JOB.name, f"gpu samples of job {job}", payload)
+            continue
+        await out.send(key=job.encode(), value=payload)
+        metrics.PUBLISHED.labels(GPU_SAMPLES_BY_JOB.name).inc()
 
 
 def ours(event: Event, agent: str) -> bool:
@@ -474,37 +484,64 @@ async def dead_letter(component: str, event: Any, reason: str) -> None:
 async def accept(event: Any, event_type: type[E], agent: str, component: str) -> E | None:
     """The record as its event type when this worker is to judge it; None when it was
     dead-lettered (undecodable) or is another cluster's."""
+    got = await accept_as_read(event, event_type, agent, component)
+    return None if got is None else got[0]
+
+
+async def accept_as_read(event: Any, event_type: type[E], agent: str, component: str) -> tuple[E, bytes] | None:
+    """As `accept`, with a current-version payload of the record to pass on (schemas.codec.decode_as_read)."""
     consumed(agent, event)
     try:
-        decoded = decode(event_type, event.value)
+        decoded, payload = decode_as_read(event_type, event.value)
     except DecodeError as exc:
         await dead_letter(component, event, str(exc))
         return None
-    return decoded if ours(decoded, agent) else None
+    return (decoded, payload) if ours(decoded, agent) else None
+
+
+async def accept_signal(event: Any) -> Event | None:
+    """A record of detect_signals' topics as its type. On gpu.samples.by_job a single sample is
+    also read: a worker of the version before gpu_sample_batch forwarded one per record, and
+    during a rolling upgrade both kinds arrive."""
+    topic = event.message.topic
+    if topic != GPU_SAMPLES_BY_JOB.name:
+        return await accept(event, _SIGNAL_TYPES[topic], "detect_signals", "streams.detect_signals")
+    consumed("detect_signals", event)
+    try:
+        batch = decode(GpuSampleBatch, event.value)
+    except DecodeError as exc:
+        try:
+            one = decode(GpuSample, event.value)
+        except DecodeError:
+            await dead_letter("streams.detect_signals", event, str(exc))
+            return None
+        job = (event.message.key or b"").decode(errors="replace") or one.node
+        batch = GpuSampleBatch(
+            event_id=one.event_id, event_time=one.event_time, cluster=one.cluster, job_id=job, samples=[one]
+        )
+    return batch if ours(batch, "detect_signals") else None
 
 
 @app.agent(logs_topic)
-async def detect_logs(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
+async def detect_logs(stream: faust.StreamT[bytes]) -> None:
     async for event in stream.events():
         if (batch := await accept(event, LogBatch, "detect_logs", "streams.detect_logs")) is None:
             continue
         for anomaly in signature_detector.detect(batch):
             await publish(ANOMALIES, anomaly)
-        yield None
 
 
 @app.agent(kernel_topic)
-async def detect_kernel(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
+async def detect_kernel(stream: faust.StreamT[bytes]) -> None:
     async for event in stream.events():
         if (kev := await accept(event, KernelEvent, "detect_kernel", "streams.detect_kernel")) is None:
             continue
         for anomaly in [*xid_detector.detect(kev), *kernel_text_detector.detect(kev)]:
             await publish(ANOMALIES, anomaly)
-        yield None
 
 
 @app.agent(sched_topic)
-async def track_placements(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
+async def track_placements(stream: faust.StreamT[bytes]) -> None:
     """The placement table, from the scheduler's job events."""
     async for event in stream.events():
         if (ev := await accept(event, SchedEvent, "track_placements", "streams.placements")) is None:
@@ -517,11 +554,10 @@ async def track_placements(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
                 del placements[ev.job_id]
         elif change is not None and change != "ended" and placement_index.put(change):
             placements[change.job_id] = change.to_dict()
-        yield None
 
 
 @app.agent(anomalies_topic)
-async def route_anomalies(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
+async def route_anomalies(stream: faust.StreamT[bytes]) -> None:
     """Node-level anomalies (no job: a kernel Xid, a GPU reading, NVSentinel) to attribution,
     re-keyed to each job running on their node; on an idle node, keyed by the node."""
     async for event in stream.events():
@@ -534,41 +570,47 @@ async def route_anomalies(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
             await publish(ANOMALIES_BY_JOB, anomaly, (anomaly.node or anomaly.event_id).encode())
         for job in jobs:
             await publish(ANOMALIES_BY_JOB, anomaly.model_copy(update={"job_id": job}), job.encode())
-        yield None
 
 
 @app.agent(gpu_topic)
-async def detect_gpu(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
+async def detect_gpu(stream: faust.StreamT[bytes]) -> None:
     """GPU health per node; then each sample to the jobs on its node, for their hang and
     straggler detectors."""
     async for event in stream.events():
-        if (sample := await accept(event, GpuSample, "detect_gpu", "streams.detect_gpu")) is None:
+        if (got := await accept_as_read(event, GpuSample, "detect_gpu", "streams.detect_gpu")) is None:
             continue
+        sample, payload = got
         for anomaly in gpu_health_detector.observe(sample):
             await publish(ANOMALIES, anomaly)
         jobs = placement_index.jobs_on(sample.node)
         if jobs and _forward_due(sample):
-            await forward(GPU_SAMPLES_BY_JOB, event, jobs)
-        yield None
+            for job in jobs:
+                gpu_batches.add(job, sample, payload)
+            if GpuBatches.urgent(sample):
+                for job in jobs:
+                    await send_gpu_batches(gpu_batches.take(job))
+
+
+@app.timer(interval=BATCH_EVERY_S)
+async def flush_gpu_batches() -> None:
+    await send_gpu_batches(gpu_batches.take())
 
 
 @app.agent(external_topic)
-async def detect_external(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
+async def detect_external(stream: faust.StreamT[bytes]) -> None:
     async for event in stream.events():
         if (report := await accept(event, HealthEvent, "detect_external", "streams.detect_external")) is None:
             continue
         for anomaly in external_detector.detect(report):
             await publish(ANOMALIES, anomaly)
-        yield None
 
 
 @app.agent(signals_topic)
-async def detect_signals(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
+async def detect_signals(stream: faust.StreamT[bytes]) -> None:
     """Progress, GPU samples and job states feed the hang and straggler detectors; progress also
     the loss and throughput detectors, which answer at once (they judge the series, not a clock)."""
     async for event in stream.events():
-        signal_type = _SIGNAL_TYPES[event.message.topic]
-        if (signal := await accept(event, signal_type, "detect_signals", "streams.detect_signals")) is None:
+        if (signal := await accept_signal(event)) is None:
             continue
         now = time.time()
         signals_clock.see(min(signal.event_time, now), now)  # a producer clock ahead of ours cannot run it forward
@@ -581,9 +623,10 @@ async def detect_signals(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
             hang_detector.observe_progress(signal, now)
             straggler_detector.observe_progress(signal, now)
             found = divergence_detector.observe(signal) + throughput_detector.observe(signal)
-        elif isinstance(signal, GpuSample):
-            hang_detector.observe_gpu(signal, now)
-            straggler_detector.observe_gpu(signal, now)
+        elif isinstance(signal, GpuSampleBatch):
+            for sample in signal.samples:
+                hang_detector.observe_gpu(sample, now)
+                straggler_detector.observe_gpu(sample, now)
         elif isinstance(signal, SchedEvent):
             attempts = lineages.observe_sched(signal)
             hang_detector.observe_sched(signal, now)
@@ -596,7 +639,6 @@ async def detect_signals(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
             await publish(ANOMALIES, anomaly)
         for attempt in attempts:
             await publish(JOB_ATTEMPTS, attempt)
-        yield None
 
 
 @app.timer(interval=10.0)
@@ -640,7 +682,7 @@ async def check_signals() -> None:
 
 
 @app.agent(attribution_topic)
-async def attribute(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
+async def attribute(stream: faust.StreamT[bytes]) -> None:
     await recover_state()
     async for event in stream.events():
         if not _attribution_open.is_set():
@@ -655,7 +697,6 @@ async def attribute(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
             attributor.observe_sched(evidence, time.time())
         elif isinstance(evidence, Anomaly):
             attributor.add(evidence, time.time())
-        yield None
 
 
 @app.timer(interval=0.2)
@@ -678,7 +719,7 @@ async def publish_incidents() -> None:
 
 
 @app.agent(incidents_topic)
-async def apply_policy(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
+async def apply_policy(stream: faust.StreamT[bytes]) -> None:
     await recover_state()
     async for event in stream.events():
         if (incident := await accept(event, Incident, "apply_policy", "streams.policy")) is None:
@@ -704,11 +745,10 @@ async def apply_policy(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
             # Spans jobs: counted by the worker owning each of the node's domains (correlate_domains).
             for domain in topologies.get(fleet).domains_of(incident.culprit_node):
                 await publish(INCIDENTS_BY_DOMAIN, incident, domain.encode())
-        yield None
 
 
 @app.agent(domains_topic)
-async def correlate_domains(stream: faust.StreamT[bytes]) -> AsyncIterator[None]:
+async def correlate_domains(stream: faust.StreamT[bytes]) -> None:
     """Node incidents by topology domain: several nodes of one domain failing together are one
     fleet incident on the shared component (streams/fleet.py)."""
     async for event in stream.events():
@@ -720,7 +760,6 @@ async def correlate_domains(stream: faust.StreamT[bytes]) -> AsyncIterator[None]
         if domain and nodes and (found := correlator.observe(domain, incident, fleet, nodes)) is not None:
             log.info("fleet incident %s on %s: %s", found.incident_id, domain, found.explanation)
             await publish(INCIDENTS, found)
-        yield None
 
 
 def main() -> None:
