@@ -4,7 +4,9 @@ the real broker and the real streams worker:
 - the samples of a running job's nodes arrive keyed by the job, each as its node published it;
 - a node running no job is not forwarded;
 - a lost GPU is sent at once, not held for the job's next record;
-- several nodes' samples share a record (the point of gathering them).
+- several nodes' samples share a record (the point of gathering them);
+- a single sample on gpu.samples.by_job, as a worker of the version before gpu_sample_batch
+  forwarded it, is read during a rolling upgrade, not dead-lettered.
 """
 
 from __future__ import annotations
@@ -13,11 +15,14 @@ import gc
 import time
 from pathlib import Path
 
+from confluent_kafka import Producer
+
+from bus.config import producer_config
 from bus.consume import read_records
 from bus.publish import Publisher
-from schemas.codec import decode
-from schemas.events import GpuMetrics, GpuSample, GpuSampleBatch, SchedEvent
-from schemas.topics import GPU_SAMPLES, GPU_SAMPLES_BY_JOB, SCHED_EVENTS
+from schemas.codec import decode, encode
+from schemas.events import DeadLetter, GpuMetrics, GpuSample, GpuSampleBatch, SchedEvent
+from schemas.topics import DEADLETTER, GPU_SAMPLES, GPU_SAMPLES_BY_JOB, SCHED_EVENTS
 from sinks.backends.simulated import SimulatedScheduler
 from tests.conftest import wait_for
 from tests.integration.scenario import running_stack
@@ -93,4 +98,24 @@ def test_a_jobs_gpu_samples_are_gathered_into_records_keyed_by_the_job(
         carrying = wait_for("the lost GPU's record and the next one", both, 60)
         assert [b.samples for b in carrying] == [[lost], [after]]
         assert {b.job_id for b in carrying} == {job}
+
+        # A worker of the previous version forwarded one gpu_sample per record. Then a record that
+        # is neither, on the same partition (same key): once its letter is there, the single sample
+        # before it was read, and it must not have a letter of its own.
+        since_old = time.time()
+        raw = Producer(producer_config(broker.bootstrap, "test-old-worker"))
+        raw.produce(GPU_SAMPLES_BY_JOB.name, key=job.encode(), value=encode(_sample(nodes[1], time.time())))
+        raw.produce(GPU_SAMPLES_BY_JOB.name, key=job.encode(), value=b'{"not": "a sample"}')
+        assert raw.flush(10) == 0
+
+        def letters() -> list[DeadLetter] | None:
+            found = [
+                d
+                for _, v in read_records(broker.bootstrap, DEADLETTER.name, since_old)
+                if (d := decode(DeadLetter, v)).original_topic == GPU_SAMPLES_BY_JOB.name
+            ]
+            return found or None
+
+        found = wait_for("the dead letter of the record that is neither", letters, 60)
+        assert len(found) == 1 and "gpu_sample_batch" in found[0].reason, [d.reason for d in found]
     gc.collect()
