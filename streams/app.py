@@ -82,6 +82,7 @@ from streams.placement import PlacementIndex, placement_change
 from streams.policy import RESTARTS
 from streams.policy_store import PolicyStore
 from streams.recovery import read_actions, read_history
+from streams.seeking import rewind_uncommitted
 from streams.watermark import PartitionClocks, Watermark
 from trainmedic.settings import Settings
 from trainmedic.settings import apply as apply_settings
@@ -103,6 +104,7 @@ PRODUCER_LINGER_S = 0.005
 
 cap_fetch_wait(FETCH_MAX_WAIT_MS)
 pace_fetches(SETTINGS.fetch_pace_ms / 1000.0)
+rewind_uncommitted()
 # Table recovery reads each changelog to the end a fetch reports, not the embedded broker's ListOffsets.
 fix_highwaters(BOOTSTRAP)
 
