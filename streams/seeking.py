@@ -7,7 +7,7 @@ AIOKafkaConsumer.seek_to_committed). At a worker's start the two race: the fetch
 the stream partitions while the recovery on the main loop pauses them, and the whole fetch is
 dropped. aiokafka's seek moves only partitions committed above 0, so a partition never committed
 - every partition of a new consumer group - stays past records no agent saw. Seen in the
-catch-up benchmark's 2-worker run (2026-12-06): one worker's first fetch, 317 to 370 gpu.samples
+catch-up benchmark's 2-worker run (2026-12-06): one worker's first fetch, 315 to 370 gpu.samples
 records on each of six partitions, dropped as the recovery paused them, and the drain waited
 forever with aiokafka at the end of those partitions.
 

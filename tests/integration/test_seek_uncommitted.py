@@ -1,9 +1,9 @@
 """The streams worker's seek back to committed offsets (streams/seeking.py) with a real aiokafka
-group consumer on the real embedded broker. Faust drops records fetched while its flow is stopped
-and counts on this seek to read them again: a partition never committed must go back to the
-start, one committed at 0 to 0, one committed further to its offset. aiokafka's own seek leaves
-the first two where they were, past records no agent saw (shown first, so the test cannot pass
-on a broker or client that already rewinds)."""
+group consumer on the real embedded broker. Faust drops records fetched for partitions paused by
+the time they are handed over, and counts on this seek to read them again: a partition never
+committed must go back to the start, one committed at 0 to 0, one committed further to its
+offset. aiokafka's own seek leaves the first two where they were, past records no agent saw
+(shown first, so the test cannot pass on a broker or client that already rewinds)."""
 
 from __future__ import annotations
 
