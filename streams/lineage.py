@@ -135,7 +135,10 @@ class Lineages:
         return out
 
     def observe_progress(self, batch: ProgressBatch) -> list[JobAttempt]:
-        lin = self.get(batch.job_id)
+        # A value held back for flush() is this object's own (flush hands it to the store and
+        # forgets it): changed in place, with no copy. A copy per batch was 1.4 % of the streams
+        # worker's time at 2,048 nodes (py-spy), every job's progress arriving every few seconds.
+        lin = self._steps.get(batch.job_id) or self.get(batch.job_id)
         out: list[JobAttempt] = []
         if lin is None:
             lin = self._new(batch.job_id, batch.event_time, 0, None, None)
@@ -156,6 +159,7 @@ class Lineages:
                     continue
                 if s.step is not None and (lin["checkpoint_step"] is None or s.step > lin["checkpoint_step"]):
                     lin["checkpoint_step"] = s.step
+                    changed = True  # the next attempt starts from it: written at once
                 if s.step is None or att["start_checkpoint"] is None or s.step > att["start_checkpoint"]:
                     # A save during the attempt beyond the last one (or of no stated step).
                     changed = changed or not att["new_checkpoint"]

@@ -204,3 +204,33 @@ def test_each_record_of_an_attempt_is_later_than_the_one_before() -> None:
     ended = lin.observe_sched(sched("PENDING", 100.0, restarts=1))  # Slurm's whole second
     times = [opened[0].event_time, caused[0].event_time, ended[0].event_time]
     assert times == sorted(times) and len(set(times)) == 3
+
+
+def test_a_later_checkpoint_of_the_same_attempt_is_the_one_the_next_attempt_starts_from() -> None:
+    store: dict[str, Any] = {}
+    lin = Lineages(store)
+    lin.observe_sched(sched("RUNNING", 1.0))
+    lin.observe_progress(progress(2.0, 100, checkpoint=("hf:checkpoint_start", 100)))
+    # A second save in the same attempt: nothing else about the attempt changes, but the last
+    # checkpoint moves on and is written at once (a checkpoint is never held back).
+    lin.observe_progress(progress(3.0, checkpoint=("hf:checkpoint_start", 200)))
+    assert store["7"]["checkpoint_step"] == 200
+    out = lin.observe_sched(sched("PENDING", 4.0, restarts=1))
+    assert out[-1].start_checkpoint == 200
+    lin.observe_progress(progress(5.0, 90, checkpoint=("hf:checkpoint_start", 150)))
+    assert lin.history("7").no_progress == 1  # a save behind the last checkpoint is a replay
+
+
+def test_held_back_step_counts_reach_the_store_only_when_flushed() -> None:
+    store: dict[str, Any] = {}
+    lin = Lineages(store)
+    lin.observe_sched(sched("RUNNING", 1.0))
+    lin.observe_progress(progress(2.0, 10))
+    lin.flush()
+    for t, step in ((3.0, 20), (4.0, 30), (5.0, 40)):
+        lin.observe_progress(progress(t, step))
+        assert store["7"]["attempts"][-1]["max_step"] == 10  # the table's value is never changed in place
+    assert lin.get("7")["attempts"][-1]["max_step"] == 40  # type: ignore[index]
+    assert lin.flush() == 1 and store["7"]["attempts"][-1]["max_step"] == 40
+    lin.observe_progress(progress(6.0, 50))
+    assert store["7"]["attempts"][-1]["max_step"] == 40
