@@ -215,16 +215,19 @@ class SimulatedScheduler:
     def list_nodes(self) -> list[NodeState]:
         with self._lock:
             self._schedule(time.time())
-            return [self._node_view(n) for n in self._nodes.values()]
+            # The busy set once, not once per node: per node it made a listing quadratic in the
+            # cluster (3,072 nodes: 9.4 M set insertions per call, the executor's guardrail reads it).
+            busy = self._busy()
+            return [self._node_view(n, busy) for n in self._nodes.values()]
 
     def job_state(self, job_id: str) -> JobState:
         with self._lock:
             self._schedule(time.time())
             return self._job_view(self._job(job_id))
 
-    def _node_view(self, n: _Node) -> NodeState:
-        busy = n.name in self._busy()
-        state = "DOWN" if n.down else ("ALLOCATED" if busy else "IDLE")
+    def _node_view(self, n: _Node, busy: set[str] | None = None) -> NodeState:
+        allocated = n.name in (self._busy() if busy is None else busy)
+        state = "DOWN" if n.down else ("ALLOCATED" if allocated else "IDLE")
         flags = (("DRAIN",) if n.drained else ()) + (("REBOOT_REQUESTED",) if n.reboot else ())
         return NodeState(n.name, state, flags, n.reason, (n.partition,))
 
