@@ -30,7 +30,7 @@ def _send(bootstrap: str, topic: str, partition: int, n: int) -> None:
         producer.flush(10)  # one batch each: the end offset counts them exactly
 
 
-def _watch_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+def _record_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     # Only the watch's own: a thread another test left behind may log to the root logger too. And
     # only its record warnings: between two checks a moment apart, the broker serving the produces
     # can be half a core busy (70 % in a CI run), which is the busy warning's test below.
@@ -58,13 +58,13 @@ def test_the_watch_names_the_fullest_partition_and_warns_once_per_doubling(
     assert REGISTRY.get_sample_value("trainmedic_embedded_broker_resident_bytes") == held.resident_bytes
     [warning] = watch.warnings
     assert "25 records in watched[1]" in warning and "--bootstrap" in warning
-    assert len(_watch_lines(caplog)) == 1
+    assert len(_record_warnings(caplog)) == 1
 
     watch.check()  # nothing new: no second line in the log, the health warning stays
-    assert len(_watch_lines(caplog)) == 1 and len(watch.warnings) == 1
+    assert len(_record_warnings(caplog)) == 1 and len(watch.warnings) == 1
     _send(broker.bootstrap, "watched", 1, 16)  # 41: past 4 x 10
     assert watch.check().largest == ("watched", 1, 41)
-    lines = _watch_lines(caplog)
+    lines = _record_warnings(caplog)
     assert len(lines) == 2 and "41 records" in lines[-1]
 
     quiet = BrokerWatch(broker.bootstrap, lambda: broker.pid, warn_records=1000)
