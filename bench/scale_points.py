@@ -8,38 +8,76 @@ Prints one JSON row per point and writes them to var/bench/scale-points/rows.jso
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from bench.pipeline import REPO, BaselineAssumptions, _scale_row, evaluate, run_child, scale_config, sustained
 
+_SPEC = re.compile(r"(?P<nodes>[0-9]+)x(?P<workers>[0-9]+)(?:@(?P<every>[0-9]+(?:\.[0-9]+)?))?")
+
+
+@dataclass(frozen=True)
+class Point:
+    nodes: int
+    workers: int
+    every_s: float | None  # edge summary period; None: every reading published
+
+    @property
+    def name(self) -> str:
+        return f"scale-{self.nodes}-w{self.workers}" + (f"-every{self.every_s:g}" if self.every_s else "")
+
+
+def point(spec: str) -> Point:
+    """NODESxWORKERS[@S], e.g. 4096x1@5; an argparse type, so a bad one is named in the usage error."""
+    m = _SPEC.fullmatch(spec)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"{spec!r}: expected NODESxWORKERS or NODESxWORKERS@SECONDS, e.g. 4096x1@5")
+    p = Point(int(m["nodes"]), int(m["workers"]), float(m["every"]) if m["every"] else None)
+    if p.nodes < 2 or p.workers < 1 or (p.every_s is not None and p.every_s <= 0):
+        raise argparse.ArgumentTypeError(f"{spec!r}: needs at least 2 nodes, 1 worker and a summary period > 0")
+    return p
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: seconds must be >= 0")
+    return value
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.scale_points", description=__doc__.splitlines()[0])
+    p.add_argument("--seconds", type=_seconds, default=90.0, help="simulated run per point (default 90)")
+    p.add_argument("--profile-seconds", type=_seconds, default=0.0, help="py-spy the streams worker this long (0: off)")
+    p.add_argument("points", nargs="+", type=point, metavar="NODESxWORKERS[@S]")
+    a = p.parse_args(argv)
+    if a.seconds <= 0:
+        p.error("--seconds must be > 0")
+    return a
+
 
 def main(argv: list[str]) -> int:
+    a = parse_args(argv)
     out = REPO / "var" / "bench" / "scale-points"
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     ref: float | None = None
-    seconds = 90.0
-    profile_s = 0.0
-    while argv[:1] in (["--seconds"], ["--profile-seconds"]):
-        if len(argv) < 2:
-            raise SystemExit(f"{argv[0]} needs a number of seconds")
-        if argv[0] == "--seconds":
-            seconds = float(argv[1])
-        else:
-            profile_s = float(argv[1])
-        argv = argv[2:]
-    for spec in argv:
-        size, _, every = spec.partition("@")
-        n, w = (int(x) for x in size.split("x"))
+    seconds: float = a.seconds
+    profile_s: float = a.profile_seconds
+    for pt in a.points:
+        n, w = pt.nodes, pt.workers
         cfg = scale_config(n, seconds, str(out / "data"), 7)
         cfg.workers = w
-        if spec.endswith("@"):
-            raise SystemExit(f"{spec}: @ needs the summary period in seconds (e.g. {size}@5)")
-        cfg.gpu_summary_every_s = float(every) if every else None
-        cfg.name = f"scale-{n}-w{w}" + (f"-every{every}" if every else "")
+        cfg.gpu_summary_every_s = pt.every_s
+        cfg.name = pt.name
         if profile_s > 0:
             # The straggler window (90 s) is full by then: the profile sees the steady state.
             cfg.profile_s = profile_s
@@ -71,7 +109,8 @@ def main(argv: list[str]) -> int:
             row["profile"] = ev.get("profile")
         rows.append(row)
         print(json.dumps(row), flush=True)
-    (out / "rows.json").write_text(json.dumps(rows, indent=1))
+        # After each point: a later point that fails or is stopped keeps the earlier ones.
+        (out / "rows.json").write_text(json.dumps(rows, indent=1))
     return 0
 
 
