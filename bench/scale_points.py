@@ -54,10 +54,14 @@ def _seconds(text: str) -> float:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.scale_points", description=__doc__.splitlines()[0])
-    p.add_argument("--seconds", type=_seconds, default=90.0, help="simulated run per point (default 90)")
+    p = argparse.ArgumentParser(
+        prog="python -m bench.scale_points", description="Single scale points of bench.pipeline."
+    )
+    p.add_argument("--seconds", type=_seconds, default=90.0, help="how long each point runs (default 90)")
     p.add_argument("--profile-seconds", type=_seconds, default=0.0, help="py-spy the streams worker this long (0: off)")
-    p.add_argument("points", nargs="+", type=point, metavar="NODESxWORKERS[@S]")
+    p.add_argument(
+        "points", nargs="+", type=point, metavar="NODESxWORKERS[@S]", help="e.g. 4096x1@5: @S, edge summaries every S s"
+    )
     a = p.parse_args(argv)
     if a.seconds <= 0:
         p.error("--seconds must be > 0")
