@@ -43,28 +43,20 @@ def point(spec: str) -> Point:
     return p
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: seconds must be >= 0")
-    return value
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m bench.scale_points", description="Single scale points of bench.pipeline."
     )
-    p.add_argument("--seconds", type=_seconds, default=90.0, help="how long each point runs (default 90)")
-    p.add_argument("--profile-seconds", type=_seconds, default=0.0, help="py-spy the streams worker this long (0: off)")
+    p.add_argument("--seconds", type=float, default=90.0, help="how long each point runs (default 90)")
+    p.add_argument("--profile-seconds", type=float, default=0.0, help="py-spy the streams worker this long (0: off)")
     p.add_argument(
         "points", nargs="+", type=point, metavar="NODESxWORKERS[@S]", help="e.g. 4096x1@5: @S, edge summaries every S s"
     )
     a = p.parse_args(argv)
-    if a.seconds <= 0:
+    if not a.seconds > 0:  # NaN too
         p.error("--seconds must be > 0")
+    if not a.profile_seconds >= 0:
+        p.error("--profile-seconds must be >= 0")
     return a
 
 
@@ -77,9 +69,8 @@ def main(argv: list[str]) -> int:
     seconds: float = a.seconds
     profile_s: float = a.profile_seconds
     for pt in a.points:
-        n, w = pt.nodes, pt.workers
-        cfg = scale_config(n, seconds, str(out / "data"), 7)
-        cfg.workers = w
+        cfg = scale_config(pt.nodes, seconds, str(out / "data"), 7)
+        cfg.workers = pt.workers
         cfg.gpu_summary_every_s = pt.every_s
         cfg.name = pt.name
         if profile_s > 0:
@@ -93,8 +84,8 @@ def main(argv: list[str]) -> int:
             ref = ev["overall"]["detection_s"]["p95"]
         r = _scale_row(ev)
         row = {
-            "nodes": n,
-            "workers": w,
+            "nodes": pt.nodes,
+            "workers": pt.workers,
             "gpu_summary_every_s": cfg.gpu_summary_every_s,
             "sustained": ok,
             "why": why,

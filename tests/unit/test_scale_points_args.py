@@ -26,6 +26,7 @@ def test_points_and_seconds_are_read() -> None:
         (["4096x1@0"], "'4096x1@0'"),
         (["--seconds", "soon", "256x1"], "'soon'"),
         (["--seconds", "0", "256x1"], "--seconds must be > 0"),
+        (["--profile-seconds", "-1", "256x1"], "--profile-seconds must be >= 0"),
         ([], "required"),
     ],
 )
