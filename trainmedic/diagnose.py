@@ -51,6 +51,7 @@ from schemas.errors import UsageError
 from schemas.events import Anomaly, LogBatch, LogLine, ProgressBatch, ProgressSample
 from schemas.ids import stable_id
 from streams.attribution import Attributor
+from streams.catalog import Signature
 from streams.detectors.divergence import DivergenceDetector, DivergenceSettings
 from streams.detectors.hang import MEANING_DUMP, HangDetector, parked_threads
 from streams.detectors.kernel_text import KernelTextDetector
@@ -471,6 +472,7 @@ def diagnose_paths(
     stdin: TextIO | None = None,
     settings: OfflineSettings | None = None,
     policy: Policy | None = None,
+    signatures: Sequence[Signature] | None = None,
 ) -> dict[str, Any]:
     """Diagnose the inputs (see the module docstring). `nodelist` (a Slurm hostlist) with
     `ranks_per_node` and `distribution` (block, cyclic), or `rank_map` (a file of RANK NODE
@@ -481,7 +483,7 @@ def diagnose_paths(
     inputs = gather_inputs(paths, stdin)
     files = _timed(inputs)
     job = [not inp.kernel for inp in inputs]
-    detector, xids = SignatureDetector(), XidDetector()
+    detector, xids = SignatureDetector(signatures), XidDetector()
     anomalies: list[Anomaly] = []
     for inp, lines in zip(inputs, files, strict=True):
         if inp.kernel:

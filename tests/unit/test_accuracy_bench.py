@@ -122,3 +122,40 @@ def test_missing_split_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str
     (tmp_path / "corpus" / "dev").mkdir(parents=True)
     assert run(tmp_path / "corpus", tmp_path / "out") == 2
     assert "no cases" in capsys.readouterr().err
+
+
+def test_source_units_group_a_thread_and_a_repositorys_files() -> None:
+    unit = accuracy.source_unit
+    assert unit("https://github.com/NVIDIA/nccl/issues/1405#issuecomment-1") == "github.com/nvidia/nccl/issues/1405"
+    assert unit("https://github.com/NVIDIA/nccl/pull/1405") == unit("https://github.com/nvidia/nccl/issues/1405")
+    assert unit("https://github.com/huggingface/m4-logs/blob/7a31/tr_141/README.md") == "github.com/huggingface/m4-logs"
+    assert unit("https://forums.developer.nvidia.com/t/xid-79/12345/") == "forums.developer.nvidia.com/t/xid-79/12345"
+
+
+def test_leave_one_source_out_drops_the_signatures_written_from_the_case(corpus: Path, tmp_path: Path) -> None:
+    # gpu_cuda_ecc_uncorrectable is the source the catalog's cuda_uncorrectable_ecc entry was written from.
+    copy_case("gpu_cuda_ecc_uncorrectable", corpus / "dev" / "gpu_cuda_ecc_uncorrectable")
+    out = tmp_path / "out"
+    assert run(corpus, out, "--split", "dev") == 0
+    dev = json.loads((out / "accuracy-dev.json").read_text())["splits"]["dev"]
+    left_out = dev["leave_one_source_out"]["signatures_left_out"]
+    assert "cuda_uncorrectable_ecc" in left_out["gpu_cuda_ecc_uncorrectable"]
+    assert "gpu_xid79_nccl_timeouts" not in left_out or "xid" not in " ".join(left_out["gpu_xid79_nccl_timeouts"])
+    assert dev["summary"]["cases"] == dev["leave_one_source_out"]["summary"]["cases"] == 3
+
+
+def test_batches_and_failures_called_healthy_are_reported(tmp_path: Path) -> None:
+    root = tmp_path / "corpus"
+    copy_case("gpu_xid79_nccl_timeouts", root / "dev" / "gpu_xid79_nccl_timeouts")
+    copy_case("healthy_megatron_gpt2_345m", root / "test" / "ta_healthy_run")
+    # A failure labelled as such in a healthy log: diagnosed healthy, so a failure called healthy.
+    copy_case(
+        "healthy_nccl_socket_init", root / "test" / "tb_failure_seen_as_healthy", category="storage", action="stop"
+    )
+    out = tmp_path / "out"
+    assert run(root, out) == 0
+    test = json.loads((out / "accuracy.json").read_text())["splits"]["test"]
+    assert set(test["batches"]) == {"ta", "tb"}
+    assert test["batches"]["tb"]["failures_called_healthy"] == 1 and test["batches"]["ta"]["failure_cases"] == 0
+    assert test["summary"]["failures_called_healthy_rate"] == 1.0
+    assert "| tb | 1 |" in (out / "accuracy.md").read_text()
