@@ -112,13 +112,17 @@ def _comment(src: SchedEvent | Incident | _Allocation | None) -> str | None:
 
 
 def _names_the_cause(held_explains: bool, anomaly: Anomaly) -> bool:
-    """Whether `anomaly`, arriving while an incident holds its job, must be an incident of its own:
-    the holding incident found no cause (category unknown: a throughput drop, a crash with no
-    recognised reason) and this is a root cause that isolates a node (a straggler, an Xid). A
-    job-wide slowdown is seen within seconds, the throttled node behind it tens of seconds later:
-    absorbed, the node would never be drained. Anything else stays absorbed (a hang or a timeout
-    after an unexplained crash is its consequence, not a new fault to act on)."""
-    return not held_explains and anomaly.role == "root" and anomaly.isolate
+    """Whether `anomaly`, arriving while an incident holds its job, must be an incident of its own.
+
+    An incident that found no cause (category unknown: a crash with no recognised reason, a
+    throughput drop, an unexplained error line) never holds the job's later evidence back: a
+    later recognised cause (a root of a known category - an Xid, a straggler, an OOM, a storage
+    error) opens its own judgement at once. A job-wide slowdown is seen within seconds, the
+    throttled node behind it tens of seconds later: absorbed, the node would never be drained.
+    What stays absorbed: collateral symptoms and bare crash markers (a timeout after an
+    unexplained crash is its consequence), and a hang, which is what a crashed job's silence
+    looks like. An incident that explains its fault absorbs the cascade it causes."""
+    return not held_explains and tier(anomaly) == 2 and anomaly.category != "hang"
 
 
 class Attributor:

@@ -355,3 +355,29 @@ def test_after_an_unexplained_incident_a_non_isolating_cause_stays_absorbed() ->
     assert len(b.flush(101.5)) == 1
     b.add(_straggler("gpu03", 130.0), now=130.0)
     assert b.flush(140.0) == []
+
+
+def test_after_an_unexplained_incident_any_recognised_cause_opens_its_own_judgement() -> None:
+    """Online, `unknown` never holds later evidence back: an OOM (a cause that isolates nothing)
+    after an unexplained crash is an incident of its own at once; a collateral timeout and a bare
+    crash marker after it stay absorbed."""
+    a = Attributor(settle_s=1.0, collateral_wait_s=5.0)
+    a.add(_slowdown(100.0), now=100.0)
+    (first,) = a.flush(105.5)
+    assert first.category == "unknown"
+    a.add(nccl("gpu01", 0, 110.0), now=110.0)  # collateral: absorbed
+    crash = _slowdown(111.0).model_copy(update={"event_id": "c-1", "signature": "crash_exit_code"})
+    a.add(crash, now=111.0)  # a bare crash marker (unknown): absorbed
+    assert a.flush(120.0) == []
+    oom = _straggler("gpu03", 130.0).model_copy(
+        update={
+            "event_id": "o-1",
+            "signature": "cuda_oom",
+            "category": "oom",
+            "isolate": False,
+            "detector": "signatures",
+        }
+    )
+    a.add(oom, now=130.0)
+    (second,) = a.flush(131.5)  # a recognised cause: settle_s, not a hold
+    assert (second.category, second.isolate) == ("oom", False) and second.incident_id != first.incident_id
