@@ -16,12 +16,14 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/trainmedic demo
 
-## Lint, type-check and run every test. As root it installs what the tests drive (Slurm, sshd,
-## chromium from Debian) and starts the local Slurm cluster.
+## Lint, type-check and run every test, TEST_JOBS at a time (pytest-xdist; docs/testing.md). As root
+## it installs what the tests drive (Slurm, sshd, chromium from Debian) and starts both local Slurm
+## clusters first, once for all the test workers.
+TEST_JOBS ?= 4
 test: $(STAMP) lint system-deps
-	@if [ "$$(id -u)" = 0 ]; then bash infra/slurm/start.sh; \
-	else echo "not root: the local Slurm cluster cannot start; its tests will be skipped"; fi
-	$(PY) -m pytest -ra
+	@if [ "$$(id -u)" = 0 ]; then bash infra/slurm/start.sh && bash infra/slurm/start-2411.sh; \
+	else echo "not root: the local Slurm clusters cannot start; their tests will be skipped"; fi
+	$(PY) -m pytest -ra -n $(TEST_JOBS) --dist loadgroup --durations=25
 
 system-deps:
 	@if [ "$$(id -u)" = 0 ]; then \
@@ -45,7 +47,7 @@ bench: $(STAMP)
 	$(VENV)/bin/trainmedic bench
 
 unit: $(STAMP)
-	$(PY) -m pytest tests/unit -q
+	$(PY) -m pytest tests/unit -q -n $(TEST_JOBS)
 
 slurm-up:
 	bash infra/slurm/start.sh

@@ -1,6 +1,12 @@
 """Shared fixtures: the real embedded broker, one chDB folder per test session
 (chDB allows one folder per process: tests use separate databases inside it),
-and the real local Slurm cluster from infra/slurm."""
+and the real local Slurm clusters from infra/slurm.
+
+The suite runs in parallel under pytest-xdist (`make test`). Each worker is its own session,
+so session fixtures run once per worker; the two Slurm clusters are the exception that
+must stay one per machine: see `tests/parallel.py` for how their tests are grouped, locked
+and started once.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ from bus.admin import ensure_topics
 from trainmedic.broker import EmbeddedBroker
 
 REPO = Path(__file__).resolve().parents[1]
+pytest_plugins = ["tests.parallel", "tests.budget", "pytester"]
 FIXTURES = REPO / "tests" / "fixtures"
 START = REPO / "infra" / "slurm" / "start.sh"
 STOP = REPO / "infra" / "slurm" / "stop.sh"
@@ -106,14 +113,16 @@ def slurm_cluster() -> Iterator[Cluster]:
         if not _slurm_installed():
             reason += "; slurmctld/slurmd/slurm-client/munge are not installed either"
         pytest.skip(reason)
+    from tests.parallel import start_cluster_once, stop_here
+
     state_dir = Path(os.environ.get("TRAINMEDIC_SLURM_DIR", "/tmp/trainmedic-slurm"))
     t0 = time.monotonic()
-    proc = subprocess.run(["bash", str(START)], capture_output=True, text=True, timeout=600, check=False)
+    proc = start_cluster_once(state_dir, ["bash", str(START)], ["bash", str(STOP)], timeout=600)
     startup_s = time.monotonic() - t0
     if proc.returncode != 0:
         pytest.fail(f"infra/slurm/start.sh failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     print(f"\n[slurm] {proc.stdout.strip()} (start.sh took {startup_s:.2f}s)")
-    started_here = "already up" not in proc.stdout
+    started_here = stop_here(proc.stdout)
     slurm_conf = ""
     for token in shlex.split((state_dir / "env.sh").read_text()):
         if token.startswith("SLURM_CONF="):
@@ -134,14 +143,16 @@ def slurm2411_cluster() -> Iterator[Cluster]:
     """
     if os.geteuid() != 0:
         pytest.skip("needs root to run the Slurm 24.11 root (chroot, mount namespace, mknod)")
+    from tests.parallel import start_cluster_once, stop_here
+
     state_dir = Path(os.environ.get("TRAINMEDIC_SLURM2411_DIR", "/tmp/trainmedic-slurm2411"))
     t0 = time.monotonic()
-    proc = subprocess.run(["bash", str(START_2411)], capture_output=True, text=True, timeout=900, check=False)
+    proc = start_cluster_once(state_dir, ["bash", str(START_2411)], ["bash", str(STOP_2411)], timeout=900)
     startup_s = time.monotonic() - t0
     if proc.returncode != 0:
         pytest.fail(f"infra/slurm/start-2411.sh failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     print(f"\n[slurm 24.11] {proc.stdout.strip()} (start-2411.sh took {startup_s:.2f}s)")
-    started_here = "already up" not in proc.stdout
+    started_here = stop_here(proc.stdout)
     env: dict[str, str] = {}
     for token in shlex.split((state_dir / "env.sh").read_text(), comments=True):
         if "=" in token and not token.startswith("PATH="):
