@@ -29,6 +29,14 @@ Offline the job is over, so two things differ from online, both said in the expl
 - a crash (traceback, non-zero exit, ``Killed``) that no detector explains is category
   `unknown` ("needs a person"), never `healthy`.
 
+`healthy` needs positive evidence (`streams.detectors.error_lines`): every error-level line of
+every emitter (an NCCL WARN, an NVRM or kernel error, a Python exception, a CUDA error, a
+`slurmstepd`/`srun` error, an MPI or launcher error) is explained, by a fault signature or as an
+emitter's known non-fault; one that is not makes the verdict `unknown`, with that line quoted.
+A run its operator or scheduler ended (scancel, time limit, preemption, a signal to every rank)
+is no fault: what follows the stop (crash markers, collective timeouts, unexplained errors as the
+ranks go down) is its consequence, and only a recognised cause before or after it still counts.
+
 Rank -> node: `culprit_node_resolved` is the culprit node, or the node of the culprit rank
 through a `RankMap` (node list + block/cyclic distribution, or a rank map file).
 """
@@ -50,9 +58,12 @@ from producers.progress import ProgressParser
 from schemas.errors import UsageError
 from schemas.events import Anomaly, LogBatch, LogLine, ProgressBatch, ProgressSample
 from schemas.ids import stable_id
+from schemas.vocab import SEVERITY_RANK
 from streams.attribution import Attributor
 from streams.catalog import Signature
+from streams.causal import tier
 from streams.detectors.divergence import DivergenceDetector, DivergenceSettings
+from streams.detectors.error_lines import ErrorLine, ErrorLineReader
 from streams.detectors.hang import MEANING_DUMP, HangDetector, parked_threads
 from streams.detectors.kernel_text import KernelTextDetector
 from streams.detectors.logtime import FileClock, RawStamp, parse_stamp, reference_time
@@ -410,13 +421,114 @@ def _progress_anomalies(
     return out, len(progress)
 
 
-def _crash_line(files: Sequence[list[_Line]], job: Sequence[bool], crash: re.Pattern[str]) -> _Line | None:
+def _above_warning(a: Anomaly) -> bool:
+    return SEVERITY_RANK[a.severity] > SEVERITY_RANK["warning"]
+
+
+def _crash_line(
+    files: Sequence[list[_Line]], job: Sequence[bool], crash: re.Pattern[str], before: float | None
+) -> _Line | None:
     for f, lines in enumerate(files):
         if job[f]:
             for ln in lines:
-                if crash.search(ln.text):
+                if crash.search(ln.text) and (before is None or ln.ts < before):
                     return ln
     return None
+
+
+# Error-level lines that only announce the line that carries the error: a traceback's header is
+# judged by the exception line that closes it (a traceback with no such line is a crash marker).
+_ANNOUNCING = frozenset({"py_traceback"})
+
+
+@dataclass
+class _ErrorReading:
+    """The error-level lines of the logs, as their emitters' vocabularies read them."""
+
+    error_lines: int = 0
+    noise: int = 0
+    decision: tuple[_Line, ErrorLine] | None = None  # the first line ending the run by decision
+    decision_ts: float | None = None  # when that stop began (its traceback's header, if it closes one)
+    unexplained: list[tuple[_Line, ErrorLine]] = field(default_factory=list)
+
+
+def _read_error_lines(files: Sequence[list[_Line]], anomalies: Sequence[Anomaly]) -> _ErrorReading:
+    reader = ErrorLineReader()
+    explained = [a.line for a in anomalies if a.line]
+    out = _ErrorReading()
+    for lines in files:
+        header: _Line | None = None  # the open traceback's header, while its frames follow
+        for ln in lines:
+            hit = reader.read(ln.text)
+            if hit is not None and hit.entry in _ANNOUNCING:
+                header = ln
+                continue
+            opened, header = header, (header if ln.text[:1].isspace() else None)
+            if hit is None:
+                continue
+            out.error_lines += 1
+            if hit.ends_by_decision:
+                # The stop began where the traceback it closes began (a KeyboardInterrupt, a SignalException).
+                start = opened if opened is not None and header is None else ln
+                if out.decision_ts is None or start.ts < out.decision_ts:
+                    out.decision, out.decision_ts = (ln, hit), start.ts
+            elif hit.not_fault is not None:
+                out.noise += 1
+            elif not any(e in ln.raw or ln.text in e for e in explained):
+                out.unexplained.append((ln, hit))
+    if out.decision_ts is not None:
+        stop = out.decision_ts
+        out.unexplained = [(ln, hit) for ln, hit in out.unexplained if ln.ts < stop]
+    return out
+
+
+def _unexplained_error(reading: _ErrorReading) -> Anomaly:
+    ln, hit = reading.unexplained[0]
+    more = len(reading.unexplained) - 1
+    return Anomaly(
+        event_id=stable_id("anm", "error_line", OFFLINE_JOB, ln.lineno, ln.text[:200]),
+        event_time=ln.ts,
+        detector="error_lines",
+        signature="error_line_unexplained",
+        category="unknown",
+        severity="info",
+        role="root",
+        isolate=False,
+        source="job_log",
+        job_id=OFFLINE_JOB,
+        node=ln.node,
+        rank=ln.rank,
+        line=ln.text[:4096],
+        meaning=(
+            f"an error-level line of {hit.emitter} ({hit.entry}) that no catalog entry explains"
+            + (f", and {more} more" if more else "")
+            + ": needs a person"
+        ),
+    )
+
+
+def _healthy_explanation(reading: _ErrorReading, n_progress: int, completed: bool) -> tuple[str, float]:
+    """What was checked before calling a log healthy, and how sure that makes it."""
+    checked = ["no fault signature"]
+    if reading.error_lines:
+        checked.append(f"{reading.error_lines} error-level line(s), each explained ({reading.noise} known noise)")
+    else:
+        checked.append("no error-level line")
+    if n_progress:
+        checked.append(f"{n_progress} progress reports checked (loss, throughput, hang)")
+    if reading.decision is not None:
+        ln, hit = reading.decision
+        assert hit.not_fault is not None
+        checked.append(f"ended by decision at line {ln.lineno}: {hit.not_fault.meaning} ({ln.text.strip()[:160]!r})")
+        return "; ".join(checked), 0.9
+    if completed:
+        checked.append("a completion line")
+        return "; ".join(checked), 0.9
+    if n_progress:
+        checked.append("progress to the end of the log")
+        return "; ".join(checked), 0.8
+    checked.append("no progress or completion line to confirm the run went on")
+    return "; ".join(checked), 0.6
 
 
 def _unknown_crash(ln: _Line) -> Anomaly:
@@ -493,22 +605,32 @@ def diagnose_paths(
             anomalies += _signature_anomalies(inp.name, lines, detector) + _quoted_kernel_anomalies(lines, xids)
     progress_found, n_progress = _progress_anomalies(files, job, cfg)
     anomalies += progress_found
+    reading = _read_error_lines(files, anomalies)
+    stop = reading.decision_ts
+    if stop is not None:
+        # What follows an operator's or scheduler's stop is its consequence: the ranks' timeouts, exit
+        # codes and the exception the signal raised in each. A recognised cause of error severity stays.
+        anomalies = [a for a in anomalies if a.event_time < stop or (tier(a) == 2 and _above_warning(a))]
     if not anomalies:
-        crash = _crash_line(files, job, re.compile(cfg.crash))
-        if crash is not None:
+        crash = _crash_line(files, job, re.compile(cfg.crash), before=stop)
+        if reading.unexplained:
+            anomalies.append(_unexplained_error(reading))
+        elif crash is not None:
             anomalies.append(_unknown_crash(crash))
     names = [inp.name for inp in inputs]
     ranks = _with_log_ranks_per_node(ranks, files, job)
     if not anomalies:
+        completion = re.compile(cfg.completion)
+        completed = any(completion.search(ln.text) for f, lines in enumerate(files) if job[f] for ln in lines)
+        explanation, confidence = _healthy_explanation(reading, n_progress, completed)
         return {
             "category": "healthy",
             "culprit": None,
             "culprit_rank": None,
             "culprit_node_resolved": None,
             "action": "none",
-            "confidence": 0.9,
-            "explanation": "no fault signature found"
-            + (f"; {n_progress} progress reports checked (loss, throughput, hang)" if n_progress else ""),
+            "confidence": confidence,
+            "explanation": explanation,
             "evidence": [],
             "files": names,
         }

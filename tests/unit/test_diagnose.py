@@ -263,11 +263,22 @@ def test_progress_findings_offline() -> None:
     assert (rc, ckpt["category"]) == (0, "healthy")
 
 
-def test_crash_with_no_known_cause_is_unknown_not_healthy() -> None:
-    # nagadomi/nunif#26: a traceback ending in KeyboardInterrupt, nothing else.
-    rc, report = run_json(str(LOGS / "keyboard_interrupt_traceback.log"))
+def test_crash_with_no_known_cause_is_unknown_not_healthy(tmp_path: Path) -> None:
+    # A traceback that ends in no exception any catalog knows, then the launcher's non-zero exit.
+    log = tmp_path / "job.out"
+    frames = (LOGS / "keyboard_interrupt_traceback.log").read_text().splitlines()[:-1]
+    log.write_text("\n".join([*frames, "SystemExit: 3", "srun: error: gpu01: task 0: Exited with exit code 3"]) + "\n")
+    rc, report = run_json(str(log))
     assert (rc, report["category"], report["action"], report["culprit"]) == (1, "unknown", "none", None)
-    assert report["evidence"] and report["evidence"][0]["signature"] == "crash_unexplained"
+    assert report["evidence"][0]["signature"] in ("crash_unexplained", "error_line_unexplained", "crash_exit_code")
+
+
+def test_an_interrupt_is_the_operators_decision_not_a_fault() -> None:
+    # nagadomi/nunif#26: a single-process training stopped by KeyboardInterrupt (SIGINT, the
+    # terminal's Ctrl-C) inside GradScaler.step, nothing else: ended by decision, no action.
+    rc, report = run_json(str(LOGS / "keyboard_interrupt_traceback.log"))
+    assert (rc, report["category"], report["action"]) == (0, "healthy", "none")
+    assert "ended by decision" in report["explanation"]
 
 
 def test_kernel_text_detectors_run_offline(tmp_path: Path) -> None:

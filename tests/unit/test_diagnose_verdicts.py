@@ -1,0 +1,131 @@
+"""`healthy` needs positive evidence, and a run its operator or scheduler ended is no fault.
+
+The lines are the emitters' own forms, filled in from the format strings streams/catalog/
+error_lines.yaml cites (Slurm's slurmstepd, torch.distributed.elastic, NCCL, c10's logging) or,
+where named, copied from a dev case of the corpus.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from streams.detectors.error_lines import ErrorLineReader
+from tests.conftest import FIXTURES
+from trainmedic.diagnose import diagnose_paths
+
+DEV = FIXTURES / "corpus" / "dev"
+PROGRESS = [f"step {i} loss: {3.1 - i * 0.01:.4f}" for i in range(1, 8)]
+TIME_LIMIT = "slurmstepd: error: *** JOB 4242 ON gpu01 CANCELLED AT 2024-05-01T10:00:00 DUE TO TIME LIMIT ***"
+SCANCEL = "slurmstepd: error: *** STEP 4242.0 ON gpu01 CANCELLED AT 2024-05-01T10:00:00 ***"
+TORCHRUN_SIGTERM = [
+    "WARNING:torch.distributed.elastic.agent.server.api:Received Signals.SIGTERM death signal, shutting down workers",
+    "WARNING:torch.distributed.elastic.multiprocessing.api:Sending process 1201 closing signal SIGTERM",
+    "Traceback (most recent call last):",
+    '  File "/usr/bin/torchrun", line 8, in <module>',
+    "torch.distributed.elastic.multiprocessing.api.SignalException: Process 1190 got signal: 15",
+]
+WATCHDOG = (
+    "[rank3]:[E ProcessGroupNCCL.cpp:563] [Rank 3] Watchdog caught collective operation timeout: "
+    "WorkNCCL(SeqNum=1202, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600032 "
+    "milliseconds before timing out."
+)
+
+
+def diagnose(tmp_path: Path, *lines: str) -> dict[str, object]:
+    log = tmp_path / "job.out"
+    log.write_text("\n".join(lines) + "\n")
+    return diagnose_paths([log])
+
+
+def test_a_clean_run_is_healthy_and_says_what_was_checked(tmp_path: Path) -> None:
+    report = diagnose(
+        tmp_path,
+        "gpu01:1190:1190 [0] NCCL INFO Bootstrap : Using eth0:10.0.0.1<0>",
+        "/opt/conda/lib/python3.10/site-packages/torch/utils/data/dataloader.py:557: UserWarning: This DataLoader "
+        "will create 8 worker processes in total.",
+        *PROGRESS,
+    )
+    assert (report["category"], report["action"]) == ("healthy", "none")
+    assert "progress reports checked" in str(report["explanation"])
+    assert "progress to the end of the log" in str(report["explanation"]) and report["confidence"] == 0.8
+
+
+def test_an_unexplained_error_level_line_is_unknown_with_the_line_quoted(tmp_path: Path) -> None:
+    odd = "[E socket.cpp:922] [c10d] The server socket has failed to listen on any local network address."
+    report = diagnose(tmp_path, *PROGRESS, odd)
+    assert (report["category"], report["action"]) == ("unknown", "none")
+    assert report["evidence"][0]["line"] == odd  # type: ignore[index]
+    assert "error-level line of pytorch" in str(report["explanation"]) or odd in str(report["explanation"])
+
+
+def test_a_warning_is_not_error_level(tmp_path: Path) -> None:
+    warning = "[W socket.cpp:464] [c10d] The server socket cannot be initialized on [::]:29500 (errno: 97)."
+    assert ErrorLineReader().read(warning) is None or ErrorLineReader().read(warning).not_fault is not None  # type: ignore[union-attr]
+    assert diagnose(tmp_path, *PROGRESS, warning)["category"] == "healthy"
+
+
+PREEMPTED = "slurmstepd: error: *** JOB 4242 ON gpu01 CANCELLED AT 2024-05-01T10:00:00 DUE TO PREEMPTION ***"
+SRUN_TERMINATED = "srun: error: gpu01: tasks 0-7: Terminated"
+DS_SIGTERM = "[2024-05-01 10:00:00,123] [INFO] [launch.py:319:sigkill_handler] Main process received SIGTERM, exiting"
+KEYBOARD = "[rank0]: KeyboardInterrupt"
+
+
+@pytest.mark.parametrize(
+    "stop",
+    [TIME_LIMIT, SCANCEL, PREEMPTED, SRUN_TERMINATED, DS_SIGTERM, KEYBOARD],
+    ids=["time-limit", "scancel", "preemption", "srun-terminated", "deepspeed-sigterm", "keyboard-interrupt"],
+)
+def test_a_run_ended_by_decision_is_healthy_whatever_crashes_after(tmp_path: Path, stop: str) -> None:
+    report = diagnose(tmp_path, *PROGRESS, stop, *TORCHRUN_SIGTERM, WATCHDOG, "srun: error: gpu01: task 0: Killed")
+    assert (report["category"], report["action"]) == ("healthy", "none"), report["explanation"]
+    assert "ended by decision" in str(report["explanation"]) and report["confidence"] == 0.9
+
+
+def test_torchrun_told_to_stop_on_every_rank_is_healthy(tmp_path: Path) -> None:
+    report = diagnose(tmp_path, *PROGRESS, *TORCHRUN_SIGTERM, "exitcode  : -15 (pid: 1201)")
+    assert (report["category"], report["action"]) == ("healthy", "none"), report["explanation"]
+
+
+def test_a_cause_before_the_stop_still_counts(tmp_path: Path) -> None:
+    oom = (
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+        "79.15 GiB of which 1.20 GiB is free."
+    )
+    report = diagnose(tmp_path, *PROGRESS, oom, SCANCEL, *TORCHRUN_SIGTERM)
+    assert (report["category"], report["action"]) == ("oom", "stop")
+
+
+def test_the_dev_time_limit_case_stays_healthy() -> None:
+    case = DEV / "healthy_tr1_time_limit_exit_checkpoint"
+    report = diagnose_paths([p for p in sorted(case.iterdir()) if p.name != "label.yaml"])
+    assert (report["category"], report["action"]) == ("healthy", "none")
+
+
+# Dynamic loss scaling halving the scale on an fp16 overflow and going on: each form as its emitter's
+# format string prints it (DeepSpeed deepspeed/runtime/fp16/loss_scaler.py update_scale and
+# fused/unfused_optimizer.py; apex amp/handle.py skip_step; fairseq fairseq/trainer.py; tensorboardX's
+# x2num warning printed beside them).
+LOSS_SCALING = [
+    "[2023-07-24 13:21:32,378] [INFO] [loss_scaler.py:183:update_scale] [deepspeed] OVERFLOW! Rank 0 Skipping step. "
+    "Attempted loss scale: 4294967296, reducing to 2147483648",
+    "[2024-09-15 00:13:28,261] [INFO] [loss_scaler.py:190:update_scale] [deepspeed] OVERFLOW! Rank 0 Skipping step. "
+    "Attempted loss scale: 4294967296, but hysteresis is 2. Reducing hysteresis to 1",
+    " [deepscale] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 262144, reducing to 131072.0",
+    "[2026-06-18 23:36:56,643] [INFO] [unfused_optimizer.py:281:_update_scale] Grad overflow on iteration: 4",
+    "[2026-06-18 23:36:56,643] [INFO] [unfused_optimizer.py:207:step] [deepspeed] fp16 dynamic loss scale overflow! "
+    "Skipping step. Attempted loss scale: 65536.0, reducing to 32768.0",
+    "OVERFLOW! Skipping step. Attempted loss scale: 65536.0, reducing to 32768.0",
+    "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 32768.0",
+    "2023-06-13 17:37:40 | INFO | fairseq.trainer | NOTE: overflow detected, setting loss scale to: 16384.0",
+    "2024-02-29 07:58:54 | INFO | fairseq.trainer | NOTE: gradient overflow detected, ignoring gradient, setting "
+    "loss scale to: 64.0",
+    "[1,0]<stdout>:Warning: NaN or Inf found in input tensor.",
+]
+
+
+@pytest.mark.parametrize("line", LOSS_SCALING)
+def test_loss_scaling_that_halves_and_goes_on_is_healthy(tmp_path: Path, line: str) -> None:
+    report = diagnose(tmp_path, *PROGRESS[:4], line, *PROGRESS[4:])
+    assert (report["category"], report["action"]) == ("healthy", "none"), report["explanation"]
