@@ -6,7 +6,7 @@ with other tests (session, package, module or class scope: a Slurm cluster's sta
 tests may carry it, each with its reason, so a slow test is a decision someone wrote down, and the
 suite stays within its 20 minutes as it grows.
 
-With `TRAINMEDIC_TEST_TIMINGS=DIR` set, each test process (each xdist worker) also writes the time
+With `TMTEST_TIMINGS=DIR` set, each test process (each xdist worker) also writes the time
 of every test phase and every fixture setup to `DIR/timings-<worker>.json`, which
 `python -m tests.timings DIR` turns into the per-file and per-fixture tables of docs/testing.md.
 """
@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 # The environment may lower the limit (tests/unit/test_budget.py checks the guard on a short one).
-SLOW_LIMIT_S = float(os.environ.get("TRAINMEDIC_TEST_SLOW_LIMIT_S", "60"))
+SLOW_LIMIT_S = float(os.environ.get("TMTEST_SLOW_LIMIT_S", "60"))
 MAX_SLOW = 10
 
 _SPENT = pytest.StashKey[list[float]]()
@@ -101,7 +101,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    folder = os.environ.get("TRAINMEDIC_TEST_TIMINGS")
+    folder = os.environ.get("TMTEST_TIMINGS")
     if not folder:
         return
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")

@@ -35,8 +35,8 @@ from pathlib import Path
 
 import pytest
 
-RUN_ENV = "TRAINMEDIC_TEST_RUN"
-LOCK_DIR = Path(os.environ.get("TRAINMEDIC_TEST_LOCKS", "/tmp/trainmedic-test-locks"))
+RUN_ENV = "TMTEST_RUN"
+LOCK_DIR = Path(os.environ.get("TMTEST_LOCKS", "/tmp/trainmedic-test-locks"))
 CLUSTER_OF_FIXTURE = {"slurm": "22.05", "slurm_cluster": "22.05", "slurm2411_cluster": "24.11"}
 CLUSTER_OF_PARAM = {"22.05": "22.05", "slurm_cluster": "22.05", "24.11": "24.11", "slurm2411_cluster": "24.11"}
 CLUSTERS_KEY = pytest.StashKey[frozenset[str]]()
@@ -90,17 +90,31 @@ def stop_here(start_stdout: str) -> bool:
     return "already up" not in start_stdout and not in_xdist_worker()
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--without-slurm",
+        action="store_true",
+        help="leave out every test that uses a local Slurm cluster (while another run holds the clusters)",
+    )
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput"):
         os.environ.setdefault(RUN_ENV, uuid.uuid4().hex[:12])
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    left_out: list[pytest.Item] = []
     for item in items:
         clusters = clusters_of(item)
         item.stash[CLUSTERS_KEY] = clusters
-        if clusters and item.get_closest_marker("xdist_group") is None:
+        if clusters and config.getoption("--without-slurm"):
+            left_out.append(item)
+        elif clusters and item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(f"slurm-{min(clusters)}"))
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = [item for item in items if item not in left_out]
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,6 @@
 """The suite's time per test file and per fixture, as markdown tables for docs/testing.md.
 
-Two inputs: the files `TRAINMEDIC_TEST_TIMINGS=DIR pytest ...` writes (tests/budget.py: every test
+Two inputs: the files `TMTEST_TIMINGS=DIR pytest ...` writes (tests/budget.py: every test
 phase and fixture setup, per xdist worker), or the output of `pytest --durations=0` (phases only,
 no fixtures: what a run without the timing hook gives).
 
@@ -78,7 +78,7 @@ def per_fixture_table(fixtures: list[Fixture], top: int) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Per-file and per-fixture test times as markdown.")
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--timings-dir", type=Path, help="the folder TRAINMEDIC_TEST_TIMINGS pointed at")
+    source.add_argument("--timings-dir", type=Path, help="the folder TMTEST_TIMINGS pointed at")
     source.add_argument("--durations-log", type=Path, help="output of pytest --durations=0")
     parser.add_argument("--top", type=int, default=25, help="rows per table")
     args = parser.parse_args(argv)

@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture
 def inner(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
-    monkeypatch.setenv("TRAINMEDIC_TEST_SLOW_LIMIT_S", LIMIT)
+    monkeypatch.setenv("TMTEST_SLOW_LIMIT_S", LIMIT)
     monkeypatch.setenv("PYTHONPATH", str(REPO))
     return pytester
 
