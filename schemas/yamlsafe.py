@@ -102,6 +102,30 @@ def _expanded_size(root: yaml.Node, limit: int, origin: str) -> int:
     return size[id(root)]
 
 
+def _refuse_duplicate_keys(root: yaml.Node, origin: str) -> None:
+    """A mapping that names a key twice is refused, naming both lines. PyYAML keeps the last one
+    silently: a kill switch set twice would end up as whichever line came last."""
+    seen_nodes: set[int] = set()
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen_nodes:
+            continue
+        seen_nodes.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            first: dict[tuple[str, str], int] = {}
+            for key, _value in node.value:
+                if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+                    continue
+                line = key.start_mark.line + 1
+                ident = (key.tag, key.value)
+                if ident in first:
+                    shown = key.value if len(key.value) <= 60 else key.value[:57] + "..."
+                    raise YamlError(f"{origin}: line {line}: duplicate key {shown!r} (first at line {first[ident]})")
+                first[ident] = line
+        stack.extend(_children(node))
+
+
 def _children(node: yaml.Node) -> list[yaml.Node]:
     if isinstance(node, yaml.SequenceNode):
         return list(node.value)
@@ -145,6 +169,7 @@ def compose_yaml(text: str | bytes, origin: str = "<yaml>", limits: YamlLimits =
         loader.dispose()
     if root is not None:
         _expanded_size(root, limits.max_nodes, origin)
+        _refuse_duplicate_keys(root, origin)
     return root
 
 

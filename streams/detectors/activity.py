@@ -12,12 +12,12 @@ from collections import OrderedDict
 from functools import lru_cache
 from pathlib import Path
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from schemas.errors import ConfigError
 from schemas.events import LogLine, RankActivity
 from schemas.vocab import Category
+from schemas.yamlsafe import YamlError, load_yaml
 
 CATALOG = Path(__file__).resolve().parent.parent / "catalog" / "activities.yaml"
 MAX_JOBS = 4096
@@ -52,8 +52,8 @@ class Activity(BaseModel):
 
 def load_activities(path: Path = CATALOG) -> tuple[Activity, ...]:
     try:
-        raw = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
+        raw = load_yaml(path.read_text(), str(path))
+    except (OSError, YamlError) as exc:
         raise ActivityError(f"{path}: cannot read: {exc}") from None
     if not isinstance(raw, list):
         raise ActivityError(f"{path}: expected a list of entries")

@@ -75,3 +75,18 @@ def test_policy_and_guardrail_parsers_refuse_the_bomb() -> None:
         parse_policy(bomb, "body", API_LIMITS)
     with pytest.raises(GuardrailConfigError, match="expands to more than"):
         parse_guardrails(alias_bomb(), "g.yaml")
+
+
+def test_a_duplicate_key_is_refused_naming_both_lines() -> None:
+    text = "mode: autonomous\nkill_switch: true\nrules:\n  - a: 1\n    b: 2\nkill_switch: false\n"
+    with pytest.raises(YamlError, match=r"policy.yaml: line 6: duplicate key 'kill_switch' \(first at line 2\)"):
+        load_yaml(text, "policy.yaml")
+    with pytest.raises(YamlError, match=r"line 2: duplicate key 'a' \(first at line 1\)"):
+        load_yaml("- a: 1\n  a: 3\n")
+    # The same key in two mappings, and a merge key, are fine.
+    assert load_yaml("x: {a: 1}\ny: {a: 2}\nbase: &b {k: 1}\nz:\n  <<: *b\n  k2: 2\n") == {
+        "x": {"a": 1},
+        "y": {"a": 2},
+        "base": {"k": 1},
+        "z": {"k": 1, "k2": 2},
+    }
