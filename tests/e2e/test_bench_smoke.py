@@ -114,6 +114,10 @@ def test_edge_aggregation_in_the_simulator_sends_summaries_and_faults_at_once(pa
 
 
 @pytest.mark.timeout(420)
+@pytest.mark.slow(
+    reason="every fault kind and a hang injected into a 48-node simulated cluster on the real stack: the one "
+    "end-to-end check of every detector together; a hang is only seen after ~30 s of silence"
+)
 def test_bench_quick_detects_every_fault(tmp_path: Path) -> None:
     proc = subprocess.run(
         [

@@ -21,6 +21,10 @@ from tests.conftest import REPO
 
 
 @pytest.mark.timeout(360)
+@pytest.mark.slow(
+    reason="two attempts of a job on the real stack, each ending in a dead rank that the hang detector sees "
+    "after its silence window, a requeue between them and the stop: the smallest run of the no-progress rule"
+)
 def test_repeat_faults_smoke_stops_after_the_limit(tmp_path: Path) -> None:
     proc = subprocess.run(
         [
