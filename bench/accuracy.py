@@ -13,7 +13,17 @@ are tuned on, `test/` is held out and only reported. Per split, overall and per 
   where the label has `culprit_rank`, the diagnosed rank == that rank;
 - culprit where the log names it: the same, over the cases whose label has a culprit or a rank;
 - false actions on healthy: healthy cases whose action is not `none`;
-- `unknown`: cases labeled unknown ("needs a person"), and any action recommended on them.
+- failures called `healthy`: cases labelled anything but healthy that were diagnosed healthy (a
+  dead job left unnoticed: the worst miss);
+- `unknown`: cases labeled unknown ("needs a person"), any action recommended on them, and how
+  often the verdict is `unknown` (a failure called unknown is a category miss, so moving verdicts
+  to `unknown` does not raise the score).
+
+The test split is reported per batch too (`ta_`, `tb_`, ... case prefixes: one collection round
+each). On dev, **leave-one-source-out**: every case diagnosed again without the log signatures
+written from its own sources (a signature's `source` and the case's `source` URLs compared as
+threads, repositories or pages: `source_unit`), which measures how the catalog does on a source it
+was not written from - the number to iterate on, reported beside dev and test.
 
 A label's optional `diagnose_args` (for example `{nodelist: "gpu[01-04]", ranks_per_node: 8}`) are
 passed to `diagnose_paths` when its signature accepts them; the others are listed as ignored.
