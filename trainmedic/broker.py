@@ -124,11 +124,15 @@ class EmbeddedBroker:
             raise
         return self
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL after `grace_s`. After clients have used it, Tansu takes about 5 s
+        to exit on SIGTERM; the broker is memory-only, so a caller that will not use its state again
+        (a test's own broker) may pass 0 and lose nothing a graceful exit would have kept."""
         if self._proc and self._proc.poll() is None:
-            self._proc.terminate()
+            if grace_s > 0:
+                self._proc.terminate()
             try:
-                self._proc.wait(timeout=5)
+                self._proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()

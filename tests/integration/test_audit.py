@@ -399,7 +399,7 @@ def real_run(chdb_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             publish_cascade(broker.bootstrap, work, job, NODES, culprit="gpu02")
             wait_for(f"job {job}'s whole timeline in the audit", lambda: _complete(store, job), timeout=90)
     finally:
-        broker.stop()
+        broker.stop(grace_s=0)
     # Read and export once the stack has stopped, so both see the same rows.
     store = AuditStore(chdb_url, database)
     try:

@@ -495,7 +495,7 @@ def test_topics_job_creates_every_topic_mode_changes_included(pod: Pod) -> None:
         again = run_job(p, pod.tmp / "topics-again.log")  # pre-upgrade runs it again
         assert again.returncode == 0, again.stdout + again.stderr
     finally:
-        bare.stop()
+        bare.stop(grace_s=0)
 
 
 def test_audit_migrate_job_exits_zero_and_again(pod: Pod, broker: EmbeddedBroker) -> None:

@@ -24,7 +24,7 @@ from schemas.codec import decode, encode
 from schemas.events import DeadLetter, GpuMetrics, GpuSample, GpuSampleBatch, SchedEvent
 from schemas.topics import DEADLETTER, GPU_SAMPLES, GPU_SAMPLES_BY_JOB, SCHED_EVENTS
 from sinks.backends.simulated import SimulatedScheduler
-from tests.conftest import wait_for
+from tests.conftest import wait_for, wait_placed
 from tests.integration.scenario import running_stack
 from trainmedic.broker import EmbeddedBroker
 
@@ -62,7 +62,7 @@ def test_a_jobs_gpu_samples_are_gathered_into_records_keyed_by_the_job(
             ),
         )
         assert pub.flush(10) == 0
-        time.sleep(1.0)  # the placement first, as the Slurm producer's snapshot would be
+        wait_placed(broker.bootstrap, [job])  # the placement first, as after the Slurm producer's snapshot
         t0 = time.time()
         sent = [_sample(n, t0 + i * 0.01) for i, n in enumerate([*nodes, idle])]
         for s in sent:

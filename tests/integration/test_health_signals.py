@@ -28,7 +28,7 @@ from schemas.events import GpuMetrics, GpuSample, SchedEvent
 from schemas.topics import GPU_SAMPLES, SCHED_EVENTS
 from sinks.audit import AuditStore
 from sinks.backends.simulated import SimulatedScheduler
-from tests.conftest import wait_for
+from tests.conftest import wait_for, wait_placed
 from tests.integration.scenario import incidents_of, running_stack, wait_incident, xid79_line
 from tests.integration.test_ingest import NVSENTINEL_XID48
 from trainmedic.broker import EmbeddedBroker
@@ -84,7 +84,7 @@ def test_kernel_nvml_nvsentinel_and_nvrx_signals_each_reach_one_incident_on_thei
         for job in (xid_job, nvs_job, nvrx_job):
             pub.publish(SCHED_EVENTS, _running(sched, job))
         assert pub.flush(10) == 0
-        time.sleep(1.0)  # the placements first, as the Slurm producer's snapshot would be
+        wait_placed(broker.bootstrap, (xid_job, nvs_job, nvrx_job))  # the placements first
 
         # 1. One Xid 79 on one node, seen in its kernel log and through NVML.
         culprit = sched.job_state(xid_job).nodes[1]

@@ -136,7 +136,7 @@ def test_no_sched_events_topic_is_refused_naming_it() -> None:
         with pytest.raises(ValueError, match="sched.events"):
             BusPlacements(empty.bootstrap, "gpu01", resync_s=60)
     finally:
-        empty.stop()
+        empty.stop(grace_s=0)
 
 
 class _CountingRunner:

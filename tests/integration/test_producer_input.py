@@ -179,7 +179,7 @@ def test_a_producer_follows_the_broker_of_a_restarted_up(tmp_path: Path) -> None
     finally:
         pub.close(1)
         if second is not None:
-            second.stop()
+            second.stop(grace_s=0)
 
 
 def test_the_kernel_file_producer_names_its_own_node_never_the_lines_host(

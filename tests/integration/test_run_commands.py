@@ -27,7 +27,7 @@ def bare_broker() -> Iterator[EmbeddedBroker]:
     """A broker with no topics: `topics create` makes them."""
     b = EmbeddedBroker().start()
     yield b
-    b.stop()
+    b.stop(grace_s=0)
 
 
 def _env(bootstrap: str, **extra: str) -> dict[str, str]:
@@ -83,7 +83,7 @@ def test_a_deployable_without_kafka_or_clickhouse_says_which_setting(tmp_path: P
         no_ch = _tm("run", "audit-sink", env=_env(b.bootstrap))
         assert no_ch.returncode == 2 and "TRAINMEDIC_CLICKHOUSE_URL" in no_ch.stderr
     finally:
-        b.stop()
+        b.stop(grace_s=0)
 
 
 def test_streams_executor_and_audit_sink_start_alone_until_ready(broker: EmbeddedBroker, tmp_path: Path) -> None:

@@ -634,7 +634,7 @@ def test_topics_then_migrate_then_audit_sink_and_api(tmp_path: Path, certificate
         finally:
             stopped_cleanly(executor)
     finally:
-        bare.stop()
+        bare.stop(grace_s=0)
 
 
 def test_streams_executor_and_ingest_start_until_ready(

@@ -183,7 +183,7 @@ def second_broker() -> Iterator[EmbeddedBroker]:
     try:
         yield b
     finally:
-        b.stop()
+        b.stop(grace_s=0)
 
 
 def _run(bootstrap: str, chdb_url: str, database: str, tmp: Path, workers: int, fault_set: Any) -> Any:

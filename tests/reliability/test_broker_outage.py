@@ -141,7 +141,7 @@ def test_buffered_events_reach_the_new_broker_and_overflow_is_counted(caplog: py
         )
     finally:
         steady.stop.set()
-        first.stop()
+        first.stop(grace_s=0)
         if second is not None:
             second.stop()
 
