@@ -30,7 +30,7 @@ from schemas.events import Event, GpuMetrics, GpuSample, HealthEvent, SchedEvent
 from schemas.topics import DEFAULT_PARTITIONS, GPU_SAMPLES, HEALTH_EXTERNAL, SCHED_EVENTS, Topic
 from sinks.audit import AuditStore
 from sinks.backends.simulated import SimulatedScheduler
-from tests.conftest import wait_for
+from tests.conftest import wait_for, wait_placed
 from tests.integration.scenario import RANKS_PER_NODE, watchdog_line, xid79_line
 from trainmedic.broker import EmbeddedBroker
 from trainmedic.runtime import Stack, StackConfig
@@ -203,7 +203,8 @@ def _run(bootstrap: str, chdb_url: str, database: str, tmp: Path, workers: int, 
                 timeout=120,
             )
         _replay(bootstrap, placed)
-        time.sleep(2.0)  # the placements first, as the Slurm producer's snapshot would be
+        # The placements first, as after the Slurm producer's snapshot.
+        wait_placed(bootstrap, [e.job_id for _, e in placed if isinstance(e, SchedEvent) and e.job_id])
         _replay(bootstrap, faults)
         wait_for("an incident per faulted job and the idle node", lambda: len(_incidents(store)) >= 6 or None)
         time.sleep(5.0)  # the collateral wait and hold: nothing more may come
@@ -268,7 +269,7 @@ def test_a_worker_killed_mid_fault_hands_its_jobs_over_and_the_incident_is_made_
         )
         owner = next(i for i in range(3) if _partition(job) in _assigned(stack, i))
         _replay(broker.bootstrap, [(SCHED_EVENTS, _running(job, nodes))])
-        time.sleep(2.0)
+        wait_placed(broker.bootstrap, [job])
         before = Recorder()
         _collateral(before, tmp_path, job, nodes, culprit)
         _replay(broker.bootstrap, before.events)
@@ -336,7 +337,7 @@ def test_a_worker_joining_during_a_storm_loses_no_incident_and_doubles_none(
         for job, nodes in jobs.items():
             placed.publish(SCHED_EVENTS, _running(job, nodes))
         _replay(broker.bootstrap, placed.events)
-        time.sleep(2.0)
+        wait_placed(broker.bootstrap, list(jobs))
         for n, (job, nodes) in enumerate(jobs.items()):
             rec = Recorder()
             _collateral(rec, tmp_path, job, nodes, nodes[1])  # symptoms first ...
@@ -393,7 +394,7 @@ def test_the_restart_budget_moves_with_the_job_to_the_worker_that_takes_it_over(
             )
 
         _replay(broker.bootstrap, [(SCHED_EVENTS, _running(job, nodes))])
-        time.sleep(2.0)
+        wait_placed(broker.bootstrap, [job])
         first = Recorder()
         _kernel_xid(first, tmp_path, nodes[1])
         _replay(broker.bootstrap, first.events)
@@ -440,7 +441,7 @@ def test_an_install_whose_topics_have_4_partitions_runs_with_the_setting_4(
         assert {len(admin_topics[t].partitions) for t in ("anomalies", "anomalies.by_job", "incidents")} == {4}
         wait_for("both workers attributing", lambda: all(_assigned(stack, i) for i in range(2)), timeout=120)
         _replay(second_broker.bootstrap, [(SCHED_EVENTS, _running(job, nodes))])
-        time.sleep(2.0)
+        wait_placed(second_broker.bootstrap, [job])
         rec = Recorder()
         _kernel_xid(rec, tmp_path, nodes[1])
         _replay(second_broker.bootstrap, rec.events)
