@@ -161,7 +161,7 @@ def test_kernel_nvml_nvsentinel_and_nvrx_signals_each_reach_one_incident_on_thei
         ]
 
         # Nothing more comes of the reports: one incident per job, after the hold has settled.
-        time.sleep(4.0)
+        time.sleep(4.0)  # absence: past the collateral wait (3 s) and settle, no second incident
         assert [len(incidents_of(store, j)) for j in (xid_job, nvs_job, nvrx_job)] == [1, 1, 1]
         decisions = store.query("SELECT job_id, kind FROM {db}.decisions FINAL ORDER BY job_id")
         assert {str(d["job_id"]) for d in decisions} == {xid_job, nvs_job, nvrx_job}

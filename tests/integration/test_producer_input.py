@@ -118,7 +118,7 @@ def test_a_producer_restarted_while_lines_are_written_reads_every_line_once(
         proc.wait(timeout=30)
         time.sleep(1.0)  # lines keep coming while the producer is away
         proc = _produce_logs(broker.bootstrap, out, state)
-        time.sleep(2.0)
+        time.sleep(2.0)  # pacing: the writer goes on while the new producer catches up (the load's shape)
     finally:
         stop.set()
         writer.join()

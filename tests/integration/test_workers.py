@@ -286,7 +286,7 @@ def test_a_worker_killed_mid_fault_hands_its_jobs_over_and_the_incident_is_made_
                 else None
             ),
         )
-        time.sleep(4.0)
+        time.sleep(4.0)  # past Faust's commit interval (2.8 s): the killed worker had committed the halves
         proc = stack.worker(owner)
         assert proc is not None
         proc.kill()
@@ -305,7 +305,7 @@ def test_a_worker_killed_mid_fault_hands_its_jobs_over_and_the_incident_is_made_
             lambda: store.query("SELECT * FROM {db}.incidents FINAL WHERE job_id = {j:String}", {"j": job}),
             timeout=120,
         )
-        time.sleep(5.0)
+        time.sleep(5.0)  # absence: no second incident within the collateral wait and settle
         rows = store.query(
             "SELECT incident_id, culprit_node, category, anomaly_ids FROM {db}.incidents FINAL WHERE job_id = {j:String}",
             {"j": job},
@@ -345,10 +345,10 @@ def test_a_worker_joining_during_a_storm_loses_no_incident_and_doubles_none(
             _replay(broker.bootstrap, rec.events)
             if n == 2:
                 stack._start_worker(2)  # a third worker joins: the group rebalances mid-storm
-            time.sleep(0.3)
+            time.sleep(0.3)  # pacing: the storm's faults come over seconds, not at once
         stack._wait_worker_ready(2)
         wait_for("an incident per job", lambda: len(_incidents(store)) >= len(jobs) or None, timeout=180)
-        time.sleep(6.0)
+        time.sleep(6.0)  # absence: no doubled incident within the collateral wait, settle and a rebalance
         rows = _incidents(store)
         per_job: dict[str, list[str]] = {}
         for r in rows:
@@ -413,7 +413,7 @@ def test_the_restart_budget_moves_with_the_job_to_the_worker_that_takes_it_over(
         # The job runs again after its requeue (a later RUNNING), then fails once more.
         rerun = _running(job, nodes[1:] + nodes[:1]).model_copy(update={"event_id": f"rerun-{job}"})
         _replay(broker.bootstrap, [(SCHED_EVENTS, rerun)])
-        time.sleep(2.0)
+        time.sleep(2.0)  # the re-run's placement replaces a key already in the changelog: wait_placed cannot tell
         second = Recorder()
         _kernel_xid(second, tmp_path, nodes[2])
         _replay(broker.bootstrap, second.events)
