@@ -38,15 +38,16 @@ from sinks.backends.base import SchedulerBackend
 from streams.modes import apply_change
 from streams.policy import (
     PolicyError,
+    ReturnToService,
     fleet_drain_set,
     load_overlay,
-    load_policy,
     make_action,
     parse_policy,
     save_overlay,
     with_drain_set,
 )
 from trainmedic.console import LiveFeed, console_router
+from trainmedic.last_good_policy import LastGoodPolicy, PolicyState
 from trainmedic.limits import MAX_LOOKBACK_DAYS
 from trainmedic.readiness import readiness, verdict_for
 from trainmedic.replay import replay
@@ -174,6 +175,7 @@ def create_api(
     api = FastAPI(title="trainmedic", version="1", docs_url=None, redoc_url=None)
     PENDING.store = store
     lock = threading.Lock()
+    policies = LastGoodPolicy(policy_path)
     decided: dict[str, str] = {}  # decision id -> verdict, for decisions answered in this run
 
     def role_of(authorization: str | None) -> str:
@@ -239,10 +241,27 @@ def create_api(
     # Prometheus metrics are not served here: they have their own unauthenticated listener
     # (trainmedic/metrics_server.py), so this API stays token-only.
 
+    def stack_health() -> dict[str, Any]:
+        """The parts' health, with what runs on a fallback under `degraded` (still ok): a policy
+        file that failed to load while the last good policy stays in force. Not a 503: a load
+        balancer would then take away the API, and with it the brake (`mode set monitor`)."""
+        report = dict(health() if health is not None else {"ok": True})
+        problem = policies.refresh().problem()
+        if problem is not None:
+            report["degraded"] = {**report.get("degraded", {}), "policy": problem}
+        return report
+
+    def policy_in_force() -> PolicyState:
+        """The policy file read now, falling back on the last good policy; 503 when none ever loaded."""
+        state = policies.reload()
+        if state.policy is None:
+            raise HTTPException(status_code=503, detail=f"no valid policy has been loaded: {state.error}")
+        return state
+
     @api.get("/api/health", response_model=None)
     def get_health() -> dict[str, Any] | JSONResponse:
         """Unauthenticated liveness for load balancers and `up`'s supervision: 503 while a part is down."""
-        report = health() if health is not None else {"ok": True}
+        report = stack_health()
         if not report.get("ok"):
             return JSONResponse(status_code=503, content=report)
         return report
@@ -304,37 +323,50 @@ def create_api(
 
     @api.get("/api/modes", dependencies=read)
     def modes() -> dict[str, Any]:
-        policy = load_policy(policy_path).with_overlay(load_overlay(modes_path))
-        return policy.model_dump(mode="json", include={"mode", "categories", "partitions"})
+        state = policy_in_force()
+        assert state.policy is not None  # policy_in_force answered 503 otherwise
+        policy = state.policy.with_overlay(load_overlay(modes_path))
+        out = policy.model_dump(mode="json", include={"mode", "categories", "partitions"})
+        return with_policy_error(out, state)
+
+    def refuse_autonomy(body: ModeBody, old: Mode | None, verdict_text: str, state: PolicyState) -> HTTPException:
+        """Audit the refusal and say why; the 409 names a broken policy file, since the verdict
+        then comes from the last good policy, not from the file the operator sees."""
+        refusal = ModeChange(
+            event_id=stable_id("mode", body.partition, body.category, body.mode, "refused", time.time()),
+            event_time=time.time(),
+            partition=body.partition,
+            category=body.category,
+            old_mode=old,
+            new_mode=body.mode,
+            operator=body.operator,
+            reason=body.reason,
+            outcome="refused",
+            readiness=verdict_text,
+        )
+        publisher.publish(MODE_CHANGES, refusal)
+        publisher.flush(10)
+        detail = f"not ready for autonomy: {verdict_text} (use --force to override)"
+        if (problem := state.problem()) is not None:
+            detail += f"; the policy file failed to load: {problem}"
+        return HTTPException(status_code=409, detail=detail)
 
     @api.post("/api/modes", dependencies=auth)
     def set_mode(body: ModeBody) -> dict[str, Any]:
         with lock:
             overlay = load_overlay(modes_path)
-            current = load_policy(policy_path).with_overlay(overlay)
-            old = current.mode_for(body.partition, body.category)
+            # Switching to monitor needs no policy (no readiness verdict): the brake works even
+            # when no policy file was ever valid.
+            state = policies.reload() if body.mode == "monitor" else policy_in_force()
+            current = state.policy.with_overlay(overlay) if state.policy is not None else None
+            old = current.mode_for(body.partition, body.category) if current is not None else None
             verdict_text, ready = "", True
             if body.mode == "autonomous":
+                assert current is not None  # policy_in_force answered 503 otherwise
                 scores = readiness(store, current, since_s=time.time() - READINESS_WINDOW_S)
                 ready, verdict_text = verdict_for(scores, body.category, body.partition)
                 if not ready and not body.force:
-                    refusal = ModeChange(
-                        event_id=stable_id("mode", body.partition, body.category, body.mode, "refused", time.time()),
-                        event_time=time.time(),
-                        partition=body.partition,
-                        category=body.category,
-                        old_mode=old,
-                        new_mode=body.mode,
-                        operator=body.operator,
-                        reason=body.reason,
-                        outcome="refused",
-                        readiness=verdict_text,
-                    )
-                    publisher.publish(MODE_CHANGES, refusal)
-                    publisher.flush(10)
-                    raise HTTPException(
-                        status_code=409, detail=f"not ready for autonomy: {verdict_text} (use --force to override)"
-                    )
+                    raise refuse_autonomy(body, old, verdict_text, state)
             apply_change(overlay, body.partition, body.category, body.mode)
             # Audit first: a change that cannot be recorded is not made.
             change = ModeChange(
@@ -366,13 +398,16 @@ def create_api(
             body.category,
             body.operator,
         )
-        return {"old_mode": old, "new_mode": body.mode, "partition": body.partition, "category": body.category}
+        answer = {"old_mode": old, "new_mode": body.mode, "partition": body.partition, "category": body.category}
+        return with_policy_error(answer, state)
 
     @api.get("/api/readiness", dependencies=read)
     def get_readiness(
         since_days: Annotated[float, Query(gt=0, le=MAX_LOOKBACK_DAYS)] = 30.0,
     ) -> list[dict[str, Any]]:
-        policy = load_policy(policy_path).with_overlay(load_overlay(modes_path))
+        state = policy_in_force()
+        assert state.policy is not None  # policy_in_force answered 503 otherwise
+        policy = state.policy.with_overlay(load_overlay(modes_path))
         return [s.as_dict() for s in readiness(store, policy, since_s=time.time() - since_days * 86400)]
 
     @api.post("/api/replay", dependencies=read)
@@ -436,7 +471,7 @@ def create_api(
                 backend,
                 store,
                 publisher,
-                lambda: load_policy(policy_path).return_to_service,
+                lambda: return_settings(policies),
                 node,
                 body.operator,
                 body.comment,
@@ -451,11 +486,26 @@ def create_api(
             store,
             [token, *([viewer_token] if viewer_token else [])],
             feed,
-            health,
+            stack_health,
             bootstrap=getattr(publisher, "bootstrap", None),
         )
     )
     return api
+
+
+def with_policy_error(answer: dict[str, Any], state: PolicyState) -> dict[str, Any]:
+    """`policy_error` added when the policy file failed to load (what is in force then is the
+    last good policy); absent otherwise, so the usual answer is unchanged."""
+    problem = state.problem()
+    return answer if problem is None else {**answer, "policy_error": problem}
+
+
+def return_settings(policies: LastGoodPolicy) -> ReturnToService:
+    """A resume's health-check settings: the last good policy's; refused (503) when none ever loaded."""
+    state = policies.reload()
+    if state.policy is None:
+        raise ReturnRefused(503, f"no valid policy has been loaded: {state.error}")
+    return state.policy.return_to_service
 
 
 def _recorded_verdict(store: AuditStore, decision_id: str) -> str | None:

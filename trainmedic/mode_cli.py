@@ -50,5 +50,8 @@ def set_cmd(
     )
     typer.echo(
         f"mode for partition={r['partition'] or '*'} category={r['category'] or '*'}: "
-        f"{r['old_mode']} -> {r['new_mode']}"
+        f"{r['old_mode'] or '(unknown: no valid policy)'} -> {r['new_mode']}"
     )
+    if r.get("policy_error"):
+        # The change is made; the operator should still learn that the file on disk is not in force.
+        typer.echo(f"warning: the policy file failed to load: {r['policy_error']}", err=True)
