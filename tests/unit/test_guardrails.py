@@ -320,3 +320,24 @@ def test_a_drain_of_the_node_only_is_capped_like_any_drain() -> None:
     g.record(first, 10.0)
     trip = g.check(action("gpu02", "8", kind="drain", incident="inc-2"), 20.0)
     assert trip is not None and trip[0] == "blast_radius" and "gpu01" in trip[1]
+
+
+def test_the_kill_switch_is_read_from_a_policy_file_whose_other_sections_are_invalid(tmp_path: Path) -> None:
+    """The brake: an operator who sets the kill switch in a file that policy validation refuses
+    (an unknown category) still stops every scheduler action; the executor reads only its section."""
+    from streams.policy import DEFAULT_POLICY, PolicyError, load_policy
+
+    path = tmp_path / "policy.yaml"
+    path.write_text(DEFAULT_POLICY.read_text())
+    f = GuardrailFile(path)
+    assert not f().kill_switch
+    broken = DEFAULT_POLICY.read_text().replace("\nactions:\n", "\nactions:\n  gpu_hardwre: stop\n", 1)
+    path.write_text(broken.replace("kill_switch: false", "kill_switch: true"))
+    import os
+
+    os.utime(path, (5, 5))
+    with pytest.raises(PolicyError, match="unknown category"):
+        load_policy(path)
+    assert f().kill_switch
+    trip = Guardrails(f, SimulatedScheduler(NODES)).check(action("gpu01", None), 10.0)
+    assert trip is not None and trip[0] == "kill_switch"
