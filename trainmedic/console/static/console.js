@@ -103,7 +103,8 @@
   }
 
   // The live feed can be fine while a part of trainmedic is not (a dead streams worker means no
-  // new incidents): poll the supervisor's view and say which part is down, and why.
+  // new incidents): poll the supervisor's view and say which part is down, and why. `degraded`
+  // (a policy file that failed to load: the last good policy stays in force) is said too.
   let stackTimer = null;
   async function pollStack() {
     clearTimeout(stackTimer);
@@ -111,9 +112,13 @@
     const r = await api("/api/console/status");
     const el = $("stack");
     const stack = r.status === 200 && r.body ? r.body.stack : null;
-    if (stack && stack.ok === false) {
-      const down = Object.entries(stack.down || {}).map(([name, why]) => `${name} (${why})`);
-      el.textContent = `trainmedic degraded: ${down.join("; ") || "a component is down"}`;
+    const parts = (entries) => Object.entries(entries || {}).map(([name, why]) => `${name} (${why})`);
+    const down = stack ? parts(stack.down) : [];
+    const degraded = stack ? parts(stack.degraded) : [];
+    if (stack && (stack.ok === false || degraded.length)) {
+      const why = [...down, ...degraded].join("; ") || "a component is down";
+      el.textContent = `trainmedic degraded: ${why}`;  // textContent: the file's text is never markup
+      el.className = stack.ok === false ? "stack-down" : "stack-degraded";
       el.hidden = false;
     } else {
       el.textContent = "";
@@ -740,6 +745,11 @@
 
   function renderModes() {
     if (!modes) return;
+    const note = $("modes-policy-error");
+    note.textContent = modes.policy_error
+      ? `The policy file failed to load: ${modes.policy_error}. The modes shown are the last good policy's.`
+      : "";
+    note.hidden = !modes.policy_error;
     const tbody = $("modes").tBodies[0];
     tbody.replaceChildren();
     const names = new Set(Object.keys(modes.partitions || {}));
