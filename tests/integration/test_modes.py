@@ -2,23 +2,34 @@
 
 Real broker: each ModeState follows the whole topic (two of them both see every change);
 a worker that has neither the durable state file nor the whole topic is in doubt (monitor);
-a refused, unreadable or other cluster's change never raises autonomy.
+a refused, unreadable or other cluster's change never raises autonomy. The brake always works:
+with the policy file broken, `trainmedic mode set monitor` still switches (the API keeps the
+last good policy) and /api/health names the file as degraded until it is fixed.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from bus.consume import Follower, MissingTopic
 from bus.publish import Publisher
 from schemas.events import ModeChange
 from schemas.topics import MODE_CHANGES
+from sinks.backends.simulated import SimulatedScheduler
 from streams.modes import ModeState
 from streams.policy import DEFAULT_POLICY, ModeOverlay, save_overlay
 from tests.conftest import wait_for
 from trainmedic.broker import EmbeddedBroker
+from trainmedic.client import call
+from trainmedic.runtime import Stack, StackConfig
 
 
 def _change(n: int, mode: str = "autonomous", partition: str | None = "gpu", **kw: object) -> ModeChange:
@@ -116,3 +127,64 @@ def test_a_worker_in_doubt_decides_as_in_monitor_mode(tmp_path: Path) -> None:
     assert durable.policy.mode_for("gpu", "gpu_hardware") == "autonomous"
     # Offline (no operator modes at all: diagnose, replay) the policy file decides.
     assert PolicyStore(policy).policy.mode_for("gpu", "gpu_hardware") == "autonomous"
+
+
+def _health(api_url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(f"{api_url}/api/health", timeout=10) as r:
+        assert r.status == 200
+        return json.loads(r.read())  # type: ignore[no-any-return]
+
+
+def _rewrite(path: Path, text: str) -> None:
+    before = path.stat().st_mtime_ns
+    path.write_text(text)
+    os.utime(path, ns=(before + 10**9, before + 10**9))  # changed, even within one timestamp tick
+
+
+def test_the_brake_works_with_a_broken_policy_file(
+    broker: EmbeddedBroker, chdb_url: str, database: str, tmp_path: Path
+) -> None:
+    policy = tmp_path / "policy.yaml"
+    good = DEFAULT_POLICY.read_text()
+    policy.write_text(good)
+    stack = Stack(
+        StackConfig(
+            data_dir=tmp_path,
+            bootstrap=broker.bootstrap,
+            clickhouse=chdb_url,
+            database=database,
+            policy=policy,
+            api_port=0,
+        ),
+        SimulatedScheduler(["gpu01", "gpu02"]),
+    ).start()
+    try:
+        assert stack.api is not None
+        url, token = stack.api.url, (tmp_path / "api-token").read_text().strip()
+        promoted = {"mode": "autonomous", "partition": "gpu", "operator": "alice", "force": True}
+        assert call(url, token, "POST", "/api/modes", promoted)["new_mode"] == "autonomous"
+        assert "degraded" not in _health(url)
+        # A duplicate key (PyYAML would keep the last one silently; the loader refuses the file).
+        _rewrite(policy, good.replace("\nmode: monitor\n", "\nmode: monitor\nmode: autonomous\n", 1))
+        line = good.split("\nmode: monitor\n", 1)[0].count("\n") + 3
+        brake = subprocess.run(
+            [sys.executable, "-m", "trainmedic.cli", "mode", "set", "monitor", "--partition", "gpu"]
+            + ["--reason", "brake", "--operator", "bob", "--data-dir", str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert brake.returncode == 0, brake.stderr
+        assert "autonomous -> monitor" in brake.stdout
+        assert (
+            f"{policy.resolve()}: line {line}: duplicate key 'mode'" in brake.stderr
+        )  # the warning: the file is not in force
+        modes = call(url, token, "GET", "/api/modes")
+        assert modes["partitions"]["gpu"]["mode"] == "monitor" and modes["mode"] == "monitor"
+        assert call(url, token, "GET", "/api/readiness")  # 200, under the last good policy
+        degraded = _health(url)["degraded"]["policy"]
+        assert f"{policy.resolve()}: line {line}: duplicate key 'mode'" in degraded and "stays in force" in degraded
+        _rewrite(policy, good)
+        assert "degraded" not in _health(url)
+    finally:
+        stack.stop()
