@@ -37,6 +37,7 @@ from sinks.audit import AuditStore
 from sinks.backends.base import SchedulerBackend
 from streams.modes import apply_change
 from streams.policy import (
+    Policy,
     PolicyError,
     ReturnToService,
     fleet_drain_set,
@@ -251,12 +252,12 @@ def create_api(
             report["degraded"] = {**report.get("degraded", {}), "policy": problem}
         return report
 
-    def policy_in_force() -> PolicyState:
+    def policy_in_force() -> tuple[Policy, PolicyState]:
         """The policy file read now, falling back on the last good policy; 503 when none ever loaded."""
         state = policies.reload()
         if state.policy is None:
-            raise HTTPException(status_code=503, detail=f"no valid policy has been loaded: {state.error}")
-        return state
+            raise no_policy(state)
+        return state.policy, state
 
     @api.get("/api/health", response_model=None)
     def get_health() -> dict[str, Any] | JSONResponse:
@@ -323,11 +324,9 @@ def create_api(
 
     @api.get("/api/modes", dependencies=read)
     def modes() -> dict[str, Any]:
-        state = policy_in_force()
-        assert state.policy is not None  # policy_in_force answered 503 otherwise
-        policy = state.policy.with_overlay(load_overlay(modes_path))
-        out = policy.model_dump(mode="json", include={"mode", "categories", "partitions"})
-        return with_policy_error(out, state)
+        policy, state = policy_in_force()
+        shown = policy.with_overlay(load_overlay(modes_path))
+        return with_policy_error(shown.model_dump(mode="json", include={"mode", "categories", "partitions"}), state)
 
     def refuse_autonomy(body: ModeBody, old: Mode | None, verdict_text: str, state: PolicyState) -> HTTPException:
         """Audit the refusal and say why; the 409 names a broken policy file, since the verdict
@@ -355,14 +354,15 @@ def create_api(
     def set_mode(body: ModeBody) -> dict[str, Any]:
         with lock:
             overlay = load_overlay(modes_path)
-            # Switching to monitor needs no policy (no readiness verdict): the brake works even
-            # when no policy file was ever valid.
-            state = policies.reload() if body.mode == "monitor" else policy_in_force()
+            state = policies.reload()
             current = state.policy.with_overlay(overlay) if state.policy is not None else None
             old = current.mode_for(body.partition, body.category) if current is not None else None
             verdict_text, ready = "", True
             if body.mode == "autonomous":
-                assert current is not None  # policy_in_force answered 503 otherwise
+                # Only autonomy needs a policy (its readiness verdict): the brake, monitor, works
+                # even when no policy file was ever valid.
+                if current is None:
+                    raise no_policy(state)
                 scores = readiness(store, current, since_s=time.time() - READINESS_WINDOW_S)
                 ready, verdict_text = verdict_for(scores, body.category, body.partition)
                 if not ready and not body.force:
@@ -405,9 +405,7 @@ def create_api(
     def get_readiness(
         since_days: Annotated[float, Query(gt=0, le=MAX_LOOKBACK_DAYS)] = 30.0,
     ) -> list[dict[str, Any]]:
-        state = policy_in_force()
-        assert state.policy is not None  # policy_in_force answered 503 otherwise
-        policy = state.policy.with_overlay(load_overlay(modes_path))
+        policy = policy_in_force()[0].with_overlay(load_overlay(modes_path))
         return [s.as_dict() for s in readiness(store, policy, since_s=time.time() - since_days * 86400)]
 
     @api.post("/api/replay", dependencies=read)
@@ -491,6 +489,10 @@ def create_api(
         )
     )
     return api
+
+
+def no_policy(state: PolicyState) -> HTTPException:
+    return HTTPException(status_code=503, detail=f"no valid policy has been loaded: {state.error}")
 
 
 def with_policy_error(answer: dict[str, Any], state: PolicyState) -> dict[str, Any]:
