@@ -20,7 +20,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from importlib import resources
 from pathlib import Path
@@ -36,6 +36,7 @@ from schemas.errors import Unavailable
 from schemas.events import Event
 from schemas.ids import cluster_scoped
 from schemas.topics import TOPIC_BY_NAME, Topic
+from sinks import metrics
 from sinks.audit_schema import (
     BY_NAME,
     DEAD_LETTERS_T,
@@ -518,6 +519,123 @@ class AuditStore:
             self.client.close()
 
 
+# --- why an insert failed ----------------------------------------------------------------
+
+# The `reason` label of trainmedic_audit_insert_failures_total, and what /api/health says:
+# a fixed set, so an alert or a panel can select on it (docs/metrics.md, "Audit sink").
+INSERT_FAILURE_REASONS = ("disk_full", "unavailable", "rejected", "other")
+
+# ClickHouse's own words for a full disk: NOT_ENOUGH_SPACE (243: a reservation or the
+# min_free_disk_* threshold refused), or a write that hit ENOSPC / EDQUOT.
+_DISK_FULL = re.compile(
+    r"NOT_ENOUGH_SPACE|No space left on device|errno:? ?(?:28|122)\b|Disk quota exceeded|not enough (?:free )?space",
+    re.IGNORECASE,
+)
+# ClickHouse names its error in parentheses: "Code: 60. DB::Exception: ... (UNKNOWN_TABLE)".
+_CH_ERROR_NAME = re.compile(r"\(([A-Z][A-Z0-9]*(?:_[A-Z0-9]+)*)\)")
+# The store cannot take writes now, whatever the rows: down, unreachable, read-only, overloaded,
+# its coordination lost, or refusing the credentials. Retrying (or fixing the server) helps.
+_UNAVAILABLE_ERRORS = frozenset(
+    {
+        "ABORTED",
+        "ACCESS_DENIED",
+        "ALL_CONNECTION_TRIES_FAILED",
+        "ALL_REPLICAS_ARE_STALE",
+        "AUTHENTICATION_FAILED",
+        "CANNOT_ALLOCATE_MEMORY",
+        "KEEPER_EXCEPTION",
+        "MEMORY_LIMIT_EXCEEDED",
+        "NETWORK_ERROR",
+        "NO_ZOOKEEPER",
+        "QUERY_WAS_CANCELLED",
+        "READONLY",
+        "REPLICA_IS_NOT_IN_QUORUM",
+        "REQUIRED_PASSWORD",
+        "SERVER_OVERLOADED",
+        "SOCKET_TIMEOUT",
+        "TABLE_IS_DROPPED",
+        "TABLE_IS_READ_ONLY",
+        "TIMEOUT_EXCEEDED",
+        "TOO_FEW_LIVE_REPLICAS",
+        "TOO_MANY_PARTS",
+        "TOO_MANY_SIMULTANEOUS_QUERIES",
+        "UNKNOWN_STATUS_OF_INSERT",
+    }
+)
+# PEP 249 classes clickhouse-connect raises (by name: the node image has no clickhouse-connect).
+_DBAPI_UNAVAILABLE = frozenset({"OperationalError"})
+_DBAPI_REJECTED = frozenset({"DatabaseError", "DataError", "IntegrityError", "ProgrammingError", "NotSupportedError"})
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """The exception and those it was raised from or during (a driver wraps the socket's error)."""
+    seen: list[BaseException] = []
+    cur: BaseException | None = exc
+    while cur is not None and cur not in seen and len(seen) < 8:
+        seen.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return seen
+
+
+def insert_failure_reason(exc: BaseException) -> str:
+    """Why an audit insert failed, one of INSERT_FAILURE_REASONS.
+
+    disk_full: the server's disk (or quota) is full; unavailable: the store does not take writes
+    now (unreachable, down, read-only, overloaded, credentials refused); rejected: the server
+    answered and refused these rows (a table or column missing or of another type: the schema
+    is not what this trainmedic writes, or a value does not fit); other: anything else.
+    """
+    chain = _chain(exc)
+    text = "\n".join(str(e) for e in chain)
+    if _DISK_FULL.search(text) or any(
+        isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in chain
+    ):
+        return "disk_full"
+    names = set(_CH_ERROR_NAME.findall(text))
+    classes = {c.__name__ for e in chain for c in type(e).__mro__}
+    if (
+        names & _UNAVAILABLE_ERRORS
+        or classes & _DBAPI_UNAVAILABLE
+        or any(isinstance(e, OSError | Unavailable) for e in chain)  # sockets, timeouts; AuditStoreError
+    ):
+        return "unavailable"
+    if names or classes & _DBAPI_REJECTED:
+        return "rejected"
+    return "other"
+
+
+@dataclass(frozen=True)
+class InsertFailure:
+    """The audit sink's inserts failing now: what /api/health names under `degraded` and what the
+    audit's read paths answer with (503), until an insert succeeds again."""
+
+    table: str
+    reason: str  # one of INSERT_FAILURE_REASONS
+    error: str  # the exception's first line, bounded
+    since: float  # wall-clock time of the first failure in a row
+    attempts: int
+    rows_waiting: int  # the batch being retried; what the broker holds beyond it waits too
+
+    def describe(self) -> str:
+        since = datetime.fromtimestamp(self.since, tz=UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+        return (
+            f"inserts into {self.table} failing since {since} ({self.reason}, {self.attempts} attempt(s)): "
+            f"{self.error}; a batch of {self.rows_waiting} row(s) is retried and its offsets stay uncommitted, "
+            "so nothing is lost, but the audit lacks every event since"
+        )
+
+
+def _first_line(exc: BaseException, limit: int = 300) -> str:
+    """The error's first line, at most `limit` characters, keeping ClickHouse's error name (at its end)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = f"{type(exc).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    if len(text) <= limit:
+        return text
+    names = _CH_ERROR_NAME.findall(text)
+    tail = f" ({names[-1]})" if names else ""
+    return text[: limit - 3 - len(tail)] + "..." + tail
+
+
 class RecentIds:
     """Event ids inserted lately, per table, so an event is inserted once.
 
@@ -584,6 +702,13 @@ class AuditSink:
         self.undecodable = 0
         self.recent = RecentIds(store)
         self._id_index = {t.name: t.column_names.index(t.id_column) for t in DECLARED.values()}
+        # Set while inserts fail, None again once one succeeds (read by the stack's health).
+        self.failing: InsertFailure | None = None
+        for name in self._id_index:
+            # Every series from the start at 0, so increase() sees a table's first failure too.
+            metrics.AUDIT_ROWS.labels(table=name)
+            for reason in INSERT_FAILURE_REASONS:
+                metrics.AUDIT_INSERT_FAILURES.labels(table=name, reason=reason)
 
     def _rows(self, msgs: list[Message]) -> dict[str, list[list[Any]]]:
         rows: dict[str, list[list[Any]]] = defaultdict(list)
@@ -607,6 +732,7 @@ class AuditSink:
         delay = 0.5
         while True:
             self._health.beat()
+            table = ""
             try:
                 for table, table_rows in rows.items():
                     columns = next(cols for _, t, _, cols in TABLES.values() if t == table)
@@ -614,15 +740,37 @@ class AuditSink:
                     if fresh:
                         self.store.insert(table, fresh, columns)
                         self.recent.remember(table, [str(r[self._id_index[table]]) for r in fresh])
+                        metrics.AUDIT_ROWS.labels(table=table).inc(len(fresh))
                     self.inserted[table] += len(fresh)
                 self._health.beat(processed=sum(len(r) for r in rows.values()))
                 self._health.set_ready(True, "consuming")
+                if self.failing is not None:
+                    log.warning(
+                        "audit inserts succeed again after %d failed attempt(s) since %s",
+                        self.failing.attempts,
+                        datetime.fromtimestamp(self.failing.since, tz=UTC).isoformat(timespec="seconds"),
+                    )
+                    self.failing = None
                 return
             except Exception as exc:  # any storage failure: back off and retry, offsets stay uncommitted
                 if self.stop_event.is_set():
                     raise
-                self._health.set_ready(False, f"audit inserts failing, retrying: {type(exc).__name__}")
-                log.error("audit insert failed, retrying in %.1f s: %s", delay, exc)
+                reason = insert_failure_reason(exc)
+                metrics.AUDIT_INSERT_FAILURES.labels(table=table or "unknown", reason=reason).inc()
+                before = self.failing
+                failure = InsertFailure(
+                    table=table or "unknown",
+                    reason=reason,
+                    error=_first_line(exc),
+                    since=time.time(),
+                    attempts=1,
+                    rows_waiting=sum(len(r) for r in rows.values()),
+                )
+                self.failing = (
+                    failure if before is None else replace(failure, since=before.since, attempts=before.attempts + 1)
+                )
+                self._health.set_ready(False, f"audit inserts failing ({reason}), retrying: {type(exc).__name__}")
+                log.error("audit insert failed, retrying in %.1f s (%s, into %s): %s", delay, reason, table, exc)
                 time.sleep(delay)
                 delay = min(delay * 2, 30.0)
 

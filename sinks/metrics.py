@@ -22,7 +22,12 @@ EXECUTOR_FENCED = Counter(
     "trainmedic_executor_fenced_total", "Times this replica found it had lost the acting lease while working"
 )
 AUDIT_ROWS = Counter("trainmedic_audit_rows_total", "Rows inserted into the audit", ["table"])
-AUDIT_INSERT_FAILURES = Counter("trainmedic_audit_insert_failures_total", "Failed audit inserts (retried)")
+AUDIT_INSERT_FAILURES = Counter(
+    "trainmedic_audit_insert_failures_total",
+    "Failed audit inserts (each is retried), by the table that failed and why: disk_full, unavailable, rejected, "
+    "other (sinks/audit.py insert_failure_reason)",
+    ["table", "reason"],
+)
 RECORD_AGE = Gauge(
     "trainmedic_sink_record_age_seconds",
     "Age of the last record consumed (now - its Kafka timestamp): consumer lag in time",

@@ -48,6 +48,7 @@ from streams.policy import (
     with_drain_set,
 )
 from trainmedic.console import LiveFeed, console_router
+from trainmedic.console.routes import audit_behind, audit_current
 from trainmedic.last_good_policy import LastGoodPolicy, PolicyState
 from trainmedic.limits import MAX_LOOKBACK_DAYS
 from trainmedic.readiness import readiness, verdict_for
@@ -169,10 +170,13 @@ def create_api(
     feed: LiveFeed | None = None,
     viewer_token: str | None = None,
     health: Callable[[], dict[str, Any]] | None = None,
+    audit_problem: Callable[[], str | None] | None = None,
 ) -> FastAPI:
     """`token` is the operator's: everything. `viewer_token` (optional) reads only: the console,
     recommendations, modes, readiness, nodes and replays, but no approval, label, mode change
-    or resume (403 "operator role required")."""
+    or resume (403 "operator role required"). `audit_problem`: why the audit is behind (its
+    inserts failing; the stack's sink says), None while it is current: the endpoints that list
+    from the audit answer 503 naming it meanwhile, instead of a list that lacks what happened."""
     api = FastAPI(title="trainmedic", version="1", docs_url=None, redoc_url=None)
     PENDING.store = store
     lock = threading.Lock()
@@ -199,6 +203,7 @@ def create_api(
 
     auth = [Depends(operator_only)]
     read = [Depends(any_role)]
+    audit_read = [*read, Depends(audit_current(audit_problem))]
 
     def own_decision(decision_id: str) -> list[dict[str, Any]]:
         """The decision's audit row, if it is this cluster's: an approval here acts on this cluster's
@@ -208,6 +213,8 @@ def create_api(
             {"d": decision_id, "c": current_cluster()},
         )
         if not rows:
+            if audit_problem is not None and (problem := audit_problem()) is not None:
+                raise audit_behind(problem)  # the decision may be one the audit has not recorded yet
             raise HTTPException(status_code=404, detail=f"no decision {decision_id} of cluster {current_cluster()}")
         return rows
 
@@ -267,7 +274,7 @@ def create_api(
             return JSONResponse(status_code=503, content=report)
         return report
 
-    @api.get("/api/recommendations", dependencies=read)
+    @api.get("/api/recommendations", dependencies=audit_read)
     def recommendations() -> list[dict[str, Any]]:
         rows = store.query(
             "SELECT decision_id, incident_id, job_id, partition, category, culprit_node, action, reason, event_time "
@@ -401,14 +408,14 @@ def create_api(
         answer = {"old_mode": old, "new_mode": body.mode, "partition": body.partition, "category": body.category}
         return with_policy_error(answer, state)
 
-    @api.get("/api/readiness", dependencies=read)
+    @api.get("/api/readiness", dependencies=audit_read)
     def get_readiness(
         since_days: Annotated[float, Query(gt=0, le=MAX_LOOKBACK_DAYS)] = 30.0,
     ) -> list[dict[str, Any]]:
         policy = policy_in_force()[0].with_overlay(load_overlay(modes_path))
         return [s.as_dict() for s in readiness(store, policy, since_s=time.time() - since_days * 86400)]
 
-    @api.post("/api/replay", dependencies=read)
+    @api.post("/api/replay", dependencies=audit_read)
     def post_replay(body: ReplayBody) -> dict[str, Any]:
         try:
             # Bounded: no aliases in a request body; size and depth capped (schemas/yamlsafe.py).
@@ -486,6 +493,7 @@ def create_api(
             feed,
             stack_health,
             bootstrap=getattr(publisher, "bootstrap", None),
+            audit_problem=audit_problem,
         )
     )
     return api

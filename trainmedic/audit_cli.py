@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import urllib.error
+import urllib.request
 from collections.abc import Iterator, Sequence
 from datetime import date, datetime, timedelta
 from pathlib import Path
@@ -82,8 +84,34 @@ def open_store(data_dir: Path, clickhouse: str | None, database: str) -> AuditSt
         ) from None
 
 
+def audit_behind(data_dir: Path, timeout_s: float = 5.0) -> str | None:
+    """What the `trainmedic up` running on DATA_DIR says of its audit's inserts (/api/health,
+    `degraded.audit`: failing, so the audit lacks the events since); None when none runs there,
+    it serves no API, does not answer, or its inserts succeed. Its health needs no token."""
+    try:
+        info = json.loads((data_dir / "runtime.json").read_text())
+        url = str(info["api_url"]).rstrip("/") + "/api/health"
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            report = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:  # 503: a part is down; the body is the same report
+        try:
+            report = json.loads(exc.read())
+        except ValueError:
+            return None
+    except (OSError, ValueError):
+        return None
+    problem = report.get("degraded", {}).get("audit") if isinstance(report, dict) else None
+    return str(problem) if problem else None
+
+
 @contextlib.contextmanager
 def _store(data_dir: Path, clickhouse: str | None, database: str, check: bool = True) -> Iterator[AuditStore]:
+    if check and (problem := audit_behind(data_dir)) is not None:
+        # As the API answers (503): a listing now would lack every event since, and read as "nothing happened".
+        raise Unavailable(f"the audit is behind (trainmedic up on {data_dir} says): {problem}")
     store = open_store(data_dir, clickhouse, database)
     # Imported once a store is open (clickhouse-connect is there then): the node image's CLI loads this module.
     from clickhouse_connect.driver.exceptions import ClickHouseError

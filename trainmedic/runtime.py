@@ -403,7 +403,8 @@ class Stack:
 
     def health(self) -> dict[str, Any]:
         """What /api/health answers: ok, and per component its state, restarts and reason; and
-        `warnings`, which leave it ok (what the embedded broker holds)."""
+        `warnings` and `degraded`, which leave it ok (what the embedded broker holds; the audit's
+        inserts failing)."""
         if self.supervisor is not None:
             out = self.supervisor.health()
         else:
@@ -414,7 +415,17 @@ class Stack:
                 out = {"ok": False, "down": {"stack": str(exc).splitlines()[0]}}
         if self.broker_watch is not None and self.broker_watch.warnings:
             out["warnings"] = list(self.broker_watch.warnings)
+        if (problem := self.audit_problem()) is not None:
+            out["degraded"] = {**out.get("degraded", {}), "audit": problem}
         return out
+
+    def audit_problem(self) -> str | None:
+        """Why the audit is behind: its inserts fail now (sinks/audit.py InsertFailure), named under
+        `degraded` in the health (still ok: the pipeline goes on, the events wait in Kafka) and by the
+        audit's read paths (503); None while inserts succeed."""
+        sink = self.sink
+        failing = sink.failing if sink is not None else None
+        return failing.describe() if failing is not None else None
 
     @property
     def runtime_file(self) -> Path:
@@ -461,6 +472,7 @@ class Stack:
             feed=self.console_feed,
             viewer_token=viewer_token,
             health=self.health,
+            audit_problem=self.audit_problem,
         )
         self.api = ApiServer(
             api, cfg.api_host, cfg.api_port or free_port(), tls_cert=cfg.api_tls_cert, tls_key=cfg.api_tls_key

@@ -196,6 +196,31 @@ def _audit_queries() -> Any:
     return queries
 
 
+AUDIT_RETRY_AFTER_S = 10
+
+
+def audit_behind(problem: str) -> HTTPException:
+    """The answer of a read of the audit while its inserts fail: what it would list lacks every event
+    since, and an empty or short list would read as "nothing happened". 503, like the other "not
+    now" answers of the API, naming the failure; Retry-After: the sink retries within 30 s."""
+    return HTTPException(
+        status_code=503,
+        detail=f"the audit is behind: {problem}",
+        headers={"Retry-After": str(AUDIT_RETRY_AFTER_S)},
+    )
+
+
+def audit_current(audit_problem: Callable[[], str | None] | None) -> Callable[[], None]:
+    """A dependency of the endpoints that read the audit: 503 (audit_behind) while its inserts fail."""
+
+    def check() -> None:
+        problem = audit_problem() if audit_problem is not None else None
+        if problem is not None:
+            raise audit_behind(problem)
+
+    return check
+
+
 def _static_files(static_dir: Path) -> dict[str, Path]:
     """The files the console may serve, by URL path under /static/ (no traversal possible)."""
     return {
@@ -213,8 +238,11 @@ def console_router(
     *,
     static_dir: Path = STATIC_DIR,
     bootstrap: str | None = None,
+    audit_problem: Callable[[], str | None] | None = None,
 ) -> APIRouter:
-    """The console's routes: include with `api.include_router(console_router(store, token, feed))`."""
+    """The console's routes: include with `api.include_router(console_router(store, token, feed))`.
+    `audit_problem`: why the audit is behind (its inserts failing), None while it is current; the
+    routes that read the audit answer 503 (audit_behind) while it says something."""
     router = APIRouter()
     files = _static_files(static_dir)
     # The console only reads: the operator's and the viewer's token both open it. Approve
@@ -236,6 +264,7 @@ def console_router(
             raise unauthorized()
 
     auth = [Depends(authorized)]
+    audit_read = [*auth, Depends(audit_current(audit_problem))]
 
     def page(name: str) -> FileResponse:
         path = files.get(name)
@@ -298,7 +327,7 @@ def console_router(
             },
         }
 
-    @router.get("/api/incidents", dependencies=auth)
+    @router.get("/api/incidents", dependencies=audit_read)
     def incidents(
         since: Annotated[str, Query(max_length=16)] = "7d",
         limit: Annotated[int, Query(ge=1, le=1000)] = 200,
@@ -316,7 +345,7 @@ def console_router(
             out.append(_jsonable(row))
         return out
 
-    @router.get("/api/incidents/{incident_id}/bundle", dependencies=auth)
+    @router.get("/api/incidents/{incident_id}/bundle", dependencies=audit_read)
     def incident_bundle(incident_id: Annotated[str, PathParam(min_length=1, max_length=64)]) -> Response:
         """The incident's evidence bundle (trainmedic/bundle.py) as a .tar.gz download."""
         from trainmedic.bundle import build_bundle, bundle_bytes
@@ -332,7 +361,7 @@ def console_router(
             headers={**SECURITY_HEADERS, "Content-Disposition": f'attachment; filename="{name}.tar.gz"'},
         )
 
-    @router.get("/api/jobs/{job_id}/timeline", dependencies=auth)
+    @router.get("/api/jobs/{job_id}/timeline", dependencies=audit_read)
     def job_timeline(job_id: Annotated[str, PathParam(min_length=1, max_length=64)]) -> dict[str, Any]:
         """Everything that happened to a job, in order (sinks/audit_queries.py job_timeline)."""
         result: dict[str, Any] = _jsonable(_audit_queries().job_timeline(store, job_id))
@@ -340,7 +369,7 @@ def console_router(
             raise HTTPException(status_code=404, detail=f"nothing recorded for job {job_id}")
         return result
 
-    @router.get("/api/charts", dependencies=auth)
+    @router.get("/api/charts", dependencies=audit_read)
     def charts(since: Annotated[str, Query(max_length=16)] = "7d") -> dict[str, Any]:
         """Chart data: latency percentiles (all time) and incidents by category (within `since`)."""
         window = _since(since)
@@ -353,7 +382,7 @@ def console_router(
         result: dict[str, Any] = _jsonable(out)
         return result
 
-    @router.get("/api/goodput", dependencies=auth)
+    @router.get("/api/goodput", dependencies=audit_read)
     def goodput(
         since: Annotated[str, Query(max_length=16)] = "7d",
         job: Annotated[str | None, Query(min_length=1, max_length=64)] = None,
