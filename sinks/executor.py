@@ -10,7 +10,9 @@ cancel) the executor writes an ActionAttempt to action.attempts (acks=all,
 flushed), counts it in the guardrails and confirms it still holds the acting
 lease (sinks/lease.py); only then does it make the call. A node is drained for
 a job's incident only when the scheduler says the job runs there, or the node
-itself reported the fault.
+itself reported the fault. When a cap on drains (blast radius, node cooldown)
+refuses a drain_and_requeue's drain, the node stays in service and the job is
+still requeued with it excluded.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from schemas.topics import (
 from schemas.vocab import Guardrail
 from sinks import metrics
 from sinks.backends.base import ActionRefused, BackendError, JobState, NodeState, SchedulerBackend
-from sinks.guardrails import GuardrailFile, Guardrails
+from sinks.guardrails import GuardrailFile, Guardrails, Trip, requeues_without_drain
 from sinks.lease import ActingLease, Fenced
 
 log = logging.getLogger("trainmedic.executor")
@@ -134,13 +136,19 @@ class Executor:
 
     # -- one action -----------------------------------------------------------------
 
-    def execute(self, action: Action, before_call: BeforeCall) -> ActionResult:
+    def execute(self, action: Action, before_call: BeforeCall, drain_refused: Trip | None = None) -> ActionResult:
         """Carry out one action. `before_call` runs before every call that may change the cluster
         (the service records and counts the attempt there, and checks its lease).
+
+        `drain_refused`: the guardrail trip that refused a drain_and_requeue's drain alone
+        (sinks/guardrails.py requeues_without_drain): the node is left in service, the job is
+        requeued with it excluded, and the steps say both.
 
         Raises Refused when a guardrail checked at a call stops the action (the culprit check),
         and lets Fenced and AttemptNotRecorded through: then no result is due from this replica.
         """
+        if drain_refused is not None and not requeues_without_drain(action, drain_refused):
+            raise ValueError(f"{action.action_id}: a refused drain leaves nothing to do for {action.action}")
         run = _Run(action, time.time(), before_call)
         try:
             if action.action == "none":
@@ -151,10 +159,19 @@ class Executor:
                     # An approved isolation whose culprit is only a rank or GPU: a plain requeue
                     # could land on the same bad GPU. A person must name the node.
                     raise BackendError("drain_and_requeue needs the culprit's node; none is known")
-                self._drain(run)
+                if drain_refused is None:
+                    self._drain(run)
+                else:
+                    guardrail, detail = drain_refused
+                    run.steps.append(
+                        f"drain {action.node}: refused by guardrail {guardrail} ({detail}); it stays in service, "
+                        f"job {action.job_id} is requeued with it excluded"
+                    )
                 if action.job_id:
                     self._requeue(run, exclude=[action.node])
-                self._remediate(run)
+                if drain_refused is None:
+                    # A remediation (reboot, GPU reset) is for a node drained for the incident.
+                    self._remediate(run)
             elif action.action == "drain_and_stop":
                 # The job's budget is spent, and its node's own fault still takes the node out.
                 if not action.job_id:
@@ -649,35 +666,48 @@ class ExecutorService:
 
     def _handle(self, action: Action) -> tuple[ActionResult, GuardrailTrip | None]:
         now = time.time()
+        drain_refused: Trip | None = None
         try:
             try:
                 trip = self.guardrails.check(action, now)
             except BackendError as exc:
                 # The partition's state cannot be read (slurmctld away): fail closed, and keep the
                 # loop alive - a dead executor would crash-loop `up` on the same action.
-                trip = ("blast_radius", f"partition state unreadable, not acting: {exc}")
-            if trip is not None:
+                raise Refused("blast_radius", f"partition state unreadable, not acting: {exc}") from None
+            if trip is not None and requeues_without_drain(action, trip):
+                # A cap on drains refused the node, not the job: the job still leaves it.
+                drain_refused = trip
+            elif trip is not None:
                 raise Refused(*trip)
             log.info("executing %s %s job=%s node=%s", action.action_id, action.action, action.job_id, action.node)
-            result = self.executor.execute(action, self._before_call)
+            result = self.executor.execute(action, self._before_call, drain_refused)
         except Refused as refusal:
             log.warning("guardrail %s stopped %s: %s", refusal.guardrail, action.action_id, refusal.detail)
-            event = GuardrailTrip(
-                event_id=f"grd-{action.action_id.removeprefix('act-')}-{refusal.guardrail}",
-                event_time=now,
-                guardrail=refusal.guardrail,
-                action_id=action.action_id,
-                incident_id=action.incident_id,
-                job_id=action.job_id,
-                node=action.node,
-                partition=action.partition,
-                action=action.action,
-                detail=refusal.detail,
-            )
+            event = self._trip(action, refusal.guardrail, refusal.detail, now)
             return self.executor.refused(action, f"guardrail {refusal.guardrail}: {refusal.detail}"), event
         if result.status == "done" and result.verified_at is not None:
             metrics.ACTION_LATENCY.observe(max(0.0, result.verified_at - action.incident_time))
-        return result, None
+        if drain_refused is None:
+            return result, None
+        guardrail, detail = drain_refused
+        log.warning("guardrail %s refused the drain of %s: %s", guardrail, action.action_id, detail)
+        outcome = f"the drain alone: the requeue of job {action.job_id} with {action.node} excluded is {result.status}"
+        return result, self._trip(action, guardrail, f"{detail} ({outcome})", now)
+
+    @staticmethod
+    def _trip(action: Action, guardrail: Guardrail, detail: str, now: float) -> GuardrailTrip:
+        return GuardrailTrip(
+            event_id=f"grd-{action.action_id.removeprefix('act-')}-{guardrail}",
+            event_time=now,
+            guardrail=guardrail,
+            action_id=action.action_id,
+            incident_id=action.incident_id,
+            job_id=action.job_id,
+            node=action.node,
+            partition=action.partition,
+            action=action.action,
+            detail=detail,
+        )
 
     def _dead_letter(self, consumer: Consumer, msg: Message, exc: DecodeError) -> None:
         # An action we cannot read is never guessed at: dead-letter it, loudly.

@@ -19,6 +19,12 @@ call errs on the side of counting, and, as exactly one executor replica acts at
 a time and reads back what the previous one recorded before acting, the count
 holds across replicas. The partition drain fraction is read from the scheduler
 on every drain.
+
+The kill switch and `autonomy_partitions` refuse the whole action. The caps on
+drains (blast radius, node cooldown) refuse taking the node out, not acting on
+the job: a drain_and_requeue whose drain they refuse still requeues its job
+with the node excluded (`requeues_without_drain`); the guardrail trip and the
+action's result say both.
 """
 
 from __future__ import annotations
@@ -142,6 +148,19 @@ class GuardrailFile:
 
 Trip = tuple[Guardrail, str]
 
+# The guardrails that cap taking nodes out of service, not acting on a job. When one of them
+# refuses a drain_and_requeue's drain, the job is still requeued with the node excluded: its
+# restart is within the policy's restart budget already (streams/policy.py turns an isolation
+# whose budget is spent into drain_and_stop before it is sent), and leaving it running would
+# leave it on the dead GPU. The kill switch and autonomy_partitions refuse the whole action.
+ISOLATION_CAPS: frozenset[Guardrail] = frozenset({"blast_radius", "node_cooldown"})
+
+
+def requeues_without_drain(action: Action, trip: Trip) -> bool:
+    """Whether `action` goes on without its drain when `trip` refused it: a drain_and_requeue with
+    a job and a node, refused by a cap on drains alone."""
+    return trip[0] in ISOLATION_CAPS and action.action == "drain_and_requeue" and bool(action.job_id and action.node)
+
 
 def _kill_switch_of(settings: GuardrailFile) -> Callable[[], bool]:
     ref = weakref.ref(settings)  # the gauge must not keep a stopped executor's file alive
@@ -229,6 +248,10 @@ class Guardrails:
         with self._lock:
             return action_id in self._attempted
 
+    def _drain_counted(self, action: Action) -> bool:
+        with self._lock:
+            return (action.action_id, "drain", action.node or "") in self._counted
+
     def check(self, action: Action, now: float) -> Trip | None:
         s = self.settings()
         if s.kill_switch:
@@ -239,7 +262,13 @@ class Guardrails:
             # Its calls are already counted (a redelivery after a crash or a takeover): the
             # executor finishes it, each step recognising what is already done; refusing it
             # now would leave a half-done action and overwrite its result.
-            return None
+            if action.action != "drain_and_requeue" or not action.node or self._drain_counted(action):
+                return None
+            # A drain_and_requeue whose requeue was attempted but whose drain never was: the drain
+            # may have been refused by a cap (the job requeued without it). The drain is judged
+            # again, not let through: a trip here keeps only the drain out (requeues_without_drain).
+            with self._lock:
+                return self._check_drain(s, action.node, now)
         if (
             action.requested_by == "policy"
             and s.autonomy_partitions is not None

@@ -32,7 +32,7 @@ from schemas.events import Evidence, Incident
 from sinks.audit import AuditStore
 from sinks.audit_queries import CHILD_SKEW_S, summary_sql
 from sinks.backends.base import JobState, NodeState
-from sinks.guardrails import Guardrails, guardrail_settings
+from sinks.guardrails import Guardrails, guardrail_settings, requeues_without_drain
 from streams.policy import RESTARTS, Policy, decide
 
 GPUS_PER_NODE = 8
@@ -146,7 +146,12 @@ def replay(store: AuditStore, policy: Policy, since_s: float) -> dict[str, Any]:
         guardrail = None
         if action is not None:
             trip = rails.check(action, incident.event_time)
-            if trip is not None:
+            if trip is not None and requeues_without_drain(action, trip):
+                # As the executor does: the node stays in service, the job is requeued without it.
+                guardrail = f"{trip[0]}: {trip[1]} (the drain alone: the job is requeued without the node)"
+                trips += 1
+                rails.record(action.model_copy(update={"action": "requeue"}), incident.event_time)
+            elif trip is not None:
                 guardrail, action = f"{trip[0]}: {trip[1]}", None
                 trips += 1
             else:

@@ -18,8 +18,10 @@ from producers.kernel import KernelLogProducer
 from schemas.codec import decode
 from schemas.events import Action, ActionResult, GuardrailTrip
 from schemas.topics import ACTION_RESULTS, ACTIONS, GUARDRAIL_TRIPS
+from sinks.audit import AuditSink, AuditStore
 from sinks.backends.simulated import SimulatedScheduler
 from sinks.executor import Executor, ExecutorService, ExecutorSettings
+from sinks.guardrails import GuardrailFile, Guardrails
 from streams.policy import DEFAULT_POLICY
 from tests.conftest import wait_for
 from tests.integration.scenario import NODES, publish_cascade, wait_incident, xid79_line
@@ -327,3 +329,107 @@ def test_another_clusters_action_is_never_acted_on(broker: EmbeddedBroker) -> No
     # Only this cluster's action has a result; the other made no scheduler call at all.
     assert [r.action_id for r in results] == ["act-2"] and results[0].status == "done", results
     assert [c for c in sched.calls if c.startswith("requeue")] == [f"requeue {job} exclude="], sched.calls
+
+
+def _isolation(i: int, job: str, node: str) -> Action:
+    """A policy's drain_and_requeue for a Xid 79 the node's own kernel reported."""
+    now = time.time()
+    return Action(
+        event_id=f"act-iso{i}",
+        event_time=now,
+        action_id=f"act-iso{i}",
+        decision_id=f"dec-iso{i}",
+        incident_id=f"inc-iso{i}",
+        job_id=job,
+        node=node,
+        partition="gpu",
+        action="drain_and_requeue",
+        reason=f"trainmedic inc-iso{i}: gpu_hardware",
+        requested_by="policy",
+        incident_time=now,
+        first_signal_time=now - 1,
+        node_reported_fault=True,
+    )
+
+
+def test_a_drain_the_blast_radius_refuses_still_requeues_the_job_without_the_node(
+    broker: EmbeddedBroker, chdb_url: str, database: str, tmp_path: Path
+) -> None:
+    """Issue 40: in a storm, a drain refused by the blast radius skipped the requeue too, and jobs
+    kept running on GPUs that had fallen off the bus. With max_drains_per_window spent, the node
+    stays in service but the job is requeued with it excluded, and the audit says both; with the
+    kill switch on, neither happens."""
+    policy = tmp_path / "policy.yaml"
+    rails = "guardrails:\n  kill_switch: {}\n  max_drains_per_window: 1\n  max_drain_fraction: 1.0\n"
+
+    def kill_switch(on: bool, mtime: float) -> None:
+        policy.write_text(rails.format(str(on).lower()))
+        os.utime(policy, (mtime, mtime))  # the executor rereads the file when its mtime changes
+
+    kill_switch(False, 1000.0)
+    sched = SimulatedScheduler([f"gpu{i:02d}" for i in range(1, 11)], requeue_delay_s=0.0)
+    a, b = sched.submit("a", 4), sched.submit("b", 4)  # gpu01-04, gpu05-08; gpu09-10 free
+    store = AuditStore(chdb_url, database)
+    store.migrate()
+    sink = AuditSink(broker.bootstrap, store, group="audit-refused-drain", batch_wait_s=0.2)
+    svc = ExecutorService(
+        broker.bootstrap,
+        Executor(sched, ExecutorSettings(verify_timeout_s=10, poll_interval_s=0.05, group="refused-drain")),
+        Guardrails(GuardrailFile(policy), sched),
+    )
+    threads = [threading.Thread(target=x.run, daemon=True) for x in (sink, svc)]
+    for t in threads:
+        t.start()
+    pub = Publisher(broker.bootstrap, "test")
+
+    def act(action: Action) -> dict[str, object]:
+        pub.publish(ACTIONS, action)
+        assert pub.flush(10) == 0
+        return wait_for(  # type: ignore[no-any-return]
+            f"the result of {action.action_id} in the audit",
+            lambda: store.query(
+                "SELECT * FROM {db}.action_results FINAL WHERE action_id = {a:String}", {"a": action.action_id}
+            ),
+        )[0]
+
+    try:
+        first = act(_isolation(1, a, "gpu02"))  # the one drain the window allows
+        assert first["status"] == "done" and sched.node_state("gpu02").drained
+        kill_switch(True, 2000.0)
+        braked = act(_isolation(2, b, "gpu06"))
+        calls_braked = list(sched.calls)
+        kill_switch(False, 3000.0)
+        capped = act(_isolation(3, b, "gpu06"))
+        trips = wait_for(
+            "both trips in the audit",
+            lambda: (
+                rows
+                if len(rows := store.query("SELECT * FROM {db}.guardrail_trips FINAL ORDER BY action_id")) == 2
+                else None
+            ),
+        )
+    finally:
+        sink.stop_event.set()
+        svc.stop_event.set()
+        for t in threads:
+            t.join(30)
+    # The kill switch: no drain, no requeue, a refusal in the audit.
+    assert braked["status"] == "skipped" and "guardrail kill_switch" in str(braked["error"])
+    assert calls_braked == ["drain gpu02", f"requeue {a} exclude=gpu02"]
+    assert [(t["action_id"], t["guardrail"]) for t in trips] == [
+        ("act-iso2", "kill_switch"),
+        ("act-iso3", "blast_radius"),
+    ]
+    # The blast radius: gpu06 stays in service, job b is requeued excluding it, and runs elsewhere.
+    assert sched.calls == [*calls_braked, f"requeue {b} exclude=gpu06"], sched.calls
+    assert not sched.node_state("gpu06").drained
+    job = sched.job_state(b)
+    assert job.state == "RUNNING" and job.restart_count == 1 and "gpu06" in job.excluded_nodes
+    assert "gpu06" not in job.nodes
+    # The audit says both: the drain refused (which guardrail, why) and the requeue done.
+    steps = " | ".join(capped["steps"])  # type: ignore[arg-type]
+    assert capped["status"] == "done" and capped["verified_at"] is not None, capped
+    assert "drain gpu06: refused by guardrail blast_radius" in steps and "max_drains_per_window is 1" in steps
+    assert f"requeue {b}: verified requeued" in steps and f"job {b}: RUNNING again" in steps
+    assert "max_drains_per_window is 1" in str(trips[1]["detail"])
+    assert f"the requeue of job {b} with gpu06 excluded is done" in str(trips[1]["detail"])

@@ -4,7 +4,8 @@ simulated scheduler.
 The storm of issue 14: 16 Xid 79 actions at once on a full 64-node cluster whose requeued jobs
 never run again within the verify timeout (so every action ends failed), two executor replicas
 in one group, `max_drains_per_window: 2`. Before attempts were counted, 6 nodes were drained
-(only the 10 % partition fraction stopped it). Also: a replica that lost the acting lease makes
+(only the 10 % partition fraction stopped it). The 14 drains the cap refuses still requeue their
+jobs with the node excluded (issue 40). Also: a replica that lost the acting lease makes
 no further call, a drain whose requeue fails counts, and a crash after the attempt record and
 before the call counts after the restart.
 """
@@ -152,12 +153,16 @@ def test_storm_on_a_full_cluster_two_replicas_drains_capped(broker: EmbeddedBrok
     )
     assert len(drains) == 2 and len(drained) == 2, sched.calls
     assert sorted(r.action_id for r in results) == sorted(f"act-r{i}" for i in range(JOBS)), "each result once"
-    assert by_status == {"done": 0, "failed": 2, "skipped": JOBS - 2}
+    # Every job is requeued, the 14 whose drain the cap refused too; none runs again in time.
+    assert by_status == {"done": 0, "failed": JOBS, "skipped": 0}
     assert all("not verified" in (r.error or "") for r in results if r.status == "failed")
+    capped = [r for r in results if "refused by guardrail blast_radius" in r.steps[0]]
+    assert len(capped) == JOBS - 2 and all("verified requeued" in r.steps[1] for r in capped)
     assert len(trips) == JOBS - 2 and {t.guardrail for t in trips} == {"blast_radius"}
     assert all("max_drains_per_window is 2" in t.detail for t in trips)
-    # Both replicas' work is in the one log: drains and requeues of the two failed actions.
-    assert sorted(x.call for x in attempts) == ["drain", "drain", "requeue", "requeue"]
+    # Both replicas' work is in the one log: 2 drains, and every job's requeue.
+    assert sorted(x.call for x in attempts) == ["drain", "drain"] + ["requeue"] * JOBS
+    assert sum(1 for c in sched.calls if c.startswith("requeue")) == JOBS
     assert replicas.services[standby].results, "the standby took over and handled the rest"
     assert {x.executor for x in attempts} <= {s.replica for s in replicas.services.values()}
 
@@ -202,10 +207,10 @@ def test_replica_that_lost_the_lease_makes_no_further_call(broker: EmbeddedBroke
 
 
 def test_drain_whose_requeue_fails_is_counted(broker: EmbeddedBroker, replicas: Replicas) -> None:
-    nodes = [f"gpu{i:02d}" for i in range(1, 9)]
+    nodes = [f"gpu{i:02d}" for i in range(1, 10)]
     sched = SimulatedScheduler(nodes, requeue_delay_s=0.0)
     stuck = sched.submit("no-requeue", 4, requeue=False)  # gpu01-04; `scontrol requeue` refuses it
-    other = sched.submit("other", 4)  # gpu05-08
+    other = sched.submit("other", 4)  # gpu05-08; gpu09 free
     rails = GuardrailSettings(max_drains_per_window=1, max_drain_fraction=1.0, node_cooldown_s=600)
     replicas.start("exec-a", service(broker.bootstrap, sched, "exec-a", rails, "requeue-fails"))
     pub = Publisher(broker.bootstrap, "test")
@@ -217,8 +222,11 @@ def test_drain_whose_requeue_fails_is_counted(broker: EmbeddedBroker, replicas: 
     pub.publish(ACTIONS, xid_action(3, None, "gpu02"))  # the same node again, another incident
     assert pub.flush(10) == 0
     results = {r.action_id: r for r in wait_results(broker.bootstrap, 3)}
-    assert results["act-r2"].status == "skipped" and "guardrail blast_radius" in (results["act-r2"].error or "")
-    assert "gpu02" in (results["act-r2"].error or "")
+    # The cap keeps gpu06 in service; its job is still requeued without it.
+    refused = results["act-r2"].steps[0]
+    assert results["act-r2"].status == "done" and "refused by guardrail blast_radius" in refused
+    assert "gpu02" in refused and not sched.node_state("gpu06").drained
+    assert "gpu06" in sched.job_state(other).excluded_nodes
     assert results["act-r3"].status == "skipped" and "guardrail node_cooldown" in (results["act-r3"].error or "")
     assert [c for c in sched.calls if c.startswith("drain")] == ["drain gpu02"]
 
@@ -269,8 +277,8 @@ def test_crash_after_the_attempt_record_counts_after_restart(
             child.kill()
     # The same cluster after the crash: the drain never landed, but Slurm's node health check has
     # since drained gpu02 itself, so the redelivered action makes no drain call of its own.
-    sched = SimulatedScheduler([f"gpu{i:02d}" for i in range(1, 10)], requeue_delay_s=0.0)
-    job_a, job_b = sched.submit("a", 4), sched.submit("b", 4)  # gpu01-04, gpu05-08; gpu09 free
+    sched = SimulatedScheduler([f"gpu{i:02d}" for i in range(1, 11)], requeue_delay_s=0.0)
+    job_a, job_b = sched.submit("a", 4), sched.submit("b", 4)  # gpu01-04, gpu05-08; gpu09-10 free
     sched.drain_node("gpu02", "NHC: GPU has fallen off the bus")
     rails = GuardrailSettings(max_drains_per_window=1, max_drain_fraction=1.0)
     replicas.start("exec-a", service(broker.bootstrap, sched, "exec-a", rails, "crash"))
@@ -278,7 +286,9 @@ def test_crash_after_the_attempt_record_counts_after_restart(
     assert pub.flush(10) == 0
     results = {r.action_id: r for r in wait_results(broker.bootstrap, 2)}
     assert results["act-r1"].status == "done" and "already drained by someone else" in " ".join(results["act-r1"].steps)
-    assert results["act-r2"].status == "skipped", results["act-r2"]
-    assert "guardrail blast_radius" in (results["act-r2"].error or "") and "gpu02" in (results["act-r2"].error or "")
-    assert not sched.node_state("gpu06").drained
+    # The counted drain attempt spent the window: gpu06 stays in service, job b is requeued without it.
+    refused = results["act-r2"].steps[0]
+    assert results["act-r2"].status == "done", results["act-r2"]
+    assert "refused by guardrail blast_radius" in refused and "gpu02" in refused
+    assert not sched.node_state("gpu06").drained and "gpu06" in sched.job_state(job_b).excluded_nodes
     assert sched.job_state(job_a).restart_count == 1  # the redelivered action finished its requeue

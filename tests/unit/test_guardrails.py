@@ -8,7 +8,14 @@ import pytest
 from schemas.events import Action, ActionAttempt, AttemptCall
 from sinks.backends.simulated import SimulatedScheduler
 from sinks.executor import Executor, ExecutorSettings, Refused
-from sinks.guardrails import GuardrailConfigError, GuardrailFile, Guardrails, GuardrailSettings, parse_guardrails
+from sinks.guardrails import (
+    GuardrailConfigError,
+    GuardrailFile,
+    Guardrails,
+    GuardrailSettings,
+    parse_guardrails,
+    requeues_without_drain,
+)
 from sinks.lease import Fenced
 
 NODES = [f"gpu{i:02d}" for i in range(1, 11)]
@@ -341,3 +348,82 @@ def test_the_kill_switch_is_read_from_a_policy_file_whose_other_sections_are_inv
     assert f().kill_switch
     trip = Guardrails(f, SimulatedScheduler(NODES)).check(action("gpu01", None), 10.0)
     assert trip is not None and trip[0] == "kill_switch"
+
+
+@pytest.mark.parametrize(
+    ("guardrail", "kind", "job", "node", "goes_on"),
+    [
+        ("blast_radius", "drain_and_requeue", "7", "gpu01", True),
+        ("node_cooldown", "drain_and_requeue", "7", "gpu01", True),
+        # The kill switch and the autonomy allow-list refuse the whole action, as does a node that is not the job's.
+        ("kill_switch", "drain_and_requeue", "7", "gpu01", False),
+        ("partition_not_allowed", "drain_and_requeue", "7", "gpu01", False),
+        ("culprit_not_in_job", "drain_and_requeue", "7", "gpu01", False),
+        # Nothing to requeue: a drain alone (the owner said hands off the job), no job, no node to exclude.
+        ("blast_radius", "drain", "7", "gpu01", False),
+        ("blast_radius", "drain_and_requeue", None, "gpu01", False),
+        ("blast_radius", "drain_and_requeue", "7", None, False),
+        # The budget is spent (policy sent drain_and_stop): no restart to fall back to.
+        ("blast_radius", "drain_and_stop", "7", "gpu01", False),
+    ],
+)
+def test_only_a_cap_on_drains_leaves_the_requeue_to_do(
+    guardrail: str, kind: str, job: str | None, node: str | None, goes_on: bool
+) -> None:
+    trip = (guardrail, "why")
+    assert requeues_without_drain(action(node, job, kind=kind), trip) is goes_on  # type: ignore[arg-type]
+
+
+def test_a_drain_refused_by_the_cooldown_still_requeues_the_job_excluding_the_node() -> None:
+    """Issue 40: the cap keeps the node in service, not the job on it (its GPU fell off the bus)."""
+    sched = SimulatedScheduler(NODES, requeue_delay_s=0.0)
+    job = sched.submit("t", 4)  # gpu01-04
+    g = rails(sched, node_cooldown_s=600, max_drains_per_window=10, max_drain_fraction=1.0)
+    g.count(attempt(action("gpu02", "7", incident="inc-0"), "drain", 100.0))  # acted on, since resumed
+    a = action("gpu02", job).model_copy(update={"remediation": "reboot", "remediation_bucket": "RESET_GPU"})
+    trip = g.check(a, 200.0)
+    assert trip is not None and trip[0] == "node_cooldown" and requeues_without_drain(a, trip)
+    calls: list[str] = []
+    result = Executor(sched, ExecutorSettings(verify_timeout_s=5, poll_interval_s=0.01)).execute(
+        a, recording(calls), drain_refused=trip
+    )
+    assert result.status == "done" and result.verified_at is not None, result
+    assert calls == ["requeue"] and sched.calls == [f"requeue {job} exclude=gpu02"], "no drain, no reboot"
+    assert not sched.node_state("gpu02").drained
+    state = sched.job_state(job)
+    assert state.state == "RUNNING" and "gpu02" in state.excluded_nodes and "gpu02" not in state.nodes
+    assert result.steps[0].startswith("drain gpu02: refused by guardrail node_cooldown (gpu02 was acted on 100 s ago")
+    assert f"job {job} is requeued with it excluded" in result.steps[0]
+    assert any(step.startswith(f"requeue {job}: verified requeued") for step in result.steps)
+
+
+def test_a_refused_drain_is_never_passed_for_an_action_that_cannot_go_on_without_it() -> None:
+    sched = SimulatedScheduler(NODES)
+    with pytest.raises(ValueError, match="nothing to do for drain_and_stop"):
+        Executor(sched).execute(action("gpu01", "7", kind="drain_and_stop"), recording([]), ("blast_radius", "x"))
+    assert sched.calls == []
+
+
+def test_a_redelivered_requeue_whose_drain_was_refused_is_not_drained_then() -> None:
+    """A redelivery (crash after the requeue, before the result) is let through as already counted,
+    but its drain was never attempted: the caps judge the drain again, so it is not slipped in."""
+    sched = SimulatedScheduler(NODES)
+    settings = [GuardrailSettings(max_drains_per_window=1, drain_window_s=600, max_drain_fraction=1.0)]
+    g = Guardrails(lambda: settings[-1], sched)
+    g.count(attempt(action("gpu01", "7", incident="inc-1"), "drain", 10.0))
+    capped = action("gpu02", "8", incident="inc-2")
+    trip = g.check(capped, 20.0)
+    assert trip is not None and trip[0] == "blast_radius"
+    g.count(attempt(capped, "requeue", 21.0))  # the requeue without the drain, then a crash
+    again = g.check(capped, 30.0)
+    assert again is not None and again[0] == "blast_radius" and requeues_without_drain(capped, again)
+    assert g.check(capped, 700.0) is None, "the window has passed: the drain may be made now"
+    # An action whose drain was attempted is finished whatever the caps say now.
+    drained = action("gpu03", "9", incident="inc-3")
+    g.count(attempt(drained, "drain", 40.0))
+    g.count(attempt(drained, "requeue", 41.0))
+    assert g.check(drained, 50.0) is None
+    # The kill switch still refuses the whole of it.
+    settings.append(settings[0].model_copy(update={"kill_switch": True}))
+    braked = g.check(capped, 30.0)
+    assert braked is not None and braked[0] == "kill_switch" and not requeues_without_drain(capped, braked)
