@@ -19,7 +19,7 @@ demo: $(STAMP)
 ## Lint, type-check and run every test, TEST_JOBS at a time (pytest-xdist; docs/testing.md). As root
 ## it installs what the tests drive (Slurm, sshd, chromium from Debian) and starts both local Slurm
 ## clusters first, once for all the test workers.
-TEST_JOBS ?= 4
+TEST_JOBS ?= 2
 test: $(STAMP) lint system-deps
 	@if [ "$$(id -u)" = 0 ]; then bash infra/slurm/start.sh && bash infra/slurm/start-2411.sh; \
 	else echo "not root: the local Slurm clusters cannot start; their tests will be skipped"; fi
