@@ -36,6 +36,10 @@ def _policy(tmp: Path) -> Path:
     return policy_file(tmp, mode="autonomous", remediation={"enabled": True})
 
 
+@pytest.mark.slow(
+    reason="the emulated node never reboots: slurmctld gives up only after its ResumeTimeout (30 s), which the test "
+    "waits out before the cluster is cleaned, on each Slurm version"
+)
 def test_a_reboot_remediation_is_issued_once_and_audited(
     broker: EmbeddedBroker, cluster: Cluster, chdb_url: str, database: str, tmp_path: Path
 ) -> None:

@@ -79,6 +79,10 @@ def _policy(tmp: Path) -> Path:
     )
 
 
+@pytest.mark.slow(
+    reason="three attempts of a job on a real Slurm, each requeue waiting out Slurm's own cred_expire (~6 s) and "
+    "the job's restart, on each Slurm version"
+)
 def test_restarts_without_progress_stop_at_the_limit_and_the_lineage_is_audited(
     broker: EmbeddedBroker, cluster: Cluster, chdb_url: str, database: str, tmp_path: Path
 ) -> None:

@@ -15,6 +15,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+
 from schemas.topics import ANOMALIES
 from sinks.audit import AuditStore
 from sinks.backends.simulated import SimulatedScheduler
@@ -65,6 +67,9 @@ def _count(store: AuditStore, sql: str) -> int:
     return int(store.query(sql)[0]["n"])
 
 
+@pytest.mark.slow(
+    reason="10,000 anomalies paced over a minute of real time on the real stack, then every requeue of the storm verified"
+)
 def test_ten_thousand_anomalies_in_a_minute(
     broker: EmbeddedBroker, chdb_url: str, database: str, tmp_path: Path
 ) -> None:
