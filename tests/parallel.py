@@ -30,7 +30,7 @@ import os
 import subprocess
 import uuid
 from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
@@ -69,6 +69,12 @@ def clusters_of(item: pytest.Item) -> frozenset[str]:
     return frozenset(used)
 
 
+def cluster_script_lock(state_dir: Path) -> AbstractContextManager[None]:
+    """The lock a cluster's scripts run under on this machine: its start script, and the scripts
+    that run it again (slurmrestd.sh restarts slurmctld through start-2411.sh)."""
+    return _flock(LOCK_DIR / f"{state_dir.name}.start.lock")
+
+
 def start_cluster_once(
     state_dir: Path, start: Sequence[str], stop: Sequence[str], timeout: float
 ) -> subprocess.CompletedProcess[str]:
@@ -76,7 +82,7 @@ def start_cluster_once(
 
     Under xdist a cluster this call started is recorded for the controller to stop at the end.
     """
-    with _flock(LOCK_DIR / f"{state_dir.name}.start.lock"):
+    with cluster_script_lock(state_dir):
         proc = subprocess.run(list(start), capture_output=True, text=True, timeout=timeout, check=False)
         run = os.environ.get(RUN_ENV)
         if proc.returncode == 0 and "already up" not in proc.stdout and in_xdist_worker() and run:

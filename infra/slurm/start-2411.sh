@@ -118,8 +118,10 @@ write_env() {
     printf 'export TRAINMEDIC_SLURM2411_SSH=%q\n' "root@127.0.0.1:$SSH_PORT"
     printf 'export TRAINMEDIC_SLURM2411_SSH_KEY=%q\n' "$SSHD/user_key"
     printf 'export TRAINMEDIC_SLURM2411_KNOWN_HOSTS=%q\n' "$SSHD/known_hosts"
-  } >"$DIR/env.sh.tmp"
-  mv -f "$DIR/env.sh.tmp" "$DIR/env.sh"
+  } >"$DIR/env.sh.tmp.$$"
+  # A temporary file of this run's own: slurmrestd.sh runs this script too, and two runs at once
+  # (two test workers) must not move each other's file away.
+  mv -f "$DIR/env.sh.tmp.$$" "$DIR/env.sh"
 }
 
 if all_running && timeout 10 "$BIN/sinfo" -h >/dev/null 2>&1; then

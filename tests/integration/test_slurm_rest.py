@@ -26,6 +26,7 @@ from sinks.backends.slurm_cli import JobNotFoundError, SlurmCliBackend
 from sinks.backends.slurm_rest import RestApiGap, SlurmRestBackend, TokenSource, load_api_catalog
 from sinks.executor import Executor, ExecutorSettings
 from tests.conftest import Cluster, wait_for
+from tests.parallel import cluster_script_lock
 
 pytestmark = pytest.mark.slurm
 
@@ -37,9 +38,12 @@ GONE = ("CANCELLED", "COMPLETED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
 
 @pytest.fixture(scope="module")
 def rest_env(slurm2411_cluster: Cluster) -> dict[str, str]:
-    proc = subprocess.run(
-        ["bash", str(SLURMRESTD_SH), "start"], capture_output=True, text=True, timeout=600, check=False
-    )
+    # Under the cluster's script lock: slurmrestd.sh runs start-2411.sh (and may restart slurmctld),
+    # which another test worker's fixture may be running at the same moment.
+    with cluster_script_lock(slurm2411_cluster.state_dir):
+        proc = subprocess.run(
+            ["bash", str(SLURMRESTD_SH), "start"], capture_output=True, text=True, timeout=600, check=False
+        )
     if proc.returncode != 0:
         pytest.fail(f"slurmrestd.sh start failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     env_sh = slurm2411_cluster.state_dir / "rest" / "env.sh"
