@@ -1,7 +1,8 @@
 """The suite's time budget, held per test (docs/testing.md).
 
 A test whose own time - setup, call and teardown, less what it spent setting up fixtures shared
-with other tests (session, package, module or class scope: a Slurm cluster's start, say) - is over
+with other tests (session, package, module or class scope: a Slurm cluster's start, say) and
+waiting for a cluster another test holds - is over
 `SLOW_LIMIT_S` fails, unless it carries `@pytest.mark.slow(reason="...")`. At most `MAX_SLOW`
 tests may carry it, each with its reason, so a slow test is a decision someone wrote down, and the
 suite stays within its 20 minutes as it grows.
@@ -25,6 +26,9 @@ import pytest
 # The environment may lower the limit (tests/unit/test_budget.py checks the guard on a short one).
 SLOW_LIMIT_S = float(os.environ.get("TMTEST_SLOW_LIMIT_S", "60"))
 MAX_SLOW = 10
+# Function-scoped fixtures whose setup is waiting for a resource another test holds, not the test's
+# own work: the Slurm cluster lock (tests/parallel.py) waits for the other worker's test to end.
+WAITING_FIXTURES = frozenset({"_slurm_cluster_lock"})
 
 _SPENT = pytest.StashKey[list[float]]()
 _SHARED = pytest.StashKey[list[float]]()
@@ -74,7 +78,7 @@ def pytest_fixture_setup(
     spent = time.monotonic() - t0
     if _current:
         _fixtures.append((fixturedef.argname, fixturedef.scope, _current[-1].nodeid, spent))
-        if fixturedef.scope != "function":
+        if fixturedef.scope != "function" or fixturedef.argname in WAITING_FIXTURES:
             _current[-1].stash[_SHARED].append(spent)
 
 

@@ -135,10 +135,6 @@ def _results(bootstrap: str, seconds: float = 2.0) -> list[NodeCommandResult]:
     return _records(bootstrap, NODE_COMMAND_RESULTS.name, NodeCommandResult, seconds)
 
 
-@pytest.mark.slow(
-    reason="a real Slurm requeue (cred_expire), the node agent's idle wait for the job to leave, its reset and the "
-    "node's return, in order, on each Slurm version"
-)
 def test_a_reset_gpu_xid_drains_asks_once_and_the_agent_resets_once_nothing_runs(
     broker: EmbeddedBroker, cluster: Cluster, chdb_url: str, database: str, tmp_path: Path
 ) -> None:

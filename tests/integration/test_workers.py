@@ -229,6 +229,10 @@ def _run(bootstrap: str, chdb_url: str, database: str, tmp: Path, workers: int, 
         gc.collect()
 
 
+@pytest.mark.slow(
+    reason="the same fault set through two whole stacks, one worker then three (a consumer group to settle), "
+    "each with its absence window"
+)
 def test_one_and_three_workers_make_the_same_incidents(
     broker: EmbeddedBroker, second_broker: EmbeddedBroker, chdb_url: str, database: str, tmp_path: Path
 ) -> None:

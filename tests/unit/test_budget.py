@@ -33,7 +33,14 @@ def test_a_test_over_the_limit_fails_and_a_marked_one_passes(inner: pytest.Pytes
         def shared():
             time.sleep(0.5)  # a shared fixture's setup is not the test's own time
 
+        @pytest.fixture
+        def _slurm_cluster_lock():
+            time.sleep(0.5)  # waiting for a cluster another test holds is not the test's own time
+
         def test_quick(shared):
+            pass
+
+        def test_waited_for_a_cluster(_slurm_cluster_lock):
             pass
 
         def test_slow():
@@ -45,9 +52,10 @@ def test_a_test_over_the_limit_fails_and_a_marked_one_passes(inner: pytest.Pytes
         """
     )
     result = _run(inner)
-    result.assert_outcomes(passed=3, errors=1)
+    result.assert_outcomes(passed=4, errors=1)
     result.stdout.fnmatch_lines(["*test_slow took 0.* s of its own*over the suite's per-test limit of 0 s*"])
-    assert "test_quick took" not in result.stdout.str() and "test_slow_on_purpose took" not in result.stdout.str()
+    for fine in ("test_quick", "test_slow_on_purpose", "test_waited_for_a_cluster"):
+        assert f"{fine} took" not in result.stdout.str()
 
 
 def test_a_slow_mark_needs_a_reason(inner: pytest.Pytester) -> None:
