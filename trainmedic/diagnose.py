@@ -482,14 +482,13 @@ def _read_error_lines(files: Sequence[list[_Line]], anomalies: Sequence[Anomaly]
     return out
 
 
-def _unexplained_error(reading: _ErrorReading) -> Anomaly:
-    ln, hit = reading.unexplained[0]
-    more = len(reading.unexplained) - 1
+def _needs_a_person(ln: _Line, detector: str, signature: str, meaning: str) -> Anomaly:
+    """An `unknown` root on one line: evidence that something is wrong with no known cause."""
     return Anomaly(
-        event_id=stable_id("anm", "error_line", OFFLINE_JOB, ln.lineno, ln.text[:200]),
+        event_id=stable_id("anm", detector, OFFLINE_JOB, ln.lineno, ln.text[:200]),
         event_time=ln.ts,
-        detector="error_lines",
-        signature="error_line_unexplained",
+        detector=detector,
+        signature=signature,
         category="unknown",
         severity="info",
         role="root",
@@ -499,12 +498,16 @@ def _unexplained_error(reading: _ErrorReading) -> Anomaly:
         node=ln.node,
         rank=ln.rank,
         line=ln.text[:4096],
-        meaning=(
-            f"an error-level line of {hit.emitter} ({hit.entry}) that no catalog entry explains"
-            + (f", and {more} more" if more else "")
-            + ": needs a person"
-        ),
+        meaning=meaning,
     )
+
+
+def _unexplained_error(reading: _ErrorReading) -> Anomaly:
+    ln, hit = reading.unexplained[0]
+    more = len(reading.unexplained) - 1
+    meaning = f"an error-level line of {hit.emitter} ({hit.entry}) that no catalog entry explains"
+    meaning += (f", and {more} more" if more else "") + ": needs a person"
+    return _needs_a_person(ln, "error_lines", "error_line_unexplained", meaning)
 
 
 def _healthy_explanation(reading: _ErrorReading, n_progress: int, completed: bool) -> tuple[str, float]:
@@ -532,21 +535,11 @@ def _healthy_explanation(reading: _ErrorReading, n_progress: int, completed: boo
 
 
 def _unknown_crash(ln: _Line) -> Anomaly:
-    return Anomaly(
-        event_id=stable_id("anm", "crash", OFFLINE_JOB, ln.lineno, ln.text[:200]),
-        event_time=ln.ts,
-        detector="crash",
-        signature="crash_unexplained",
-        category="unknown",
-        severity="info",
-        role="root",
-        isolate=False,
-        source="job_log",
-        job_id=OFFLINE_JOB,
-        node=ln.node,
-        rank=ln.rank,
-        line=ln.text[:4096],
-        meaning="the job crashed (traceback, non-zero exit or kill) but no known cause is in the logs: needs a person",
+    return _needs_a_person(
+        ln,
+        "crash",
+        "crash_unexplained",
+        "the job crashed (traceback, non-zero exit or kill) but no known cause is in the logs: needs a person",
     )
 
 

@@ -15,20 +15,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from schemas.yamlsafe import YamlError, load_yaml
-from streams.catalog import CATALOG_DIR, CatalogError
+from streams.catalog import CATALOG_DIR, CatalogError, _Pattern
 
 
-def _compiles(value: str) -> str:
-    try:
-        re.compile(value)
-    except (re.error, OverflowError, RecursionError) as exc:
-        raise ValueError(f"not a valid regular expression: {exc}") from None
-    return value
-
-
-class _Entry(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class _Entry(_Pattern):
     id: str = Field(pattern=r"^[a-z0-9_]+$")
     pattern: str
     source: str
@@ -37,7 +27,7 @@ class _Entry(BaseModel):
     @field_validator("pattern")
     @classmethod
     def _valid(cls, value: str) -> str:
-        return _compiles(value)
+        return cls._check(value)
 
     @model_validator(mode="after")
     def _example_matches(self) -> _Entry:
