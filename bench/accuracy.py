@@ -1,6 +1,6 @@
 """Diagnosis accuracy benchmark (a report, not a gate): prints figures and writes bench/results/accuracy.{json,md}.
 
-Runs `trainmedic.diagnose.diagnose_paths` over every case of the labeled corpus of real logs,
+Runs `trainmedic.ops.diagnose.diagnose_paths` over every case of the labeled corpus of real logs,
 tests/fixtures/corpus/<split>/<case>/ (log files plus label.yaml, see the corpus README), and
 compares the diagnosis with the label. The corpus is split once, by source: `dev/` is what rules
 are tuned on, `test/` is held out and only reported. Per split, overall and per labeled category:
@@ -59,7 +59,7 @@ from schemas.vocab import ACTIONS, CATEGORIES
 from schemas.yamlsafe import YamlError, load_yaml
 from streams.catalog import Signature, default_signatures
 from streams.policy import Policy, load_policy
-from trainmedic.diagnose import DiagnoseError, diagnose_paths
+from trainmedic.ops.diagnose import DiagnoseError, diagnose_paths
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO / "tests" / "fixtures" / "corpus"

@@ -317,9 +317,9 @@ def run(scale: float, runs: int, folder: Path) -> dict[str, Any]:
     t_end = time.time()
     store = AuditStore(f"chdb://{folder}", DB, LayoutSettings())
     old_q = _old_module("sinks/audit_queries.py", "bench_before_audit_queries")
-    old_r = _old_module("trainmedic/readiness.py", "bench_before_readiness")
+    old_r = _old_module("trainmedic/ops/readiness.py", "bench_before_readiness")
     import sinks.audit_queries as new_q
-    import trainmedic.readiness as new_r
+    import trainmedic.ops.readiness as new_r
 
     new_dash = json.loads((REPO / "infra" / "grafana" / "dashboards" / "trainmedic-audit.json").read_text())
     with tempfile.TemporaryDirectory() as old_ddl:

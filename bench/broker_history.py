@@ -5,7 +5,7 @@ Tansu 0.6's memory storage keeps every batch ever produced (retention is not app
 DeleteRecords is unimplemented: `tansu-storage/src/dynostore.rs`), and each fetch of a partition
 that has new data lists all of that partition's stored batches to find its offset
 (`DynoStore::fetch`). So the broker's CPU per fetch, and its memory, grow with the history it
-holds. Two measurements against the broker `trainmedic up` starts (`trainmedic.broker`):
+holds. Two measurements against the broker `trainmedic up` starts (`trainmedic.stack.broker`):
 
 - fetch cost: one partition filled with single-record batches (each produce flushed, as
   independent node producers send them), then the broker's CPU for a fetch of the newest record,
@@ -33,8 +33,8 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from bench.machine import machine
 from bus.config import PROMPT_FETCH_WAIT_MS, admin_config, consumer_config, producer_config
-from trainmedic.broker import EmbeddedBroker
-from trainmedic.broker_watch import process_usage
+from trainmedic.stack.broker import EmbeddedBroker
+from trainmedic.stack.broker_watch import process_usage
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"

@@ -11,7 +11,7 @@ test_bench_smoke.py checks they decode to the same events) sent with Publisher.p
 building 600,000 pydantic GpuSamples would take minutes of the two cores.
 
 Then, for each worker count W (--workers, default 1,2), W streams workers are started exactly
-as `trainmedic up` starts its one (`python -m trainmedic.streams_worker worker --without-web
+as `trainmedic up` starts its one (`python -m trainmedic.stack.streams_worker worker --without-web
 -l info`), in a consumer group of their own (TRAINMEDIC_STREAMS_ID=trainmedic-streams-
 catchup-W-n), so every run reads the same backlog from the beginning (the app resets to
 earliest). Each worker serves /metrics on its own port; every 0.5 s the benchmark reads its
@@ -296,9 +296,9 @@ def scrape(port: int, names: tuple[str, str]) -> Scrape:
 
 
 def start_worker(bootstrap: str, group_id: str, index: int, root: Path) -> Worker:
-    """One streams worker as trainmedic/runtime.py's Stack._start_worker starts it."""
-    from trainmedic.broker import free_port
-    from trainmedic.supervisor import die_with_parent
+    """One streams worker as trainmedic/stack/runtime.py's Stack._start_worker starts it."""
+    from trainmedic.stack.broker import free_port
+    from trainmedic.stack.supervisor import die_with_parent
 
     port = free_port()
     data = root / f"w{index}"
@@ -315,7 +315,7 @@ def start_worker(bootstrap: str, group_id: str, index: int, root: Path) -> Worke
     log_path = root / f"w{index}.log"
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "trainmedic.streams_worker", "worker", "--without-web", "-l", "info"],
+            [sys.executable, "-m", "trainmedic.stack.streams_worker", "worker", "--without-web", "-l", "info"],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
@@ -775,8 +775,8 @@ class Options:
 def run_bench(o: Options) -> dict[str, Any]:
     from bus.admin import ensure_topics
     from schemas.topics import DEFAULT_PARTITIONS
-    from trainmedic.broker import EmbeddedBroker
     from trainmedic.settings import Settings
+    from trainmedic.stack.broker import EmbeddedBroker
 
     o.out.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(o.data_dir, ignore_errors=True)
@@ -942,7 +942,7 @@ def markdown(doc: dict[str, Any]) -> str:
         "ProgressBatch and LogBatch per job per step, every job's RUNNING first), all published through "
         "`bus.publish.Publisher` to the embedded Tansu broker before any worker starts, on topics of "
         f"{c['partitions']} partitions made by `bus.admin.ensure_topics`. Each run starts its workers as "
-        "`trainmedic up` does (`python -m trainmedic.streams_worker worker --without-web -l info`) in a consumer "
+        "`trainmedic up` does (`python -m trainmedic.stack.streams_worker worker --without-web -l info`) in a consumer "
         "group of their own, so every run drains the same backlog from the beginning (between runs every other "
         "topic is deleted and made again, empty). Drained: every agent's events-in counter (summed over workers) "
         "reached what was produced on its topic, every agent reading a topic the workers write themselves read "

@@ -499,8 +499,8 @@ def run_scenario(cfg: ScenarioConfig) -> dict[str, Any]:
     """One run of the real stack against the simulated cluster; raw records, evaluated later."""
     from bus.publish import Publisher
     from sim.cluster import ClusterConfig, SimCluster
-    from trainmedic.runtime import Stack, StackConfig
     from trainmedic.settings import Settings
+    from trainmedic.stack.runtime import Stack, StackConfig
 
     root = Path(cfg.data_dir) / cfg.name
     shutil.rmtree(root, ignore_errors=True)

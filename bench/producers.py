@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     from bus.admin import ensure_topics
-    from trainmedic.broker import EmbeddedBroker
+    from trainmedic.stack.broker import EmbeddedBroker
 
     broker = EmbeddedBroker().start()
     try:

@@ -310,7 +310,7 @@ def _query_audit(store: Any, job_ids: Sequence[str]) -> dict[str, Any]:
 def run_scenario(cfg: ScenarioConfig) -> dict[str, Any]:
     from bus.publish import Publisher
     from sim.cluster import ClusterConfig
-    from trainmedic.runtime import Stack, StackConfig
+    from trainmedic.stack.runtime import Stack, StackConfig
 
     root = Path(cfg.data_dir) / cfg.name
     shutil.rmtree(root, ignore_errors=True)

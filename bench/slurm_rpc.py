@@ -52,7 +52,7 @@ from producers.placements import BusPlacements
 from producers.slurm import SlurmProducer
 from slurmio.runners import LocalRunner, SlurmCommandError
 from slurmio.squeue import SQUEUE_ALL
-from trainmedic.broker import EmbeddedBroker
+from trainmedic.stack.broker import EmbeddedBroker
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"

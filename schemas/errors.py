@@ -2,7 +2,7 @@
 
 Every exception class in the project derives from `TrainmedicError`, most through one of
 the subclasses below, chosen by what the failure means to whoever ran the command. The CLI
-maps them in one place (trainmedic/cli_base.py): an expected error prints one line,
+maps them in one place (trainmedic/cli/base.py): an expected error prints one line,
 ``error: MESSAGE``, on stderr and exits with its class's `exit_code`; no traceback.
 
 Exit status (docs/cli.md has the same table):

@@ -221,7 +221,7 @@ class NotifierConfig(BaseModel):
 
 
 def read_token(path: Path) -> str:
-    """The bearer token in `path`. As trainmedic/api.py's token files: a file that group or others
+    """The bearer token in `path`. As trainmedic/web/api.py's token files: a file that group or others
     may read or write is refused (fail closed: the token may already have leaked)."""
     try:
         st = path.stat()

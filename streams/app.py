@@ -5,7 +5,7 @@ stays the one source of truth for event types; they are published through
 bus.publish.prepare. Settings come from the one settings model
 (trainmedic.settings: TRAINMEDIC_* environment, then the config file), which
 `trainmedic config show` prints.
-Run: python -m trainmedic.streams_worker worker --without-web -l info
+Run: python -m trainmedic.stack.streams_worker worker --without-web -l info
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ log = logging.getLogger("trainmedic.streams")
 E = TypeVar("E", bound=Event)
 
 # The one settings model (trainmedic.settings): environment, then the config file. The worker
-# runs as `python -m trainmedic.streams_worker worker`, which has no flags of ours.
+# runs as `python -m trainmedic.stack.streams_worker worker`, which has no flags of ours.
 SETTINGS = Settings.load()
 apply_settings(SETTINGS)
 BOOTSTRAP = SETTINGS.bootstrap or "127.0.0.1:9092"

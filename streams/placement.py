@@ -12,7 +12,7 @@ by the worker owning its partition); every worker reads its changelog whole. Thi
 pure part: the value each job has in the table and the node -> jobs index derived from it.
 
 Slurm's job events carry the node list in order, not ranks or GPUs: the rank layout is what the
-job's own logs say (trainmedic/rankmap.py), so the placement keeps the node order, which is what a
+job's own logs say (trainmedic/ops/rankmap.py), so the placement keeps the node order, which is what a
 rank-to-node mapping needs.
 """
 

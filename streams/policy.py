@@ -204,7 +204,7 @@ class FleetPolicy(BaseModel):
 
 
 class AutoReturn(BaseModel):
-    """The optional automatic path back (trainmedic/auto_return.py): nodes trainmedic drained
+    """The optional automatic path back (trainmedic/ops/auto_return.py): nodes trainmedic drained
     are judged exactly as `nodes resume` judges them, without an operator asking, and resumed on a
     pass. Off by default: a new site returns nodes by hand until it trusts the health check."""
 

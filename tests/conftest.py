@@ -25,7 +25,7 @@ import orjson
 import pytest
 
 from bus.admin import ensure_topics
-from trainmedic.broker import EmbeddedBroker
+from trainmedic.stack.broker import EmbeddedBroker
 
 REPO = Path(__file__).resolve().parents[1]
 pytest_plugins = ["tests.parallel", "tests.budget", "pytester"]

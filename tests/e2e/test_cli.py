@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trainmedic.broker import free_port, port_in_use
+from trainmedic.stack.broker import free_port, port_in_use
 
-TRAINMEDIC = [sys.executable, "-m", "trainmedic.cli"]
+TRAINMEDIC = [sys.executable, "-m", "trainmedic.cli.main"]
 
 
 def test_demo_json_names_the_injected_culprit(tmp_path: Path) -> None:

@@ -33,11 +33,11 @@ from schemas.topics import INCIDENTS
 from sinks.backends.simulated import SimulatedScheduler
 from tests.conftest import wait_for
 from tests.integration.scenario import NODES, publish_cascade, wait_incident
-from trainmedic.api import load_or_create_token
-from trainmedic.broker import EmbeddedBroker
-from trainmedic.console import LiveFeed, console_router
-from trainmedic.console.live import LiveEvent
-from trainmedic.runtime import Stack, StackConfig
+from trainmedic.stack.broker import EmbeddedBroker
+from trainmedic.stack.runtime import Stack, StackConfig
+from trainmedic.web.api import load_or_create_token
+from trainmedic.web.console import LiveFeed, console_router
+from trainmedic.web.console.live import LiveEvent
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -390,8 +390,8 @@ def goodput_console(broker: EmbeddedBroker, chdb_url: str, database: str) -> Ite
     from sinks.audit import AuditStore
     from tests.integration.test_audit import insert_events
     from tests.integration.test_goodput import goodput_events
-    from trainmedic.api import ApiServer
-    from trainmedic.broker import free_port
+    from trainmedic.stack.broker import free_port
+    from trainmedic.web.api import ApiServer
 
     store = AuditStore(chdb_url, database)
     store.migrate()

@@ -18,7 +18,7 @@ from sinks.audit import AuditStore
 from sinks.backends.base import SchedulerBackend
 from streams.policy import DEFAULT_POLICY
 from tests.conftest import FIXTURES, wait_for
-from trainmedic.runtime import Stack, StackConfig
+from trainmedic.stack.runtime import Stack, StackConfig
 
 NODES = ["gpu01", "gpu02", "gpu03", "gpu04"]
 RANKS_PER_NODE = 2

@@ -19,8 +19,8 @@ from producers.ingest import STATS_KEY, IngestServer, create_app
 from sinks.backends.simulated import SimulatedScheduler
 from streams.policy import DEFAULT_POLICY
 from tests.unit.test_safeyaml import alias_bomb
-from trainmedic.broker import EmbeddedBroker
-from trainmedic.runtime import Stack, StackConfig, StackError
+from trainmedic.stack.broker import EmbeddedBroker
+from trainmedic.stack.runtime import Stack, StackConfig, StackError
 
 
 @pytest.fixture

@@ -47,7 +47,7 @@ from sinks.audit import DDL_DIR, TABLES, AuditStore, AuditStoreError, load_migra
 from sinks.backends.simulated import SimulatedScheduler
 from tests.conftest import REPO, wait_for
 from tests.integration.scenario import NODES, publish_cascade, running_stack
-from trainmedic.broker import EmbeddedBroker
+from trainmedic.stack.broker import EmbeddedBroker
 
 VIEWS = set(queries.VIEWS)
 AUDIT_TABLES = {table for _, table, _, _ in TABLES.values()}
@@ -426,7 +426,7 @@ def cli(run: RealRun, *args: str) -> subprocess.CompletedProcess[str]:
         [
             sys.executable,
             "-m",
-            "trainmedic.audit_cli",
+            "trainmedic.cli.audit",
             *args,
             "--data-dir",
             str(run.data_dir),
@@ -570,7 +570,7 @@ def test_cli_says_when_another_process_holds_the_chdb_folder(real_run: RealRun) 
 
 def test_cli_missing_audit_and_database(real_run: RealRun, tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "trainmedic.audit_cli", "latency", "--data-dir", str(tmp_path)],
+        [sys.executable, "-m", "trainmedic.cli.audit", "latency", "--data-dir", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -582,7 +582,7 @@ def test_cli_missing_audit_and_database(real_run: RealRun, tmp_path: Path) -> No
         [
             sys.executable,
             "-m",
-            "trainmedic.audit_cli",
+            "trainmedic.cli.audit",
             "latency",
             "--data-dir",
             str(real_run.data_dir),

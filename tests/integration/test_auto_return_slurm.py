@@ -32,10 +32,10 @@ from sinks.guardrails import GuardrailFile, Guardrails
 from streams.policy import DEFAULT_POLICY
 from tests.conftest import Cluster, read_topic, slurm_cmd, wait_for
 from tests.integration.test_slurm_ssh import SshServer, sshd  # noqa: F401 (the module's sshd fixture)
-from trainmedic.audit_cli import audit_app
-from trainmedic.auto_return import AUTO_OPERATOR, AutoReturnService
-from trainmedic.broker import EmbeddedBroker
-from trainmedic.runtime import Stack, StackConfig
+from trainmedic.cli.audit import audit_app
+from trainmedic.ops.auto_return import AUTO_OPERATOR, AutoReturnService
+from trainmedic.stack.broker import EmbeddedBroker
+from trainmedic.stack.runtime import Stack, StackConfig
 
 pytestmark = pytest.mark.slurm
 NODE = "gpu04"

@@ -1,5 +1,5 @@
 """What the embedded broker holds and costs, read from the real broker `up` starts
-(trainmedic/broker_watch.py): it keeps every record, so `up` measures and says it before it
+(trainmedic/stack/broker_watch.py): it keeps every record, so `up` measures and says it before it
 becomes detection latency."""
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from prometheus_client import REGISTRY
 from bus.config import admin_config, producer_config
 from sinks.backends.simulated import SimulatedScheduler
 from tests.conftest import wait_for
-from trainmedic.broker import EmbeddedBroker
-from trainmedic.broker_watch import BUSY_CORE_FRACTION, BrokerWatch
-from trainmedic.runtime import Stack, StackConfig
+from trainmedic.stack.broker import EmbeddedBroker
+from trainmedic.stack.broker_watch import BUSY_CORE_FRACTION, BrokerWatch
+from trainmedic.stack.runtime import Stack, StackConfig
 
 
 def _send(bootstrap: str, topic: str, partition: int, n: int) -> None:
@@ -38,7 +38,7 @@ def _record_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [
         m
         for r in caplog.records
-        if r.name == "trainmedic.broker_watch" and (m := r.getMessage()).startswith("the embedded broker holds")
+        if r.name == "trainmedic.stack.broker_watch" and (m := r.getMessage()).startswith("the embedded broker holds")
     ]
 
 
@@ -49,7 +49,7 @@ def test_the_watch_names_the_fullest_partition_and_warns_once_per_doubling(
     admin.create_topics([NewTopic("watched", 2, 1)])["watched"].result(15)
     _send(broker.bootstrap, "watched", 1, 25)
     watch = BrokerWatch(broker.bootstrap, lambda: broker.pid, warn_records=10)
-    caplog.set_level(logging.WARNING, "trainmedic.broker_watch")
+    caplog.set_level(logging.WARNING, "trainmedic.stack.broker_watch")
 
     held = watch.check()
     assert held.largest == ("watched", 1, 25)

@@ -1,4 +1,4 @@
-"""The incident evidence bundle (trainmedic/bundle.py) on the real chDB audit and the real broker.
+"""The incident evidence bundle (trainmedic/ops/bundle.py) on the real chDB audit and the real broker.
 
 One isolating incident, as the pipeline would have recorded it: an Xid 79 on gpu02
 (the kernel line of tests/fixtures/logs/xid79_kern.log, as gpu02's journal shows it),
@@ -46,8 +46,8 @@ from schemas.topics import GPU_SAMPLES, partition_key
 from sinks.audit import AuditStore
 from tests.conftest import FIXTURES
 from tests.integration.test_audit import insert_events
-from trainmedic.broker import EmbeddedBroker
-from trainmedic.bundle import FILES, Bundle, build_bundle, iso, write_bundle
+from trainmedic.ops.bundle import FILES, Bundle, build_bundle, iso, write_bundle
+from trainmedic.stack.broker import EmbeddedBroker
 
 INCIDENT = "inc-bundle-xid79"
 JOB = "4242"
@@ -424,7 +424,7 @@ def test_audit_incident_bundle_writes_the_file_and_names_the_gaps(
 ) -> None:
     from typer.testing import CliRunner
 
-    from trainmedic.audit_cli import audit_app
+    from trainmedic.cli.audit import audit_app
 
     out = tmp_path / "hand-off.tar.gz"
     args = ["incident", INCIDENT, "--bundle", str(out), "--clickhouse", chdb_url, "--database", database]
@@ -443,7 +443,7 @@ def test_the_console_serves_the_bundle_to_a_token_holder_only(store: AuditStore,
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from trainmedic.console.routes import console_router
+    from trainmedic.web.console.routes import console_router
 
     app = FastAPI()
     app.include_router(console_router(store, "tok", None, bootstrap=bootstrap))

@@ -17,7 +17,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from bus.admin import end_offsets
 from bus.consume import fetched_end_offsets
-from trainmedic.broker import EmbeddedBroker
+from trainmedic.stack.broker import EmbeddedBroker
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -55,8 +55,8 @@ from schemas.topics import DEFAULT_PARTITIONS, INCIDENTS, JOB_LOGS
 from sinks.notifier import NotifierConfigError, read_token
 from tests.conftest import FIXTURES, Cluster, read_topic
 from tests.launch import probe, self_signed_certificate, start, stop, wait_ready
-from trainmedic.broker import EmbeddedBroker, free_port
 from trainmedic.settings import unknown_env
+from trainmedic.stack.broker import EmbeddedBroker, free_port
 
 helm = pytest.importorskip(
     "helm_python", reason="helm-python-sdk (Helm's Go SDK for Python) is not installed: pip install helm-python-sdk"

@@ -25,8 +25,8 @@ from sinks.guardrails import GuardrailFile, Guardrails
 from streams.policy import DEFAULT_POLICY
 from tests.conftest import wait_for
 from tests.integration.scenario import NODES, publish_cascade, wait_incident, xid79_line
-from trainmedic.broker import EmbeddedBroker
-from trainmedic.runtime import Stack, StackConfig
+from trainmedic.stack.broker import EmbeddedBroker
+from trainmedic.stack.runtime import Stack, StackConfig
 
 
 def _read_all(bootstrap: str, topic: str, group: str, expect: int, timeout: float = 60.0) -> list[bytes]:
@@ -214,7 +214,7 @@ def test_monitor_mode_recommendation_then_approve(
             ),
         )[0]
         assert dec["kind"] == "recommendation" and sched.calls == []
-        cli = [sys.executable, "-m", "trainmedic.cli"]
+        cli = [sys.executable, "-m", "trainmedic.cli.main"]
         common = ["--data-dir", str(tmp_path), "--api", api.url]
         unknown = subprocess.run(
             [*cli, "recommendations", "approve", "dec-doesnotexist", *common, "--operator", "alice"],
@@ -270,7 +270,7 @@ def test_monitor_mode_recommendation_then_approve(
 def test_resume_only_nodes_trainmedic_drained_and_audit_it(
     broker: EmbeddedBroker, chdb_url: str, database: str, tmp_path: Path
 ) -> None:
-    from trainmedic.client import ClientError, call
+    from trainmedic.cli.client import ClientError, call
 
     sched = SimulatedScheduler(NODES)
     sched.drain_node("gpu01", "trainmedic inc-0123456789abcdef0123: gpu_hardware")

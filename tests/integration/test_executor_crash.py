@@ -19,7 +19,7 @@ from schemas.events import Action, ActionResult
 from schemas.topics import ACTION_RESULTS, ACTIONS
 from sinks.backends.slurm_cli import SlurmCliBackend
 from tests.conftest import Cluster, read_topic, slurm_cmd, wait_for
-from trainmedic.broker import EmbeddedBroker
+from trainmedic.stack.broker import EmbeddedBroker
 
 pytestmark = pytest.mark.slurm
 
@@ -31,7 +31,7 @@ def _executor(bootstrap: str, cluster: Cluster, log: Path) -> subprocess.Popen[b
             [
                 sys.executable,
                 "-m",
-                "trainmedic.cli",
+                "trainmedic.cli.main",
                 "run",
                 "executor",
                 "--bootstrap",

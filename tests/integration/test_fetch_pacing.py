@@ -16,7 +16,7 @@ from aiokafka.protocol.fetch import FetchRequest  # type: ignore[import-untyped]
 
 from schemas.topics import JOB_LOGS, JOB_PROGRESS
 from streams.fetching import pace_fetches
-from trainmedic.broker import EmbeddedBroker
+from trainmedic.stack.broker import EmbeddedBroker
 
 PACE_S = 0.2
 RECORDS = 40

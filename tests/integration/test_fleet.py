@@ -17,8 +17,8 @@ from sinks.backends.simulated import SimulatedScheduler
 from streams.policy import DEFAULT_POLICY
 from tests.conftest import wait_for
 from tests.integration.scenario import xid79_line
-from trainmedic.broker import EmbeddedBroker
-from trainmedic.runtime import Stack, StackConfig
+from trainmedic.stack.broker import EmbeddedBroker
+from trainmedic.stack.runtime import Stack, StackConfig
 
 TOPOLOGY = "SwitchName=leaf1 Nodes=gpu[01-02]\nSwitchName=leaf2 Nodes=gpu[03-04]\nSwitchName=spine Switches=leaf[1-2]\n"
 
@@ -143,7 +143,7 @@ def test_an_approved_fleet_drain_recommendation_drains_the_set(
         assert (dec["action"], dec["kind"]) == ("drain", "recommendation")
         assert sched.calls == []
         ok = subprocess.run(
-            [sys.executable, "-m", "trainmedic.cli", "recommendations", "approve", dec["decision_id"]]
+            [sys.executable, "-m", "trainmedic.cli.main", "recommendations", "approve", dec["decision_id"]]
             + ["--data-dir", str(tmp_path / "stack"), "--api", api.url, "--operator", "alice"],
             capture_output=True,
             text=True,

@@ -27,7 +27,7 @@ from tests.conftest import Cluster, wait_for
 from tests.integration.scenario import policy_file, start_stack
 from tests.integration.test_fleet import xid74_line
 from tests.integration.test_slurm_coexistence import _clean, _sh
-from trainmedic.broker import EmbeddedBroker
+from trainmedic.stack.broker import EmbeddedBroker
 
 pytestmark = pytest.mark.slurm
 

@@ -46,7 +46,7 @@ from schemas.events import Action, ActionResult, Decision, Event, JobAttempt, Sc
 from sinks import audit_queries as q
 from sinks.audit import DDL_DIR, AuditStore, load_migrations, split_sql
 from tests.integration.test_audit import incident_events, insert_events
-from trainmedic.replay import GPUS_PER_NODE
+from trainmedic.ops.replay import GPUS_PER_NODE
 
 # Two days ago, on the hour: whole seconds, so every difference is exact in milliseconds.
 T0 = (int(time.time()) // 3600 - 48) * 3600
@@ -361,7 +361,7 @@ def test_goodput_window_limit_and_job(store: AuditStore) -> None:
 def test_cli_goodput(store: AuditStore, chdb_url: str, database: str) -> None:
     from typer.testing import CliRunner
 
-    from trainmedic.audit_cli import audit_app
+    from trainmedic.cli.audit import audit_app
 
     base = ["goodput", "--clickhouse", chdb_url, "--database", database]
     wide = {"COLUMNS": "250"}  # rich's width: every table cell on one line
@@ -390,7 +390,7 @@ def test_console_goodput_route(store: AuditStore) -> None:
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from trainmedic.console.routes import console_router
+    from trainmedic.web.console.routes import console_router
 
     app = FastAPI()
     app.include_router(console_router(store, "tok", None))
@@ -670,7 +670,7 @@ def test_an_incident_inside_an_outage_that_did_not_stop_the_job_has_no_recovery(
 def test_the_cli_says_an_incident_was_within_an_outage(within_store: AuditStore, chdb_url: str, database: str) -> None:
     from typer.testing import CliRunner
 
-    from trainmedic.audit_cli import audit_app
+    from trainmedic.cli.audit import audit_app
 
     base = ["goodput", "--clickhouse", chdb_url, "--database", database, "--since", "7d"]
     result = CliRunner().invoke(audit_app, base, env={"COLUMNS": "400"})
@@ -685,7 +685,7 @@ def test_the_cli_says_an_incident_was_within_an_outage(within_store: AuditStore,
 def test_the_cli_says_what_was_charged(outage_store: AuditStore, chdb_url: str, database: str) -> None:
     from typer.testing import CliRunner
 
-    from trainmedic.audit_cli import audit_app
+    from trainmedic.cli.audit import audit_app
 
     base = ["goodput", "--clickhouse", chdb_url, "--database", database, "--since", "7d"]
     result = CliRunner().invoke(audit_app, base, env={"COLUMNS": "300"})

@@ -19,7 +19,7 @@ from schemas.codec import decode
 from schemas.events import GpuMetrics, GpuSample
 from schemas.topics import GPU_SAMPLES
 from tests.conftest import FIXTURES, wait_for
-from trainmedic.broker import EmbeddedBroker, free_port
+from trainmedic.stack.broker import EmbeddedBroker, free_port
 
 PROM = FIXTURES / "dcgm" / "dcgm_exporter_metrics.prom"
 MIB = 1024 * 1024

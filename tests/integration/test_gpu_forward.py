@@ -26,7 +26,7 @@ from schemas.topics import DEADLETTER, GPU_SAMPLES, GPU_SAMPLES_BY_JOB, SCHED_EV
 from sinks.backends.simulated import SimulatedScheduler
 from tests.conftest import wait_for, wait_placed
 from tests.integration.scenario import running_stack
-from trainmedic.broker import EmbeddedBroker
+from trainmedic.stack.broker import EmbeddedBroker
 
 
 def _sample(node: str, t: float, lost: bool = False) -> GpuSample:

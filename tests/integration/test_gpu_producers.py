@@ -15,7 +15,7 @@ from schemas.events import GpuSample
 from schemas.topics import GPU_SAMPLES
 from tests.conftest import wait_for
 from tests.fakes.fake_pynvml import FakeNvml
-from trainmedic.broker import EmbeddedBroker
+from trainmedic.stack.broker import EmbeddedBroker
 
 
 def read_gpu_samples(bootstrap: str, expected: int) -> list[tuple[bytes | None, GpuSample]]:

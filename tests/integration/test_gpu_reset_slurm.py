@@ -41,7 +41,7 @@ from tests.fakes.fake_pynvml import FakeNvml, h100_gpus
 from tests.integration.scenario import policy_file, start_stack
 from tests.integration.test_slurm_coexistence import _sh
 from tests.launch import Launched, start, stop, wait_ready
-from trainmedic.broker import EmbeddedBroker, free_port
+from trainmedic.stack.broker import EmbeddedBroker, free_port
 
 pytestmark = pytest.mark.slurm
 NODE = "gpu03"

@@ -31,7 +31,7 @@ from sinks.backends.simulated import SimulatedScheduler
 from tests.conftest import wait_for, wait_placed
 from tests.integration.scenario import incidents_of, running_stack, wait_incident, xid79_line
 from tests.integration.test_ingest import NVSENTINEL_XID48
-from trainmedic.broker import EmbeddedBroker
+from trainmedic.stack.broker import EmbeddedBroker
 
 
 def _post(url: str, payload: Any, token: str) -> dict[str, Any]:

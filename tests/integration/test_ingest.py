@@ -49,7 +49,7 @@ from schemas.events import HealthEvent
 from schemas.topics import HEALTH_EXTERNAL
 from tests.conftest import wait_for
 from tests.launch import self_signed_certificate
-from trainmedic.broker import EmbeddedBroker
+from trainmedic.stack.broker import EmbeddedBroker
 
 # NVIDIA/NVSentinel docs/DATA_FLOW.md, "Example HealthEvent: GPU XID Error".
 NVSENTINEL_XID48: dict[str, Any] = {

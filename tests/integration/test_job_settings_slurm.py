@@ -26,7 +26,7 @@ from sinks.backends.slurm_cli import SlurmCliBackend
 from tests.conftest import Cluster, wait_for
 from tests.integration.scenario import NODES, publish_cascade, running_stack, wait_incident
 from tests.integration.test_slurm_coexistence import _clean, _sh
-from trainmedic.broker import EmbeddedBroker
+from trainmedic.stack.broker import EmbeddedBroker
 
 pytestmark = pytest.mark.slurm
 

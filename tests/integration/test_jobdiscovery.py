@@ -17,7 +17,7 @@ from schemas.codec import decode
 from schemas.events import LogBatch
 from schemas.topics import JOB_LOGS
 from tests.conftest import Cluster, read_topic, wait_for
-from trainmedic.broker import EmbeddedBroker
+from trainmedic.stack.broker import EmbeddedBroker
 
 pytestmark = pytest.mark.slurm
 

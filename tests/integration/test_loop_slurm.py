@@ -9,7 +9,7 @@ import pytest
 from sinks.backends.slurm_cli import SlurmCliBackend
 from tests.conftest import Cluster, slurm_cmd, wait_for
 from tests.integration.scenario import NODES, publish_cascade, running_stack, wait_incident
-from trainmedic.broker import EmbeddedBroker
+from trainmedic.stack.broker import EmbeddedBroker
 
 pytestmark = pytest.mark.slurm
 

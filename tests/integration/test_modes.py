@@ -27,9 +27,9 @@ from sinks.backends.simulated import SimulatedScheduler
 from streams.modes import ModeState
 from streams.policy import DEFAULT_POLICY, ModeOverlay, save_overlay
 from tests.conftest import wait_for
-from trainmedic.broker import EmbeddedBroker
-from trainmedic.client import call
-from trainmedic.runtime import Stack, StackConfig
+from trainmedic.cli.client import call
+from trainmedic.stack.broker import EmbeddedBroker
+from trainmedic.stack.runtime import Stack, StackConfig
 
 
 def _change(n: int, mode: str = "autonomous", partition: str | None = "gpu", **kw: object) -> ModeChange:
@@ -168,7 +168,7 @@ def test_the_brake_works_with_a_broken_policy_file(
         _rewrite(policy, good.replace("\nmode: monitor\n", "\nmode: monitor\nmode: autonomous\n", 1))
         line = good.split("\nmode: monitor\n", 1)[0].count("\n") + 3
         brake = subprocess.run(
-            [sys.executable, "-m", "trainmedic.cli", "mode", "set", "monitor", "--partition", "gpu"]
+            [sys.executable, "-m", "trainmedic.cli.main", "mode", "set", "monitor", "--partition", "gpu"]
             + ["--reason", "brake", "--operator", "bob", "--data-dir", str(tmp_path)],
             capture_output=True,
             text=True,

@@ -43,7 +43,7 @@ from sinks.notifier import (
     summary,
 )
 from tests.conftest import REPO, read_topic, wait_for
-from trainmedic.broker import EmbeddedBroker
+from trainmedic.stack.broker import EmbeddedBroker
 
 FAST = RetrySettings(attempts=3, base_delay_s=0.05, max_delay_s=0.2)
 TOKEN = "s3cr3t-notifier-token-0123456789"

@@ -24,7 +24,7 @@ from tests.integration.scenario import (
     running_stack,
     wait_incident,
 )
-from trainmedic.broker import EmbeddedBroker
+from trainmedic.stack.broker import EmbeddedBroker
 
 
 def test_xid79_beats_nccl_timeouts_one_incident_and_acts(

@@ -19,7 +19,7 @@ from schemas.codec import decode
 from schemas.events import LogBatch, SchedEvent
 from schemas.topics import JOB_LOGS, SCHED_EVENTS
 from tests.conftest import Cluster, read_topic, wait_for
-from trainmedic.broker import EmbeddedBroker
+from trainmedic.stack.broker import EmbeddedBroker
 
 _seq = iter(range(1_000_000))
 

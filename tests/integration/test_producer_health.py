@@ -27,7 +27,7 @@ from schemas.events import KernelEvent
 from schemas.topics import NODE_KERNEL
 from tests.conftest import FIXTURES, wait_for
 from tests.launch import probe, running, start, stop, wait_ready
-from trainmedic.broker import EmbeddedBroker, free_port
+from trainmedic.stack.broker import EmbeddedBroker, free_port
 
 TRAINMEDIC = str(Path(sys.executable).with_name("trainmedic"))
 PROM = (FIXTURES / "dcgm" / "dcgm_exporter_metrics.prom").read_bytes()

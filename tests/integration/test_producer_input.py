@@ -22,7 +22,7 @@ from schemas.codec import decode
 from schemas.events import DeadLetter, KernelEvent, LogBatch
 from schemas.topics import DEADLETTER, JOB_LOGS, NODE_KERNEL
 from tests.conftest import read_topic, wait_for
-from trainmedic.broker import EmbeddedBroker
+from trainmedic.stack.broker import EmbeddedBroker
 
 TRAINMEDIC = str(Path(sys.executable).with_name("trainmedic"))
 

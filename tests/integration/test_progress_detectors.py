@@ -12,8 +12,8 @@ from producers.progress import ProgressParser
 from sinks.backends.simulated import SimulatedScheduler
 from tests.conftest import FIXTURES, wait_for
 from tests.integration.scenario import NODES, running_stack, wait_incident
-from trainmedic.broker import EmbeddedBroker
-from trainmedic.diagnose import OfflineSettings
+from trainmedic.ops.diagnose import OfflineSettings
+from trainmedic.stack.broker import EmbeddedBroker
 
 
 def test_nan_loss_that_stays_is_found_online(

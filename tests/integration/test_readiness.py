@@ -17,10 +17,10 @@ from sinks.backends.slurm_cli import SlurmCliBackend
 from streams.policy import DEFAULT_POLICY, parse_policy
 from tests.conftest import Cluster, wait_for
 from tests.integration.scenario import xid79_line
-from trainmedic.broker import EmbeddedBroker
-from trainmedic.client import ClientError, call
-from trainmedic.replay import replay
-from trainmedic.runtime import Stack, StackConfig
+from trainmedic.cli.client import ClientError, call
+from trainmedic.ops.replay import replay
+from trainmedic.stack.broker import EmbeddedBroker
+from trainmedic.stack.runtime import Stack, StackConfig
 
 NODES = [f"gpu{i:02d}" for i in range(1, 9)]
 

@@ -1,4 +1,4 @@
-"""Readiness counts each recommendation's fate in ClickHouse (trainmedic.readiness._tallies).
+"""Readiness counts each recommendation's fate in ClickHouse (trainmedic.ops.readiness._tallies).
 
 The audit rows are written through the sink's own row mapping into real chDB; the
 expected scores are written out by hand from the scenario below, not computed by the
@@ -12,7 +12,7 @@ from schemas.events import Approval, Decision, Event, Incident
 from sinks.audit import AuditStore
 from streams.policy import load_policy
 from tests.integration.test_audit import incident_events, insert_events
-from trainmedic.readiness import readiness
+from trainmedic.ops.readiness import readiness
 
 NOW = 1_800_000_000.0
 HOUR = 3600.0

@@ -19,7 +19,7 @@ from sinks.backends.slurm_cli import SlurmCliBackend
 from tests.conftest import Cluster, wait_for
 from tests.integration.scenario import NODES, policy_file, publish_cascade, start_stack, wait_incident
 from tests.integration.test_slurm_coexistence import _clean, _sh
-from trainmedic.broker import EmbeddedBroker
+from trainmedic.stack.broker import EmbeddedBroker
 
 pytestmark = pytest.mark.slurm
 REBOOTING = {"REBOOT_REQUESTED", "REBOOT_ISSUED"}

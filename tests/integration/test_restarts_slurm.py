@@ -25,7 +25,7 @@ from sinks.backends.slurm_cli import SlurmCliBackend
 from tests.conftest import Cluster, wait_for
 from tests.integration.scenario import LOGS, NODES, RANKS_PER_NODE, policy_file, start_stack, watchdog_line
 from tests.integration.test_slurm_coexistence import _clean, _sh
-from trainmedic.broker import EmbeddedBroker
+from trainmedic.stack.broker import EmbeddedBroker
 
 pytestmark = pytest.mark.slurm
 

@@ -28,8 +28,8 @@ from streams.policy import DEFAULT_POLICY
 from tests.conftest import Cluster, read_topic, wait_for
 from tests.integration.test_slurm_coexistence import _clean
 from tests.integration.test_slurm_ssh import SshServer, sshd  # noqa: F401 (the module's sshd fixture)
-from trainmedic.api import create_api
-from trainmedic.broker import EmbeddedBroker
+from trainmedic.stack.broker import EmbeddedBroker
+from trainmedic.web.api import create_api
 
 pytestmark = pytest.mark.slurm
 HEADERS = {"Authorization": "Bearer op-token"}

@@ -11,8 +11,8 @@ import httpx
 from sinks.backends.simulated import SimulatedScheduler
 from tests.conftest import wait_for
 from tests.integration.scenario import NODES, publish_cascade, wait_incident
-from trainmedic.broker import EmbeddedBroker
-from trainmedic.runtime import Stack, StackConfig
+from trainmedic.stack.broker import EmbeddedBroker
+from trainmedic.stack.runtime import Stack, StackConfig
 
 
 def test_viewer_token_reads_but_only_the_operator_token_acts(

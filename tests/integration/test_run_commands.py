@@ -17,7 +17,7 @@ from confluent_kafka.admin import AdminClient, ConfigResource
 
 from schemas.topics import ALL_TOPICS, DEFAULT_PARTITIONS
 from tests.launch import probe, running, self_signed_certificate, start, stop, wait_ready
-from trainmedic.broker import EmbeddedBroker, free_port
+from trainmedic.stack.broker import EmbeddedBroker, free_port
 
 TRAINMEDIC = str(Path(sys.executable).with_name("trainmedic"))
 

@@ -17,7 +17,7 @@ from faust.transport.drivers.aiokafka import AIOKafkaConsumerThread
 
 from schemas.topics import JOB_LOGS
 from streams.seeking import rewind_uncommitted, seek_to_committed_or_reset
-from trainmedic.broker import EmbeddedBroker
+from trainmedic.stack.broker import EmbeddedBroker
 
 RECORDS = 10
 NEVER, AT_ZERO, AT_FOUR = (TopicPartition(JOB_LOGS.name, p) for p in (0, 1, 2))

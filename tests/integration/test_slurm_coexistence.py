@@ -36,9 +36,9 @@ from sinks.backends.slurm_cli import SlurmCliBackend
 from sinks.executor import Executor, ExecutorSettings
 from streams.policy import DEFAULT_POLICY, load_policy
 from tests.conftest import Cluster, read_topic, wait_for
-from trainmedic.api import create_api
-from trainmedic.broker import EmbeddedBroker
-from trainmedic.readiness import readiness
+from trainmedic.ops.readiness import readiness
+from trainmedic.stack.broker import EmbeddedBroker
+from trainmedic.web.api import create_api
 
 pytestmark = pytest.mark.slurm
 

@@ -27,7 +27,7 @@ from schemas.codec import decode
 from schemas.events import SchedEvent
 from schemas.topics import SCHED_EVENTS
 from tests.conftest import Cluster, wait_for
-from trainmedic.broker import EmbeddedBroker
+from trainmedic.stack.broker import EmbeddedBroker
 
 pytestmark = pytest.mark.slurm
 

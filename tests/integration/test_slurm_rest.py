@@ -363,7 +363,7 @@ def test_api_catalog_names_every_operation_once() -> None:
 
 def test_cli_chooses_the_rest_backend(rest_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
     from schemas.errors import UsageError
-    from trainmedic.backend_cli import scheduler_backend as _backend
+    from trainmedic.cli.backend import scheduler_backend as _backend
 
     token_file = Path(rest_env["TRAINMEDIC_SLURMRESTD_TOKEN_FILE"])
     chosen = _backend("slurm-rest", rest=(rest_env["TRAINMEDIC_SLURMRESTD_URL"], "root", token_file))

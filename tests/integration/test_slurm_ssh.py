@@ -30,7 +30,7 @@ from sinks.backends.slurm_cli import SlurmCliBackend
 from sinks.backends.slurm_ssh import SlurmSshBackend, SshHostKeyError, SshRunner, slurm_ssh_backend
 from slurmio.runners import SlurmCommandError
 from tests.conftest import Cluster, read_topic, wait_for
-from trainmedic.broker import EmbeddedBroker
+from trainmedic.stack.broker import EmbeddedBroker
 
 pytestmark = pytest.mark.slurm
 
@@ -477,7 +477,7 @@ def test_the_slurm_producer_polls_over_ssh_as_the_settings_say(
     import sys
 
     from tests.launch import running
-    from trainmedic.broker import free_port
+    from trainmedic.stack.broker import free_port
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINMEDIC_") and k != "SLURM_CONF"}
     env |= {

@@ -54,8 +54,8 @@ from schemas.topics import ALL_TOPICS, INCIDENTS
 from sinks.notifier import NotifierConfigError, read_token
 from tests.conftest import FIXTURES, REPO, Cluster, read_topic, wait_for
 from tests.launch import Launched, self_signed_certificate, start, stop, wait_ready
-from trainmedic.broker import EmbeddedBroker, free_port
 from trainmedic.settings import Settings, secret_fields, unknown_env
+from trainmedic.stack.broker import EmbeddedBroker, free_port
 
 UNITS = REPO / "infra" / "systemd"
 DROPINS = UNITS / "dropins"

@@ -27,7 +27,7 @@ from schemas.events import KernelEvent
 from schemas.topics import NODE_KERNEL
 from tests import launch
 from tests.conftest import FIXTURES, REPO, read_topic, wait_for
-from trainmedic.broker import EmbeddedBroker, free_port
+from trainmedic.stack.broker import EmbeddedBroker, free_port
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -153,7 +153,7 @@ from streams.catalog import CATALOG_DIR
 from streams.detectors.activity import CATALOG as ACTIVITIES
 from slurmio.versions import _CATALOG as DATAPARSERS
 from sinks.backends.slurm_rest import _CATALOG as REST_API
-from trainmedic.console.routes import STATIC_DIR
+from trainmedic.web.console.routes import STATIC_DIR
 paths = dict(ddl=DDL_DIR, policy=DEFAULT_POLICY, catalog=CATALOG_DIR, activities=ACTIVITIES,
              dataparsers=DATAPARSERS, rest_api=REST_API, static=STATIC_DIR)
 print(json.dumps({"purelib": sysconfig.get_paths()["purelib"], "paths": {k: str(v) for k, v in paths.items()}}))

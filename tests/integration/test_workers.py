@@ -32,8 +32,8 @@ from sinks.audit import AuditStore
 from sinks.backends.simulated import SimulatedScheduler
 from tests.conftest import wait_for, wait_placed
 from tests.integration.scenario import RANKS_PER_NODE, watchdog_line, xid79_line
-from trainmedic.broker import EmbeddedBroker
-from trainmedic.runtime import Stack, StackConfig
+from trainmedic.stack.broker import EmbeddedBroker
+from trainmedic.stack.runtime import Stack, StackConfig
 
 NODES = [f"gpu{n:02d}" for n in range(1, 17)]
 IDLE_NODE = "gpu16"

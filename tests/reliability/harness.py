@@ -23,7 +23,7 @@ from bus.config import consumer_config, producer_config
 from schemas.codec import encode
 from schemas.events import Anomaly, Event, Evidence, Incident
 from schemas.topics import DEFAULT_PARTITIONS, partition_key
-from trainmedic.supervisor import die_with_parent
+from trainmedic.stack.supervisor import die_with_parent
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -26,8 +26,8 @@ from prometheus_client import REGISTRY
 from schemas.topics import INCIDENTS
 from sinks.backends.simulated import SimulatedScheduler
 from tests.reliability.harness import incident, produce, wait_until
-from trainmedic.broker import EmbeddedBroker
-from trainmedic.runtime import Stack, StackConfig
+from trainmedic.stack.broker import EmbeddedBroker
+from trainmedic.stack.runtime import Stack, StackConfig
 
 FAILURES = "trainmedic_audit_insert_failures_total"
 N_INCIDENTS = 5
@@ -62,7 +62,7 @@ def _health(url: str) -> dict[str, Any]:
 
 def _cli(data_dir: Path, *argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "trainmedic.cli", *argv, "--data-dir", str(data_dir)],
+        [sys.executable, "-m", "trainmedic.cli.main", *argv, "--data-dir", str(data_dir)],
         capture_output=True,
         text=True,
         timeout=60,

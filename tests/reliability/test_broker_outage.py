@@ -23,7 +23,7 @@ from bus.publish import Publisher
 from schemas.events import GpuMetrics, GpuSample
 from schemas.topics import GPU_SAMPLES
 from tests.reliability.harness import read_all, report_row, wait_until
-from trainmedic.broker import EmbeddedBroker, free_port
+from trainmedic.stack.broker import EmbeddedBroker, free_port
 
 OUTAGE_S = float(os.environ.get("TRAINMEDIC_OUTAGE_S", "5"))
 MIN_DROPS = 2

@@ -32,7 +32,7 @@ from sinks.backends.simulated import SimulatedScheduler
 from sinks.executor import Executor, ExecutorService, ExecutorSettings
 from sinks.guardrails import Guardrails, GuardrailSettings
 from tests.conftest import REPO, read_topic, wait_for
-from trainmedic.broker import EmbeddedBroker
+from trainmedic.stack.broker import EmbeddedBroker
 
 NODES = [f"n{i:02d}" for i in range(64)]
 JOBS = 16

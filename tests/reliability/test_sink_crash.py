@@ -27,7 +27,7 @@ from tests.reliability.harness import (
     report_row,
     wait_until,
 )
-from trainmedic.broker import EmbeddedBroker, free_port
+from trainmedic.stack.broker import EmbeddedBroker, free_port
 
 N_ANOMALIES = 3000
 N_INCIDENTS = 200

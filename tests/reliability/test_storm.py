@@ -22,8 +22,8 @@ from sinks.audit import AuditStore
 from sinks.backends.simulated import SimulatedScheduler
 from tests.conftest import wait_for
 from tests.reliability.harness import anomaly, produce, report_row
-from trainmedic.broker import EmbeddedBroker, free_port
-from trainmedic.runtime import Stack, StackConfig
+from trainmedic.stack.broker import EmbeddedBroker, free_port
+from trainmedic.stack.runtime import Stack, StackConfig
 
 NODES = [f"n{i:03d}" for i in range(320)]
 JOBS = 64

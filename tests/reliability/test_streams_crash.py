@@ -21,8 +21,8 @@ from sinks.backends.simulated import SimulatedScheduler
 from tests.conftest import wait_for
 from tests.integration.scenario import NODES, RANKS_PER_NODE, incidents_of, write_cascade
 from tests.reliability.harness import anomaly, produce, report_row
-from trainmedic.broker import EmbeddedBroker
-from trainmedic.runtime import Stack, StackConfig
+from trainmedic.stack.broker import EmbeddedBroker
+from trainmedic.stack.runtime import Stack, StackConfig
 
 
 def _count(store: AuditStore, table: str, job: str, final: bool = True) -> int:

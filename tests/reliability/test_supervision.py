@@ -29,11 +29,11 @@ from sinks.backends.simulated import SimulatedScheduler
 from tests.conftest import wait_for
 from tests.integration.scenario import xid79_line
 from tests.reliability.harness import incident, produce
-from trainmedic.broker import EmbeddedBroker
-from trainmedic.runtime import Stack, StackConfig
+from trainmedic.stack.broker import EmbeddedBroker
+from trainmedic.stack.runtime import Stack, StackConfig
 
 REPO = Path(__file__).resolve().parents[2]
-TRAINMEDIC = [sys.executable, "-m", "trainmedic.cli"]
+TRAINMEDIC = [sys.executable, "-m", "trainmedic.cli.main"]
 
 
 def children(pid: int) -> list[int]:
@@ -135,7 +135,7 @@ def test_killed_worker_is_restarted_unhealthy_in_between_and_the_gap_is_not_lost
     assert "keeps events in memory only" in up.text() and "the audit is the durable record" in up.text()
     assert info["broker_storage"] == "memory" and "re-read 'bootstrap'" in info["note"]
 
-    worker = up.child("trainmedic.streams_worker")
+    worker = up.child("trainmedic.stack.streams_worker")
     os.kill(worker, signal.SIGKILL)
     code, report = wait_for("health 503 after the kill", lambda: (h := up.health(api))[0] == 503 and h, timeout=30)
     assert report["components"]["streams-worker"]["state"] == "restarting"
@@ -153,7 +153,7 @@ def test_killed_worker_is_restarted_unhealthy_in_between_and_the_gap_is_not_lost
     wait_for("health 200 again", lambda: up.health(api)[0] == 200, timeout=180)
     status = up.health(api)[1]["components"]["streams-worker"]
     assert status == {"state": "up", "restarts": 1, "reason": None}
-    new_worker = up.child("trainmedic.streams_worker")
+    new_worker = up.child("trainmedic.stack.streams_worker")
     assert new_worker != worker and not running(worker)
     assert "supervisor: streams-worker died (signal SIGKILL" in up.text()
     assert "streams-worker is back (restart 1)" in up.text()
@@ -175,7 +175,7 @@ def test_killed_broker_comes_back_on_its_port_with_its_topics_and_the_loop_works
 
     info = up.wait_up()
     api = info["api_url"]
-    broker, worker = up.child("tansu"), up.child("trainmedic.streams_worker")
+    broker, worker = up.child("tansu"), up.child("trainmedic.stack.streams_worker")
     os.kill(broker, signal.SIGKILL)
     code, report = wait_for("health 503 naming the broker", lambda: (h := up.health(api))[0] == 503 and h, timeout=30)
     assert report["down"]["broker"] == "signal SIGKILL"
@@ -187,7 +187,7 @@ def test_killed_broker_comes_back_on_its_port_with_its_topics_and_the_loop_works
     assert {t.name: len(topics[t.name].partitions) for t in ALL_TOPICS} == {
         t.name: DEFAULT_PARTITIONS for t in ALL_TOPICS
     }
-    assert up.child("trainmedic.streams_worker") != worker
+    assert up.child("trainmedic.stack.streams_worker") != worker
     assert "events it held that no consumer had read are lost" in up.text()
 
     kern = tmp_path / "kern.log"
@@ -259,7 +259,7 @@ def test_restarted_up_keeps_the_broker_port(tmp_path: Path) -> None:
 
 
 def _listening(port: int) -> bool:
-    from trainmedic.broker import port_in_use
+    from trainmedic.stack.broker import port_in_use
 
     return port_in_use("127.0.0.1", port)
 
@@ -269,7 +269,7 @@ def test_a_part_that_keeps_crashing_stops_up_non_zero_naming_it(tmp_path: Path) 
     try:
         u.wait_up()
         kids = children(u.proc.pid)
-        worker = u.child("trainmedic.streams_worker")
+        worker = u.child("trainmedic.stack.streams_worker")
         os.kill(worker, signal.SIGKILL)
         rc = u.proc.wait(120)
         out = u.text()

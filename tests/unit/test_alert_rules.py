@@ -36,7 +36,7 @@ METRIC_MODULES = (
 PROMETHEUS_OWN = {"up"}
 # Collectors that produce their family only when they can count (a custom collector asked at
 # scrape time): found by name in the module that defines them instead.
-SCRAPE_TIME_COLLECTORS = {"trainmedic_recommendations_pending": REPO / "trainmedic" / "api.py"}
+SCRAPE_TIME_COLLECTORS = {"trainmedic_recommendations_pending": REPO / "trainmedic" / "web" / "api.py"}
 SEVERITIES = {"critical", "warning", "info"}
 _DURATION = re.compile(r"^(\d+(ms|s|m|h|d|w|y))+$")
 

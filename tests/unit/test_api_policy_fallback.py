@@ -17,7 +17,7 @@ from bus.publish import Publisher
 from schemas.events import ModeChange
 from sinks.audit import AuditStore
 from streams.policy import DEFAULT_POLICY
-from trainmedic.api import PENDING, create_api
+from trainmedic.web.api import PENDING, create_api
 
 TOKEN = "operator-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

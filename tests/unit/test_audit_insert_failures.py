@@ -26,8 +26,8 @@ from sinks.audit_schema import BY_NAME
 from sinks.backends.simulated import SimulatedScheduler
 from tests.reliability.harness import anomaly, incident
 from tests.unit.test_api_policy_fallback import AUTH, TOKEN, FakePublisher, FakeStore
-from trainmedic.api import PENDING, create_api
-from trainmedic.runtime import Stack, StackConfig
+from trainmedic.stack.runtime import Stack, StackConfig
+from trainmedic.web.api import PENDING, create_api
 
 FAILURES = "trainmedic_audit_insert_failures_total"
 
@@ -305,7 +305,7 @@ class _Health503(BaseHTTPRequestHandler):
 
 @pytest.mark.parametrize("ok", [True, False], ids=["degraded", "down-too"])
 def test_the_audit_cli_says_the_audit_is_behind(tmp_path: Path, ok: bool) -> None:
-    from trainmedic.cli import app
+    from trainmedic.cli.main import app
 
     problem = "inserts into incidents failing since 2026-01-01T00:00:00Z (disk_full, 3 attempt(s)): Code: 243"
     _Health503.report = {"ok": ok, "components": {}, "degraded": {"audit": problem}}

@@ -16,7 +16,7 @@ from sinks.audit import AuditStore
 from sinks.backends.base import NodeState, SchedulerBackend
 from sinks.guardrails import GuardrailSettings
 from streams.policy import DEFAULT_POLICY, AutoReturn, load_policy, parse_policy
-from trainmedic.auto_return import (
+from trainmedic.ops.auto_return import (
     AUTO_OPERATOR,
     AutoReturnService,
     History,
@@ -25,7 +25,7 @@ from trainmedic.auto_return import (
     node_mode,
     room,
 )
-from trainmedic.return_to_service import CheckResult, gpu_reset_status
+from trainmedic.ops.return_to_service import CheckResult, gpu_reset_status
 
 NOW = 1_800_000_000.0
 OURS = "trainmedic inc-0123456789abcdef0123: gpu_hardware"
@@ -270,7 +270,7 @@ class _Publisher:
 def _return(faults: int, hold: str | None, undelivered: int = 0) -> tuple[Any, Any, Any]:
     from sinks.backends.simulated import SimulatedScheduler
     from streams.policy import ReturnToService
-    from trainmedic.return_to_service import ReturnRefused, return_node
+    from trainmedic.ops.return_to_service import ReturnRefused, return_node
 
     sched = SimulatedScheduler(["gpu01"])
     sched.drain_node("gpu01", OURS)
@@ -367,7 +367,7 @@ def test_no_resume_at_all_while_the_drains_gpu_reset_is_pending() -> None:
     """Manual or automatic: a job must never land on a GPU the node agent is about to reset."""
     from sinks.backends.simulated import SimulatedScheduler
     from streams.policy import ReturnToService
-    from trainmedic.return_to_service import ReturnRefused, return_node
+    from trainmedic.ops.return_to_service import ReturnRefused, return_node
 
     sched = SimulatedScheduler(["gpu01"])
     sched.drain_node("gpu01", OURS)

@@ -11,8 +11,8 @@ import typer
 from typer.testing import CliRunner
 
 from schemas.errors import ExitCode, NotFound, TrainmedicError, Unavailable, UsageError
-from trainmedic.cli import app
-from trainmedic.cli_base import new_app
+from trainmedic.cli.base import new_app
+from trainmedic.cli.main import app
 
 runner = CliRunner()
 

@@ -36,7 +36,7 @@ EVIDENCE_KEYS = {"source", "signature", "node", "rank", "role", "line"}
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "trainmedic.cli", "diagnose", *args],
+        [sys.executable, "-m", "trainmedic.cli.main", "diagnose", *args],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -159,7 +159,7 @@ PROGRESS = FIXTURES / "progress"
 
 def run_json(*args: str, stdin: str | None = None) -> tuple[int, dict[str, Any]]:
     proc = subprocess.run(
-        [sys.executable, "-m", "trainmedic.cli", "diagnose", "--json", *args],
+        [sys.executable, "-m", "trainmedic.cli.main", "diagnose", "--json", *args],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -13,7 +13,7 @@ import pytest
 
 from streams.detectors.error_lines import ErrorLineReader
 from tests.conftest import FIXTURES
-from trainmedic.diagnose import diagnose_paths
+from trainmedic.ops.diagnose import diagnose_paths
 
 DEV = FIXTURES / "corpus" / "dev"
 PROGRESS = [f"step {i} loss: {3.1 - i * 0.01:.4f}" for i in range(1, 8)]

@@ -17,7 +17,7 @@ from producers.progress import ProgressParser
 from schemas.events import ProgressBatch, ProgressSample
 from streams.detectors.divergence import DivergenceDetector, DivergenceSettings
 from tests.conftest import FIXTURES
-from trainmedic.diagnose import OfflineSettings
+from trainmedic.ops.diagnose import OfflineSettings
 
 DEV = FIXTURES / "corpus" / "dev"
 PROGRESS = FIXTURES / "progress"

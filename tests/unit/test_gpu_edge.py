@@ -312,7 +312,7 @@ def test_producer_refuses_a_summary_faster_than_its_samples() -> None:
     ],
 )
 def test_produce_gpu_validates_summary_every(args: list[str], said: str) -> None:
-    from trainmedic.cli import app
+    from trainmedic.cli.main import app
 
     # Refused before NVML or Kafka are looked at.
     result = CliRunner().invoke(app, ["produce", "gpu", "--bootstrap", "127.0.0.1:1", *args])
@@ -333,8 +333,8 @@ def test_produce_gpu_says_what_summary_every_does(monkeypatch: pytest.MonkeyPatc
     import threading
     from collections.abc import Callable
 
-    import trainmedic.produce_cli as produce_cli
-    from trainmedic.cli import app
+    import trainmedic.cli.produce as produce_cli
+    from trainmedic.cli.main import app
 
     pub = FinishingPublisher()
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-import trainmedic.last_good_policy as holder_module
+import trainmedic.web.last_good_policy as holder_module
 from streams.policy import DEFAULT_POLICY, Policy
-from trainmedic.last_good_policy import LastGoodPolicy
+from trainmedic.web.last_good_policy import LastGoodPolicy
 
 GOOD = DEFAULT_POLICY.read_text()
 # The second `mode:` is line 2: PyYAML would keep it silently; the loader refuses it.
@@ -115,7 +115,7 @@ def test_each_distinct_error_is_logged_once(tmp_path: Path, caplog: pytest.LogCa
     _rewrite(path, GOOD)
     holder = LastGoodPolicy(path)
     _rewrite(path, BAD_CATEGORY)
-    with caplog.at_level(logging.INFO, logger="trainmedic.api"):
+    with caplog.at_level(logging.INFO, logger="trainmedic.web.api"):
         for _ in range(3):
             holder.reload()
         _rewrite(path, DUPLICATE_KEY)

@@ -559,7 +559,7 @@ def test_the_audit_says_where_a_nodes_reset_stands(chdb_url: str, database: str)
             _, table, to_row, cols = TABLES[topic]
             store.insert(table, [to_row(event)], cols)
 
-        # What the automatic return to service asks (trainmedic/return_to_service.py).
+        # What the automatic return to service asks (trainmedic/ops/return_to_service.py).
         latest = (
             "SELECT status, finished_at FROM {db}.node_commands FINAL WHERE node = {n:String} "
             "AND kind = 'gpu_reset' ORDER BY finished_at DESC LIMIT 1"

@@ -102,7 +102,7 @@ def test_a_pipe_reader_without_idle_blocks_until_data() -> None:
 
 
 def _produce_gpu() -> tuple[int, str]:
-    from trainmedic.cli import app
+    from trainmedic.cli.main import app
 
     # Kafka that cannot answer: NVML must be checked, and refused, first.
     result = CliRunner().invoke(app, ["produce", "gpu", "--bootstrap", "127.0.0.1:1"])

@@ -1,4 +1,4 @@
-"""Rank -> node resolution (trainmedic.rankmap): block, cyclic, explicit map, torchrun's local world size."""
+"""Rank -> node resolution (trainmedic.ops.rankmap): block, cyclic, explicit map, torchrun's local world size."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from trainmedic.rankmap import RankMapError, from_nodelist, load_rank_map, parse_rank_map, ranks_per_node_from_log
+from trainmedic.ops.rankmap import RankMapError, from_nodelist, load_rank_map, parse_rank_map, ranks_per_node_from_log
 
 
 def test_block_is_the_default() -> None:

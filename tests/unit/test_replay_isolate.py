@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainmedic.replay import _isolate
+from trainmedic.ops.replay import _isolate
 
 
 def test_the_recorded_fact_wins_then_the_old_recommendation_then_the_decision() -> None:
@@ -23,7 +23,7 @@ def test_replay_requeues_the_job_whose_drain_the_blast_radius_refuses(monkeypatc
     is still requeued, so the replayed action is taken, not dropped."""
     from schemas.events import Evidence, Incident
     from streams.policy import load_policy
-    from trainmedic import replay as replay_mod
+    from trainmedic.ops import replay as replay_mod
 
     def incident(i: int, node: str) -> Incident:
         return Incident(

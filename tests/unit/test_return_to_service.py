@@ -7,7 +7,7 @@ import pytest
 
 from sinks.backends.base import ActionRefused
 from sinks.backends.simulated import SimulatedScheduler
-from trainmedic.return_to_service import REPAIR_LABEL, Verdict, repair_reason, run_check
+from trainmedic.ops.return_to_service import REPAIR_LABEL, Verdict, repair_reason, run_check
 
 
 def test_the_check_passes_only_on_exit_zero_and_says_why_it_failed() -> None:

@@ -149,7 +149,7 @@ def test_config_show_masks_secrets_and_names_origins(tmp_path: Path, monkeypatch
 
     from typer.testing import CliRunner
 
-    from trainmedic.cli import app
+    from trainmedic.cli.main import app
 
     cfg = _file(tmp_path, "bootstrap: kafka-1:9092\ntoken: s3cret-token\n")
     monkeypatch.setenv("TRAINMEDIC_CLUSTER", "east")
@@ -208,7 +208,7 @@ def test_node_names_map_onto_slurm_node_names(tmp_path: Path, monkeypatch: pytes
 def test_a_misspelt_variable_is_named_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
     from typer.testing import CliRunner
 
-    from trainmedic.cli import app
+    from trainmedic.cli.main import app
 
     monkeypatch.setenv("TRAINMEDIC_BOOTSTRAPP", "kafka:9092")
     result = CliRunner().invoke(app, ["config", "show", "--json"])

@@ -14,7 +14,7 @@ from slurmio.nodes import in_force
 from slurmio.records import NodeInfo
 from slurmio.reservations import maintenance_nodes, parse_reservations
 from slurmio.versions import SlurmFormatError
-from trainmedic.readiness import DEFAULT_MAINTENANCE_REASONS, glob_regex
+from trainmedic.ops.readiness import DEFAULT_MAINTENANCE_REASONS, glob_regex
 
 RESV_2205 = (
     "ReservationName=tm_probe StartTime=2026-12-01T20:50:48 EndTime=2026-12-01T20:55:48 Duration=00:05:00 "

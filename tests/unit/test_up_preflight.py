@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from sinks.backends.simulated import SimulatedScheduler
-from trainmedic.broker import free_port
-from trainmedic.runtime import Stack, StackConfig, StackError
+from trainmedic.stack.broker import free_port
+from trainmedic.stack.runtime import Stack, StackConfig, StackError
 
 
 def _stack(tmp_path: Path, **kw: Any) -> Stack:

@@ -1,0 +1,48 @@
+"""`trainmedic nodes list|resume`: nodes as the scheduler sees them, through the operator API."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from trainmedic.cli.base import ApiOpt, AsJson, DataDir, OperatorOpt, api, new_app, print_rows, whoami
+
+nodes_app = new_app(help="Nodes as the scheduler sees them; return one trainmedic drained to service.")
+
+
+@nodes_app.command("list")
+def list_cmd(
+    data_dir: DataDir = Path("var"),
+    api_url: ApiOpt = None,
+    as_json: AsJson = False,
+) -> None:
+    """Nodes as the scheduler sees them; drained ones with their reason and incident."""
+    print_rows(
+        api(data_dir, api_url, "GET", "/api/nodes"),
+        as_json,
+        lambda r: (
+            f"{r['node']:12} {r['state']:10} {','.join(r['flags']) or '-':16} {r['incident_id'] or '':26} "
+            f"{r['reason'] or ''}"
+        ),
+    )
+
+
+@nodes_app.command()
+def resume(
+    node: Annotated[str, typer.Argument(metavar="NODE", help="A node trainmedic drained.")],
+    comment: Annotated[str, typer.Option(help="What was fixed.")] = "",
+    operator: OperatorOpt = "",
+    data_dir: DataDir = Path("var"),
+    api_url: ApiOpt = None,
+) -> None:
+    """Return a node trainmedic drained to service (refused for nodes drained by someone else)."""
+    r = api(
+        data_dir,
+        api_url,
+        "POST",
+        f"/api/nodes/{node}/resume",
+        {"operator": operator or whoami(), "comment": comment},
+    )
+    typer.echo(f"resumed {node} (it was drained for {r['incident_id']}): {r.get('check', '')}")
