@@ -427,9 +427,9 @@ def reliability(doc: Mapping[str, Any]) -> Summary:
     s.verdict("every fault-injection test passed", bool(doc.get("passed")), str(doc.get("pytest", "")))
     s.figure("run time", doc.get("seconds"), "s")
     for r in doc.get("rows", []):
-        at: dict[str, Label] = {"fault": r["fault"]}
+        at: dict[str, Label] = {"fault": r["fault"], "found_in": str(r.get("where", ""))}
         s.figure("events sent", r.get("sent"), "count", **at)
-        s.figure("events found", r.get("landed"), "count", str(r.get("where", "")), **at)
+        s.figure("events found", r.get("landed"), "count", **at)
         s.figure("duplicates", r.get("duplicates"), "count", **at)
         s.figure("actions expected", r.get("actions_expected"), "count", **at)
         s.figure("actions taken", r.get("actions_taken"), "count", **at)
