@@ -108,6 +108,38 @@ class GpuSampleBatch(Event):
     samples: list[GpuSample] = Field(min_length=1)
 
 
+class NetPort(BaseModel):
+    """One InfiniBand / RoCE port as the kernel's sysfs shows it (producers/ib_sysfs.py). None means
+    "not readable", never 0 or DOWN: a file that could not be read or parsed is named in `error`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    device: str = Field(min_length=1, max_length=64)  # e.g. mlx5_0 (/sys/class/infiniband/<device>)
+    port: int = Field(ge=0, le=255)  # ports/<port>: 1.. on an HCA, 0 on a switch
+    # ports/<n>/link_layer: "InfiniBand", or "Ethernet" for a RoCE port.
+    link_layer: str | None = Field(default=None, max_length=32)
+    state: str | None = Field(default=None, max_length=32)  # "ACTIVE" of "4: ACTIVE"
+    state_code: int | None = None  # 4 of "4: ACTIVE"
+    phys_state: str | None = Field(default=None, max_length=64)  # "LinkUp" of "5: LinkUp"
+    phys_state_code: int | None = None
+    rate: str | None = Field(default=None, max_length=64)  # as read, e.g. "200 Gb/sec (4X HDR)"
+    rate_gbps: float | None = None
+    # counters/<name> (IB PortCounters through the PMA): every one that read as a number.
+    counters: dict[str, int] = Field(default_factory=dict)
+    # hw_counters/<name> (optional, driver-defined); None: the port has no hw_counters directory.
+    hw_counters: dict[str, int] | None = None
+    error: str | None = Field(default=None, max_length=2000)
+
+
+class NetPortSample(Event):
+    """One record per node per interval, carrying every InfiniBand / RoCE port of the node."""
+
+    type_name: ClassVar[str] = "net_port_sample"
+    node: str = Field(min_length=1, max_length=128)
+    ports: list[NetPort]
+    collector: Literal["sysfs", "sim"] = "sysfs"
+
+
 class LogLine(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -591,6 +623,7 @@ class NodeCommandResult(Event):
 EVENT_TYPES: tuple[type[Event], ...] = (
     GpuSample,
     GpuSampleBatch,
+    NetPortSample,
     LogBatch,
     ProgressBatch,
     HealthEvent,

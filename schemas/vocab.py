@@ -36,7 +36,8 @@ Severity = Literal["info", "warning", "error", "critical"]
 # root: the signal names its own origin as the likely cause (Xid 79 on that node);
 # collateral: the signal is a symptom seen on ranks that merely waited on the culprit.
 Role = Literal["root", "collateral"]
-Source = Literal["job_log", "kernel", "scheduler", "gpu", "external"]
+# net: the node's own InfiniBand / RoCE port readings (producers/ib_sysfs.py), as gpu is its own GPU telemetry.
+Source = Literal["job_log", "kernel", "scheduler", "gpu", "external", "net"]
 ResultStatus = Literal["done", "failed", "skipped"]
 # Why an operator rejected a recommendation: a short fixed list, so it can be scored.
 RejectReason = Literal["wrong_node", "wrong_category", "not_a_fault", "not_worth_acting", "other"]

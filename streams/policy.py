@@ -423,7 +423,8 @@ def _culprit_words(incident: Incident) -> str:
 
 
 def node_reported_fault(incident: Incident) -> bool:
-    """The culprit node's own kernel log or GPU telemetry reported the fault (its producer runs there).
+    """The culprit node's own kernel log, GPU telemetry or InfiniBand/RoCE port readings reported the
+    fault (its producer runs there).
 
     Not ingested health events: the ingest endpoint takes the node from the request body under
     one shared token, and NVRx reports come from inside jobs - a job holding the token could
@@ -431,7 +432,7 @@ def node_reported_fault(incident: Incident) -> bool:
     """
     node = incident.culprit_node
     return node is not None and any(
-        e.node == node and e.role == "root" and e.source in ("kernel", "gpu") for e in incident.evidence
+        e.node == node and e.role == "root" and e.source in ("kernel", "gpu", "net") for e in incident.evidence
     )
 
 

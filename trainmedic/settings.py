@@ -67,6 +67,13 @@ class Settings(BaseSettings):
         default=False, description="report gpu01 for gpu01.example.org (Slurm NodeNames are short host names)"
     )
 
+    # -- node producers -------------------------------------------------------------------
+    ib_sysfs_root: Path = Field(
+        default=Path("/sys/class/infiniband"),
+        description="where `produce ib` reads the InfiniBand / RoCE ports (the kernel's sysfs class directory)",
+    )
+    ib_interval_s: float = Field(default=10.0, gt=0, le=3600, description="seconds between `produce ib` samples")
+
     # -- Kafka --------------------------------------------------------------------------
     bootstrap: str | None = Field(
         default=None, description="Kafka bootstrap servers host:port[,...]; unset: the local `trainmedic up`"
