@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.results import REPO, RESULTS, Stored, load
+from schemas.errors import NotFound
 
 PAGE = REPO / "docs" / "benchmarks.md"
 HEADLINE = REPO / "docs" / "benchmarks-headline.md"
@@ -221,7 +222,7 @@ def render_page(results: Sequence[Stored]) -> str:
 # --- the headline --------------------------------------------------------------------------------------------
 
 
-class Missing(LookupError):
+class Missing(NotFound, LookupError):
     """A headline figure that no result file has."""
 
 

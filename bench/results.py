@@ -22,6 +22,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from schemas.errors import UsageError
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 SCHEMA_PATH = Path(__file__).with_name("results.schema.json")
@@ -30,7 +32,7 @@ SCHEMA_VERSION = 1
 Label = str | int | float | bool
 
 
-class ResultError(ValueError):
+class ResultError(UsageError, ValueError):
     """A result that does not follow bench/results.schema.json (or repeats a figure)."""
 
 

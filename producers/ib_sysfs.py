@@ -71,7 +71,7 @@ class IbSysfsUnavailable(Unavailable, RuntimeError):
     """No InfiniBand sysfs tree to read on this machine (no RDMA driver loaded, wrong root)."""
 
 
-class _Unreadable(Exception):
+class _Unreadable(Unavailable):
     pass
 
 
