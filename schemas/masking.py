@@ -6,7 +6,7 @@ bundle goes through. It replaces
 - the password of every URL in the text (``scheme://user:PASSWORD@host``),
 - the value of every secret-looking URL query parameter (``?password=``, ``&access_token=``,
   ``api_key``, ``secret``, ``sig``, ``signature``, ``X-Amz-Credential`` ...),
-- every secret value this process knows, anywhere in the text, raw or URL-quoted,
+- every secret value this process knows, anywhere in the text: raw, URL-quoted or JSON-escaped,
 
 with `MASK`. A process learns its secrets with `remember` (the settings model remembers every
 secret setting it loads, flags included; token files remember what they read), and `install`
@@ -19,6 +19,7 @@ that contains it); inside URLs they are masked all the same.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import sys
@@ -81,7 +82,9 @@ def _forms(values: Iterable[str | None]) -> set[str]:
         if not value:
             continue
         for secret in _url_secrets(value) if "://" in value else [value]:
-            for form in (secret, unquote(secret), quote(secret, safe=""), quote_plus(secret, safe="")):
+            # As given, URL-quoted both ways, and inside a JSON string (a health report, a bundle's files).
+            quoted = (unquote(secret), quote(secret, safe=""), quote_plus(secret, safe=""))
+            for form in (secret, *quoted, json.dumps(secret)[1:-1], json.dumps(secret, ensure_ascii=False)[1:-1]):
                 if len(form) >= MIN_SECRET_LEN:
                     out.add(form)
     return out
