@@ -70,6 +70,7 @@ from producers.metrics import INGEST_ACCEPTED, INGEST_REJECTED, POLL_FAILURES, P
 from schemas.errors import ConfigError, UsageError
 from schemas.events import MAX_EVENT_TIME, HealthEvent
 from schemas.ids import stable_id
+from schemas.masking import remember
 from schemas.topics import HEALTH_EXTERNAL
 
 __all__ = [
@@ -685,10 +686,12 @@ def load_token(token_file: Path | None = None, env: Mapping[str, str] | None = N
         token = lines[0].strip() if lines else ""
         if not token:
             raise IngestConfigError(f"--token-file {token_file}: the first line is empty")
+        remember(token)  # masked in whatever this process prints (schemas/masking.py)
         return token
     token = (os.environ if env is None else env).get(TOKEN_ENV, "").strip()
     if not token:
         raise IngestConfigError(f"no ingest token: set {TOKEN_ENV} or give --token-file")
+    remember(token)
     return token
 
 

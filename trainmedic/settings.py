@@ -29,6 +29,8 @@ from pydantic_settings import SettingsError as PydanticSettingsError
 from bus.config import KafkaSecurity, configure_security
 from schemas.errors import ConfigError
 from schemas.ids import CLUSTER_RE, DEFAULT_CLUSTER, set_cluster
+from schemas.masking import MASK, mask, remember
+from schemas.masking import install as mask_process_output
 from schemas.topics import DEFAULT_PARTITIONS
 from schemas.vocab import Mode
 from schemas.yamlsafe import load_yaml
@@ -198,13 +200,16 @@ class Settings(BaseSettings):
         given = {k: v for k, v in flags.items() if v is not None}
         token = _config_file.set(config_path(config))
         try:
-            return cls(**given)
+            settings = cls(**given)
         except ValidationError as exc:
             raise SettingsError(_describe(exc)) from None
         except PydanticSettingsError as exc:  # a complex value (node_map) that is not JSON in the env
             raise SettingsError(f'{exc} (a mapping is JSON in the environment: \'{{"k8s-name": "gpu01"}}\')') from None
         finally:
             _config_file.reset(token)
+        # Whatever this process prints, logs or serves from now on is masked of these (schemas/masking.py).
+        remember(*(settings.secret(name) for name in secret_fields()))
+        return settings
 
     def slurm_node(self, name: str | None = None) -> str:
         """The Slurm NodeName this process reports for: `name`, else the node setting, else the
@@ -418,8 +423,8 @@ def _shown(value: Any, secret: bool) -> str:
     if value is None:
         return "-"
     if secret:
-        return "********"
-    return str(value)
+        return MASK
+    return mask(str(value))  # a URL setting (api, slurmrestd_url) may carry credentials too
 
 
 def audit_layout(settings: Settings) -> LayoutSettings:
@@ -445,7 +450,10 @@ def clickhouse_dsn(settings: Settings) -> str | None:
 
 
 def apply(settings: Settings) -> None:
-    """Make `settings` the process's: its cluster name (ids, events) and Kafka security (bus)."""
+    """Make `settings` the process's: its cluster name (ids, events), Kafka security (bus), and its
+    secrets masked in every log record and uncaught exception's traceback (schemas/masking.py)."""
+    mask_process_output()
+    remember(*(settings.secret(name) for name in secret_fields()))
     set_cluster(settings.cluster)
     try:
         configure_security(kafka_security(settings))

@@ -151,7 +151,7 @@ def up(
         else f"Kafka {stack.bootstrap}."
     )
     typer.echo(
-        f"trainmedic is up: {durability} Audit {stack.store.url if stack.store else '?'}, "
+        f"trainmedic is up: {durability} Audit {stack.store.where if stack.store else '?'}, "
         f"scheduler {sched.name}, operator API and console {stack.api.url + '/' if stack.api else '-'} "
         f"(operator token in {stack.config.token_file}, read-only token in {stack.config.viewer_token_file}), "
         f"metrics {stack.metrics.url if stack.metrics else 'off'} (streams workers: "

@@ -290,7 +290,7 @@ def audit_sink(
             return
         sink = AuditSink(address, store, group=group)
         sink.stop_event = stop
-        typer.echo(f"audit sink up: group {group}, {database} in {store.url.split('@')[-1]}")
+        typer.echo(f"audit sink up: group {group}, {database} in {store.where}")
         _run_until_stopped("audit-sink", sink.run, stop)
     finally:
         store.close()
