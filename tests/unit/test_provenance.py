@@ -93,8 +93,8 @@ def test_a_kernel_line_is_the_kernels_only_from_kmsg_or_journald(reader: str, ex
         kind="xid",
         xid=79,
         text="NVRM: Xid (PCI:0000:07:00): 79",
-        reader=reader,
-    )  # type: ignore[arg-type]
+        reader=reader,  # type: ignore[arg-type]
+    )
     (a,) = XidDetector().detect(ev)
     assert a.provenance == expected
 
