@@ -636,7 +636,15 @@ def diagnose_paths(
         raise DiagnoseError(f"internal: expected one incident, got {len(incidents)}")
     inc = incidents[0]
     evidence = [
-        {"source": e.source, "signature": e.signature, "node": e.node, "rank": e.rank, "role": e.role, "line": e.line}
+        {
+            "source": e.source,
+            "provenance": e.provenance,
+            "signature": e.signature,
+            "node": e.node,
+            "rank": e.rank,
+            "role": e.role,
+            "line": e.line,
+        }
         for e in inc.evidence
     ]
     # The action is the policy's, as the streams worker would decide it (attribution states facts).
@@ -665,6 +673,7 @@ def diagnose_paths(
         "action": action,
         "confidence": inc.confidence,
         "explanation": explanation,
+        "provenance": inc.provenance,
         "evidence": evidence,
         "files": names,
     }
