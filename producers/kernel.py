@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 
@@ -174,7 +174,12 @@ def parse_kernel_line(line: str, default_node: str) -> ParsedKernelLine | None:
     return None
 
 
-def to_event(parsed: ParsedKernelLine, seen_at: float, gpu_index: int | None = None) -> KernelEvent:
+def to_event(
+    parsed: ParsedKernelLine,
+    seen_at: float,
+    gpu_index: int | None = None,
+    reader: Literal["kmsg", "journald", "file"] | None = None,
+) -> KernelEvent:
     """The event to publish. A node name over KernelEvent's 128 characters (a garbled syslog
     host or _HOSTNAME) is cut to fit rather than raising: the fault line is still worth
     publishing, and the cut name matches no real node, so no action lands on a wrong one."""
@@ -190,6 +195,9 @@ def to_event(parsed: ParsedKernelLine, seen_at: float, gpu_index: int | None = N
         pid=parsed.pid,
         process_name=parsed.process_name,
         text=parsed.text[:65536],
+        # The evidence's provenance (schemas/events.py kernel_provenance): the ring buffer or
+        # journald's kernel transport is the kernel's; a file ranks below it.
+        reader=reader,
     )
 
 
@@ -234,7 +242,7 @@ class KernelLogProducer:
             # syslog-style file a local user's `logger -t kernel` line looks like the kernel's.
             parsed = replace(parsed, node=self.node)
             gpu = self.gpu_index_of(parsed.pci_bus_id) if self.gpu_index_of and parsed.pci_bus_id else None
-            self.publisher.publish(NODE_KERNEL, to_event(parsed, now, gpu))
+            self.publisher.publish(NODE_KERNEL, to_event(parsed, now, gpu, reader="file"))
             count += 1
         self.published += count
         return count
@@ -385,11 +393,16 @@ class KernelStreamProducer:
     """Publishes NVIDIA fault lines from a stream of kernel messages (kmsg, journald)."""
 
     def __init__(
-        self, publisher: Publisher, node: str | None = None, gpu_index_of: Callable[[str], int | None] | None = None
+        self,
+        publisher: Publisher,
+        node: str | None = None,
+        gpu_index_of: Callable[[str], int | None] | None = None,
+        reader: Literal["kmsg", "journald"] = "kmsg",
     ) -> None:
         self.publisher = publisher
         self.node = node or socket.gethostname()
         self.gpu_index_of = gpu_index_of
+        self.reader: Literal["kmsg", "journald"] = reader
         self.published = 0
 
     def handle(self, message: str, host: str | None = None) -> bool:
@@ -400,7 +413,7 @@ class KernelStreamProducer:
         if parsed is None:
             return False
         gpu = self.gpu_index_of(parsed.pci_bus_id) if self.gpu_index_of and parsed.pci_bus_id else None
-        self.publisher.publish(NODE_KERNEL, to_event(parsed, time.time(), gpu))
+        self.publisher.publish(NODE_KERNEL, to_event(parsed, time.time(), gpu, reader=self.reader))
         self.published += 1
         return True
 

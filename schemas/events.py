@@ -12,7 +12,7 @@ import re
 import time
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
 
 from schemas.ids import CLUSTER_RE, current_cluster
 from schemas.vocab import (
@@ -20,6 +20,7 @@ from schemas.vocab import (
     Category,
     Guardrail,
     Mode,
+    Provenance,
     RejectReason,
     Remediation,
     ResultStatus,
@@ -170,6 +171,10 @@ class KernelEvent(Event):
 
     type_name: ClassVar[str] = "kernel_event"
     node: str = Field(min_length=1, max_length=128)
+    # How the producer read the line: the kernel's own ring buffer (/dev/kmsg), journald's kernel
+    # transport, or a log file (kern.log, syslog), which a local program can also write to. None:
+    # an event from before this field, taken as a file (the weaker).
+    reader: Literal["kmsg", "journald", "file"] | None = None
     kind: Literal["xid", "sxid", "fallen_off_bus", "other"]
     xid: int | None = None
     pci_bus_id: str | None = None
@@ -278,6 +283,45 @@ class HealthEvent(Event):
 # --- what the streams conclude ---------------------------------------------------
 
 
+def default_provenance(source: str | None, origin: str | None = None) -> Provenance:
+    """The provenance of evidence published before it carried one, from its `source`: a kernel
+    line of unknown reader ranks as a file's, an external report as a job's unless it came from
+    NVSentinel (the ingest endpoint's service)."""
+    if source == "kernel":
+        return "kernel_file"
+    if source == "gpu":
+        return "gpu"
+    if source == "net":
+        return "net"
+    if source == "scheduler":
+        return "scheduler"
+    if source == "external" and origin == "nvsentinel":
+        return "service"
+    return "job"
+
+
+def kernel_provenance(event: KernelEvent) -> Provenance:
+    """A kernel line from the kernel's ring buffer or journald's kernel transport is the kernel's;
+    one from a log file (or from an event that does not say) ranks below it."""
+    return "kernel" if event.reader in ("kmsg", "journald") else "kernel_file"
+
+
+def external_provenance(event: HealthEvent) -> Provenance:
+    """The provenance of an ingested health report. The hook for identity at ingest: today the
+    endpoint has one shared token, so the origin the report names decides - NVSentinel, a cluster
+    service, is `service`; NVRx runs inside jobs with the user's rights and is `job`. Once the
+    ingest authenticates its callers, the caller's identity (not the body's `origin`) belongs here."""
+    return "service" if event.origin == "nvsentinel" else "job"
+
+
+def _with_provenance(data: object) -> object:
+    if isinstance(data, dict) and data.get("provenance") is None and "source" in data:
+        facts = data.get("facts")
+        origin = facts.get("origin") if isinstance(facts, dict) else None
+        return {**data, "provenance": default_provenance(data.get("source"), origin)}
+    return data
+
+
 class RankActivity(BaseModel):
     """What another rank of the job was last seen doing (rank-local work such as a
     checkpoint save or validation, or having finished training) when a collective
@@ -303,6 +347,9 @@ class Anomaly(Event):
     role: Role
     isolate: bool = False  # the fault lives on `node`: drain it before a restart
     source: Source
+    # Who could have written the evidence (schemas/vocab.py Provenance): what policy lets it trigger.
+    # Events without it (older producers) get it from `source` (default_provenance).
+    provenance: Provenance = "job"
     job_id: str | None = None
     node: str | None = None
     rank: int | None = None
@@ -317,11 +364,14 @@ class Anomaly(Event):
     # For collateral signals (collective timeouts): what the job's other ranks were last doing.
     activity: list[RankActivity] = Field(default_factory=list, max_length=64)
 
+    _fill_provenance = model_validator(mode="before")(_with_provenance)
+
 
 class Evidence(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     source: Source
+    provenance: Provenance = "job"
     signature: str
     node: str | None = None
     rank: int | None = None
@@ -329,6 +379,8 @@ class Evidence(BaseModel):
     line: str
     role: Role
     gpu: int | None = None
+
+    _fill_provenance = model_validator(mode="before")(_with_provenance)
 
 
 class Incident(Event):
@@ -369,6 +421,9 @@ class Incident(Event):
     # stated where `isolate` is.
     isolatable: bool = False
     isolation_note: str = Field(default="", max_length=1024)
+    # The strongest provenance among the deciding (root) evidence; None: an incident from before
+    # provenance was carried.
+    provenance: Provenance | None = None
     explanation: str
     evidence: list[Evidence]
     anomaly_ids: list[str]

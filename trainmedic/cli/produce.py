@@ -368,7 +368,9 @@ def _kernel(
         liveness.stop()
         _finish(pub, {"published": follower.published}, checkpoint)
         return
-    stream = KernelStreamProducer(pub, node=_node(node), gpu_index_of=gpu_index_of)
+    stream = KernelStreamProducer(
+        pub, node=_node(node), gpu_index_of=gpu_index_of, reader="kmsg" if kmsg else "journald"
+    )
     # The stream's position: the journal cursor, or the kmsg sequence number within this boot.
     last: dict[str, Any] = {}
     checkpoint = Checkpointer(store, lambda: dict(last), _flushed(pub))
