@@ -241,6 +241,11 @@ class HealthEvent(Event):
     message: str = Field(default="", max_length=65536)
     job_id: str | None = None
     rank: int | None = None
+    # How the ingest server authenticated the report (producers/ingest_auth.py): "service" (a
+    # cluster service's own credential), "job" (a MUNGE credential or per-job token shown to
+    # come from the job it names), "shared" (the shared ingest token, allowed for jobs only by
+    # ingest_allow_shared_token_for_jobs); None: not stated (events from before it existed).
+    authenticated_as: Literal["service", "job", "shared"] | None = None
 
 
 # --- what the streams conclude ---------------------------------------------------
