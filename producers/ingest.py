@@ -568,7 +568,7 @@ def create_app(
                 else:
                     identity = auth.service(header)
             except AuthRefused as denial:
-                return await refuse(request, denial)
+                return await refuse(request, denial, await _claimed(request) if denial.audit else b"")
             if request.content_length is not None and request.content_length > max_body_bytes:
                 stats.rejected["too_large"] += 1
                 return _error(413, "too_large", limit_bytes=max_body_bytes)
@@ -678,6 +678,14 @@ def create_app(
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
     return app
+
+
+async def _claimed(request: web.Request) -> bytes:
+    """What a refused job report claimed (its body, for the refusal's record); empty if unreadable."""
+    try:
+        return await request.read()
+    except web.HTTPException:
+        return b""
 
 
 def _publish_all(publisher: Publisher, events: list[HealthEvent]) -> None:
