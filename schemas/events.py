@@ -278,6 +278,11 @@ class HealthEvent(Event):
     message: str = Field(default="", max_length=65536)
     job_id: str | None = None
     rank: int | None = None
+    # How the ingest server authenticated the report (producers/ingest_auth.py): "service" (a
+    # cluster service's own credential), "job" (a MUNGE credential or per-job token shown to
+    # come from the job it names), "shared" (the shared ingest token, allowed for jobs only by
+    # ingest_allow_shared_token_for_jobs); None: not stated (events from before it existed).
+    authenticated_as: Literal["service", "job", "shared"] | None = None
 
 
 # --- what the streams conclude ---------------------------------------------------
@@ -307,10 +312,14 @@ def kernel_provenance(event: KernelEvent) -> Provenance:
 
 
 def external_provenance(event: HealthEvent) -> Provenance:
-    """The provenance of an ingested health report. The hook for identity at ingest: today the
-    endpoint has one shared token, so the origin the report names decides - NVSentinel, a cluster
-    service, is `service`; NVRx runs inside jobs with the user's rights and is `job`. Once the
-    ingest authenticates its callers, the caller's identity (not the body's `origin`) belongs here."""
+    """The provenance of an ingested health report, from who the ingest authenticated
+    (producers/ingest_auth.py): a service credential is `service`; a job's credential (MUNGE, a
+    per-job token) is `job`, and so is the shared token where jobs may hold it. An event from before
+    the ingest said (`authenticated_as` None) falls back to the origin its body names."""
+    if event.authenticated_as == "service":
+        return "service"
+    if event.authenticated_as in ("job", "shared"):
+        return "job"
     return "service" if event.origin == "nvsentinel" else "job"
 
 

@@ -129,7 +129,28 @@ class Settings(BaseSettings):
     api_tls_cert: Path | None = Field(default=None, description="the API's TLS certificate chain (PEM)")
     api_tls_key: Path | None = Field(default=None, description="the API's TLS private key (PEM)")
     api_insecure: bool = Field(default=False, description="allow the API off loopback without TLS")
-    ingest_token: SecretStr | None = Field(default=None, description="bearer token the ingest endpoint requires")
+    ingest_token: SecretStr | None = Field(
+        default=None, description="the shared ingest token: accepted from services (NVSentinel), not for jobs"
+    )
+
+    # -- ingest identity (docs/ingest.md, "Identity") -------------------------------------------
+    ingest_service_token: SecretStr | None = Field(
+        default=None, description="NVSentinel's own bearer token, and the /oauth2/token client secret"
+    )
+    site_secret: SecretStr | None = Field(
+        default=None,
+        description="derives per-job ingest tokens (`trainmedic ingest job-token`) and per-node signing keys; "
+        "at least 32 characters",
+    )
+    ingest_munge: bool = Field(
+        default=True,
+        description="accept `Authorization: MUNGE` on /v1/nvrx (needs unmunge, the cluster's munged and Slurm access)",
+    )
+    ingest_munge_socket: str | None = Field(default=None, description="munged's socket; unset: munge's default")
+    ingest_allow_shared_token_for_jobs: bool = Field(
+        default=False,
+        description="RISK: accept the shared ingest token for NVRx job reports (whoever holds it can requeue any job)",
+    )
 
     # -- Slurm (the executor) ----------------------------------------------------------------
     slurm_access: Literal["local", "ssh", "rest"] = "local"

@@ -117,6 +117,37 @@ def test_nvsentinel_is_a_service_and_nvrx_runs_with_the_jobs_rights() -> None:
         assert out and {a.provenance for a in out} == {expected}, (origin, out)
 
 
+@pytest.mark.parametrize(
+    ("origin", "authenticated_as", "expected"),
+    [
+        ("nvsentinel", "service", "service"),
+        # The shared token where jobs may hold it: a job could pose as NVSentinel.
+        ("nvsentinel", "shared", "job"),
+        # A job's credential naming NVSentinel as its origin is still a job's report.
+        ("nvsentinel", "job", "job"),
+        ("nvrx", "job", "job"),
+        ("nvrx", "service", "service"),
+    ],
+)
+def test_the_ingests_authentication_not_the_bodys_origin_decides(
+    origin: str, authenticated_as: str, expected: str
+) -> None:
+    ev = HealthEvent(
+        event_id=f"h-{origin}-{authenticated_as}",
+        event_time=1.0,
+        origin=origin,  # type: ignore[arg-type]
+        node="gpu02",
+        check_name="GpuXidError",
+        component="GPU",
+        error_codes=["79"],
+        is_fatal=True,
+        job_id="100",
+        authenticated_as=authenticated_as,  # type: ignore[arg-type]
+    )
+    out = ExternalHealthDetector().detect(ev)
+    assert out and {a.provenance for a in out} == {expected}
+
+
 def test_events_from_before_provenance_still_decode_with_the_weaker_reading() -> None:
     old = {
         "schema_version": 2,

@@ -625,6 +625,7 @@ def diagnose_paths(
             "action": "none",
             "confidence": confidence,
             "explanation": explanation,
+            "provenance": None,
             "evidence": [],
             "files": names,
         }
