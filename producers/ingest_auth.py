@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from bus.identity import check_site_secret, verify_job_token
+from schemas.errors import Refused, Unavailable
 from schemas.events import DeadLetter, HealthEvent
 from schemas.ids import DEFAULT_CLUSTER, stable_id
 from slurmio.runners import Runner, SlurmCommandError
@@ -106,7 +107,7 @@ class Identity:
     subject: str  # "service", "job 1234", "uid 994 (tmuser)", "shared token"
 
 
-class AuthRefused(Exception):
+class AuthRefused(Refused):
     """A request refused for its credentials: 401 (none usable) or 403 (does not speak for the body)."""
 
     def __init__(self, status: int, reason: str, detail: str, *, audit: bool = False) -> None:
@@ -124,7 +125,7 @@ class MungeCredential:
     payload: bytes
 
 
-class MungeUnavailable(Exception):
+class MungeUnavailable(Unavailable):
     """munged cannot be asked (no socket, timeout): the server's problem, not the caller's."""
 
 

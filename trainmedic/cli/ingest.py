@@ -29,7 +29,7 @@ def job_token_cmd(
     job_id: Annotated[str, typer.Argument(help="The Slurm job id ($SLURM_JOB_ID in a prolog).")],
     cluster: Annotated[Optional[str], typer.Option(help="Cluster name (default: the setting cluster).")] = None,
 ) -> None:
-    """Print the job's ingest token (`job:<id>:<hex>`), derived from the setting site_secret.
+    """Print the job's ingest token (`job:JOB_ID:HMAC`), derived from the setting site_secret.
 
     Run it in a Slurm prolog (as root, which can read the site secret) and hand the output to the
     job only, e.g. in a file of mode 0400 owned by the job's user. It lets the job report about
