@@ -24,6 +24,7 @@ import typer
 from typer.core import TyperArgument, TyperGroup, TyperOption
 
 from schemas.errors import TrainmedicError, UsageError
+from schemas.printable import printable
 from trainmedic.settings import CONFIG_ENV, Settings, unknown_env
 from trainmedic.settings import apply as apply_settings
 from trainmedic.stack.metrics_server import MetricsServer, parse_address
@@ -193,12 +194,13 @@ def settings(**flags: Any) -> Settings:
 
 
 def print_rows(rows: list[dict[str, Any]], as_json: bool, line: Callable[[dict[str, Any]], str]) -> None:
-    """An API listing: JSON as the API gave it, or one line per row."""
+    """An API listing: JSON as the API gave it, or one line per row, its control characters escaped
+    (schemas.printable): a newline in a value cannot forge a row, an ANSI escape cannot recolour one."""
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
     for r in rows:
-        typer.echo(line(r))
+        typer.echo(printable(line(r)))
 
 
 def running_api(data_dir: Path, clickhouse: str | None) -> tuple[str, str] | None:
