@@ -42,9 +42,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy schemas bus producers streams sinks slurmio trainmedic sim tests bench
 
-## The end-to-end benchmark (minutes): latency, accuracy, status quo, scale; reports in bench/results/.
+## The end-to-end benchmark (minutes): latency, accuracy, status quo, scale; reports in bench/results/, then
+## docs/benchmarks.md and its headline figures from the result files (python -m bench.render).
 bench: $(STAMP)
 	$(VENV)/bin/trainmedic bench
+	$(PY) -m bench.render
 
 unit: $(STAMP)
 	$(PY) -m pytest tests/unit -q -n $(TEST_JOBS)

@@ -1,4 +1,5 @@
-"""Diagnosis accuracy benchmark (a report, not a gate): prints figures and writes bench/results/accuracy.{json,md}.
+"""Diagnosis accuracy benchmark (a report, not a gate): prints figures and writes bench/results/accuracy.{json,md}
+and the result in the common format, bench/results/accuracy/<date>-<commit>.json (bench/results.py).
 
 Runs `trainmedic.ops.diagnose.diagnose_paths` over every case of the labeled corpus of real logs,
 tests/fixtures/corpus/<split>/<case>/ (log files plus label.yaml, see the corpus README), and
@@ -53,6 +54,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from bench import figures, results
 from bench.machine import machine
 from schemas.errors import UsageError
 from schemas.vocab import ACTIONS, CATEGORIES
@@ -619,17 +621,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--corpus", type=Path, default=CORPUS, help="the folder holding dev/ and test/")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    started = results.now()
     splits = SPLITS if args.split == "all" else (args.split,)
     accepted = accepted_args()
     try:
-        results = {name: evaluate_split(args.corpus / name, accepted) for name in splits}
+        outcomes = {name: evaluate_split(args.corpus / name, accepted) for name in splits}
     except CorpusError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if "dev" in results:
-        results["dev"]["loso"] = leave_one_source_out(args.corpus / "dev", accepted)
-        print_dev(results["dev"])
-    for name, res in results.items():
+    if "dev" in outcomes:
+        outcomes["dev"]["loso"] = leave_one_source_out(args.corpus / "dev", accepted)
+        print_dev(outcomes["dev"])
+    for name, res in outcomes.items():
         # The test split only as totals: its cases stay out of sight of whoever tunes the rules.
         print(_totals(name, res["summary"]))
         if res.get("loso"):
@@ -643,13 +646,23 @@ def main(argv: list[str] | None = None) -> int:
         "split": args.split,
         "machine": machine(),
         "targets": TARGETS,
-        "splits": {name: _public(res) for name, res in results.items()},
+        "splits": {name: _public(res) for name, res in outcomes.items()},
     }
     stem = "accuracy" if args.split == "all" else f"accuracy-{args.split}"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     (args.out / f"{stem}.md").write_text(render_md(result))
-    print(f"wrote {args.out / (stem + '.json')} and {args.out / (stem + '.md')}")
+    common = results.record(
+        "accuracy",
+        figures.accuracy(result),
+        root=args.out,
+        started=started,
+        machine=result["machine"],
+        details=result,
+        variant=None if args.split == "all" else args.split,
+        report=args.out / f"{stem}.md",
+    )
+    print(f"wrote {args.out / (stem + '.json')}, {args.out / (stem + '.md')} and {common}")
     return 0
 
 

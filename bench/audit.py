@@ -14,7 +14,8 @@ incidents are inserted twice (redelivery), so every read must deduplicate.
 Rows are made by chDB itself (INSERT ... SELECT FROM numbers()), not Python loops.
 Ingest rows/s is measured separately: 200,000 anomaly rows through the sink's own
 insert path (clickhouse-connect, one batch per 2,000 rows as the sink batches) into
-a fresh table of each layout. Writes bench/results/audit.{md,json}.
+a fresh table of each layout. Writes bench/results/audit.{md,json} and the result in the common format,
+bench/results/audit/<date>-<commit>.json (bench/results.py).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from bench import figures, results
 from bench.machine import machine
 from sinks.audit import DDL_DIR, TABLES, AuditStore
 from sinks.audit_schema import LayoutSettings
@@ -429,12 +431,23 @@ def main() -> None:
     if args.render:
         args.out.with_suffix(".md").write_text(_md(json.loads(args.out.with_suffix(".json").read_text())))
         return
+    started = results.now()
     with tempfile.TemporaryDirectory(prefix="bench-audit-") as tmp:
         folder = args.dir or Path(tmp)
         result = run(args.scale, args.runs, folder)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     args.out.with_suffix(".md").write_text(_md(result))
+    results.record(
+        "audit",
+        figures.audit(result),
+        root=args.out.parent,
+        started=started,
+        machine=result["machine"],
+        details=result,
+        variant=results.variant_name(args.out.name, "audit"),
+        report=args.out.with_suffix(".md"),
+    )
     print(_md(result))
 
 

@@ -1,5 +1,6 @@
 """What the embedded broker's stored history costs (not a test): prints figures and writes
-bench/results/broker-history.{json,md}.
+bench/results/broker-history.{json,md}, and the result in the common format,
+bench/results/broker_history/<date>-<commit>.json (bench/results.py).
 
 Tansu 0.6's memory storage keeps every batch ever produced (retention is not applied and
 DeleteRecords is unimplemented: `tansu-storage/src/dynostore.rs`), and each fetch of a partition
@@ -31,6 +32,7 @@ from typing import Any
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from bench import figures, results
 from bench.machine import machine
 from bus.config import PROMPT_FETCH_WAIT_MS, admin_config, consumer_config, producer_config
 from trainmedic.stack.broker import EmbeddedBroker
@@ -175,9 +177,18 @@ def soak(seconds: float, rate: float, partitions: int, interval_s: float) -> lis
         broker.stop()
 
 
-def write(out: Path, result: dict[str, Any]) -> None:
+def write(out: Path, result: dict[str, Any], started: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "broker-history.json").write_text(json.dumps(result, indent=1) + "\n")
+    results.record(
+        "broker_history",
+        figures.broker_history(result),
+        root=out,
+        started=started,
+        machine=result["machine"],
+        details=result,
+        report=out / "broker-history.md",
+    )
     f, s = result["fetch_cost"], result["soak"]
     lines = [
         "# The embedded broker's stored history (bench/broker_history.py)",
@@ -227,6 +238,7 @@ def main() -> None:
     sizes = sorted({int(x) for x in args.sizes.split(",")})
     if len(sizes) < 2 or sizes[0] < 1:
         ap.error("--sizes needs at least two positive sizes")
+    started = results.now()
     rows = fetch_cost(sizes)
     xs = [r["stored_batches"] for r in rows]
     result = {
@@ -243,7 +255,7 @@ def main() -> None:
             "rows": soak(args.soak_s, args.soak_rate, args.soak_partitions, args.interval_s),
         },
     }
-    write(args.out, result)
+    write(args.out, result, started)
     print(f"wrote {args.out / 'broker-history.md'}")
 
 

@@ -33,7 +33,8 @@ assignment table) and how many records it took per topic, start -> Ready and the
 (the rebalance cost), CPU seconds and RSS of every worker and of the broker.
 
 Run: .venv/bin/python -m bench.catchup [--quick] [--nodes 5000] [--minutes 2] [--workers 1,2,4]
-Writes bench/results/catchup.json and catchup.md (see --out).
+Writes bench/results/catchup.json and catchup.md (see --out), and the result in the common format,
+bench/results/catchup/<date>-<commit>.json (bench/results.py).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench import figures, results
 from bench.machine import machine
 from bus.publish import Publisher
 
@@ -872,8 +874,18 @@ def run_bench(o: Options) -> dict[str, Any]:
     json_path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
     md_path = o.out / f"{o.prefix}.md"
     md_path.write_text(markdown(doc))
+    common = results.record(
+        "catchup",
+        figures.catchup(doc),
+        root=o.out,
+        started=doc["measured_at"],
+        machine=doc["machine"],
+        details=doc,
+        variant=results.variant_name(o.prefix, "catchup"),
+        report=md_path,
+    )
     o.say(table(doc))
-    o.say(f"[catchup] wrote {json_path} and {md_path}")
+    o.say(f"[catchup] wrote {json_path}, {md_path} and {common}")
     return doc
 
 

@@ -1,4 +1,5 @@
-"""Detector throughput benchmark (not a test): prints figures and writes bench/results/detectors.json.
+"""Detector throughput benchmark (not a test): prints figures and writes bench/results/detectors.json and the
+result in the common format, bench/results/detectors/<date>-<commit>.json (bench/results.py).
 
 - Progress parser (producers.progress): lines/s on real progress lines (every line of
   tests/fixtures/progress/*.log but non_progress.log) and on real lines that are no progress
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench import figures, results
 from bench.machine import machine
 from producers.joblogs import split_rank_prefix
 from producers.progress import ProgressParser
@@ -227,6 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lines", type=int, default=300_000, help="lines per parser measurement")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    started = results.now()
     print(f"progress parser, {args.lines} lines per measurement ...", flush=True)
     parser_result = bench_parser(args.lines)
     print(f"  {parser_result}", flush=True)
@@ -236,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     print("straggler detector ...", flush=True)
     straggler = bench_straggler()
     print(f"  {straggler}", flush=True)
-    result = {
+    result: dict[str, Any] = {
         "measured_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "machine": machine(),
         "targets": TARGETS,
@@ -250,7 +253,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "detectors.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out / 'detectors.json'}")
+    common = results.record(
+        "detectors",
+        figures.detectors(result),
+        root=args.out,
+        started=started,
+        machine=result["machine"],
+        details={**result, "lines_per_measurement": args.lines},
+    )
+    print(f"wrote {args.out / 'detectors.json'} and {common}")
 
 
 if __name__ == "__main__":

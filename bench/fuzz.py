@@ -19,7 +19,8 @@ fresh temporary corpus per run), and a dictionary of the tokens the parsers look
 Run: .venv/bin/python -m bench.fuzz [--runs N] [--target logs|kernel|all] [--report PATH]
      .venv/bin/python -m bench.fuzz --target kernel --reproduce var/fuzz/kernel-crash-<sha1>
 
-Needs atheris (``pip install atheris``). Writes bench/results/fuzz.md and fuzz.json.
+Needs atheris (``pip install atheris``). Writes bench/results/fuzz.md and fuzz.json, and the result in the
+common format, bench/results/fuzz/<date>-<commit>.json (bench/results.py).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from bench import figures, results
 from bench.machine import machine
 
 REPO = Path(__file__).resolve().parents[1]
@@ -545,8 +547,9 @@ def main(argv: list[str] | None = None) -> int:
         return reproduce(args.target, args.reproduce)
 
     targets = TARGETS if args.target == "all" else (args.target,)
-    results = {t: run_target(t, args) for t in targets}
-    doc = {
+    started = results.now()
+    outcomes = {t: run_target(t, args) for t in targets}
+    doc: dict[str, Any] = {
         "measured_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "machine": machine(),
         "atheris": _atheris_version(),
@@ -559,22 +562,32 @@ def main(argv: list[str] | None = None) -> int:
             "timeout_s": args.timeout,
             "max_seconds": args.max_seconds,
         },
-        "targets": results,
-        "findings": sum(1 for r in results.values() if r["result"] != "ok"),
+        "targets": outcomes,
+        "findings": sum(1 for r in outcomes.values() if r["result"] != "ok"),
     }
     report = args.report if args.report.suffix == ".md" else args.report / "fuzz.md"
     report.parent.mkdir(parents=True, exist_ok=True)
     report.write_text(markdown(doc))
     report.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
+    common = results.record(
+        "fuzz",
+        figures.fuzz(doc),
+        root=report.parent,
+        started=started,
+        machine=doc["machine"],
+        details=doc,
+        variant=results.variant_name(report.stem, "fuzz"),
+        report=report,
+    )
     print()
     print("summary:")
-    for name, r in results.items():
+    for name, r in outcomes.items():
         print(f"  {summary_line(name, r)}")
         if r["finding"]:
             f = r["finding"]
             shown = (f["input_repr"] or "?")[:160]
             print(f"    {f['exception'] or f['kind']}\n    at {f['where'] or '?'}\n    input {shown}")
-    print(f"wrote {report} and {report.with_suffix('.json')}")
+    print(f"wrote {report}, {report.with_suffix('.json')} and {common}")
     return 1 if doc["findings"] else 0
 
 

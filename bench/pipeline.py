@@ -21,7 +21,8 @@ audit trail:
 The status quo (no trainmedic) is modelled for the same injected faults (see `baseline`).
 
 Run: .venv/bin/python -m bench.pipeline [--quick] [--nodes 128] [--reps 2] [--scale 64,128,...]
-Writes bench/results/pipeline.json, pipeline.md and pipeline_*.png (see --out).
+Writes bench/results/pipeline.json, pipeline.md and pipeline_*.png (see --out), and the result in the common
+format, bench/results/pipeline/<date>-<commit>[-<prefix>].json (bench/results.py).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from typing import Any
 
 import orjson
 
+from bench import figures, results
 from bench.machine import machine
 
 REPO = Path(__file__).resolve().parents[1]
@@ -1218,7 +1220,17 @@ def run_bench(o: BenchOptions) -> dict[str, Any]:
     json_path = o.out / f"{o.prefix}.json"
     json_path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
     md = render(doc, o.out, o.prefix)
-    o.say(f"[bench] wrote {json_path} and {md}")
+    common = results.record(
+        "pipeline",
+        figures.pipeline(doc),
+        root=o.out,
+        started=doc["measured_at"],
+        machine=doc["machine"],
+        details=doc,
+        variant=results.variant_name(o.prefix, "pipeline"),
+        report=md,
+    )
+    o.say(f"[bench] wrote {json_path}, {md} and {common}")
     return doc
 
 

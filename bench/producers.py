@@ -1,5 +1,6 @@
 """Producer overhead benchmark (not a test): prints figures and writes
-bench/results/producers.json and bench/results/producers.md.
+bench/results/producers.json and bench/results/producers.md, and the result in the common format,
+bench/results/producers/<date>-<commit>.json (bench/results.py).
 
 - GPU producers, each in its own process, one node with 8 GPUs, one sample per
   interval, publishing to a real embedded broker: CPU % of one core (utime+stime
@@ -31,6 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from bench import figures, results
 from bench.machine import machine
 
 REPO = Path(__file__).resolve().parents[1]
@@ -264,6 +266,8 @@ def main(argv: list[str] | None = None) -> None:
     from bus.admin import ensure_topics
     from trainmedic.stack.broker import EmbeddedBroker
 
+    started = results.now()
+
     broker = EmbeddedBroker().start()
     try:
         ensure_topics(broker.bootstrap)
@@ -297,7 +301,16 @@ def main(argv: list[str] | None = None) -> None:
     (args.out / "producers.json").write_text(json.dumps(result, indent=2) + "\n")
     (args.out / "producers.md").write_text(markdown(result))
     print(markdown(result))
-    print(f"wrote {args.out / 'producers.json'} and {args.out / 'producers.md'}")
+    common = results.record(
+        "producers",
+        figures.producers(result),
+        root=args.out,
+        started=started,
+        machine=result["machine"],
+        details={**result, "gpus": args.gpus, "tail_lines": args.tail_lines},
+        report=args.out / "producers.md",
+    )
+    print(f"wrote {args.out / 'producers.json'}, {args.out / 'producers.md'} and {common}")
 
 
 if __name__ == "__main__":

@@ -9,12 +9,14 @@ test suite uses 5 s.
 
     python -m bench.reliability [--outage-s 30] [--out bench/results]
 
-Writes reliability.json and reliability.md; exits non-zero if any test failed.
+Writes reliability.json and reliability.md, and the result in the common format,
+reliability/<date>-<commit>.json (bench/results.py); exits non-zero if any test failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import os
 import subprocess
@@ -24,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import figures, results
 from bench.machine import machine
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,7 +49,7 @@ def run(outage_s: float, out: Path) -> dict[str, Any]:
         )
         rows = [json.loads(line) for line in rows_path.read_text().splitlines()] if rows_path.exists() else []
     summary = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
-    doc = {
+    doc: dict[str, Any] = {
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
         "machine": machine(),
         "outage_s": outage_s,
@@ -60,6 +63,15 @@ def run(outage_s: float, out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "reliability.json").write_text(json.dumps(doc, indent=2) + "\n")
     (out / "reliability.md").write_text(render(doc))
+    results.record(
+        "reliability",
+        figures.reliability(doc),
+        root=out,
+        started=dt.datetime.fromtimestamp(started, dt.UTC).isoformat(timespec="seconds"),
+        machine=doc["machine"],
+        details=doc,
+        report=out / "reliability.md",
+    )
     return doc
 
 

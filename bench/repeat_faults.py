@@ -30,7 +30,8 @@ same on both sides. NCCL's watchdog keeps its real 600 s in the simulator (train
 before it fires), except in ``follows_job``'s last stall, which is not waited for (see there).
 
 Run: .venv/bin/python -m bench.repeat_faults [--scenarios no_progress,bad_node,follows_job] [--limit N]
-Writes bench/results/repeat-faults.json and repeat-faults.md (see --out, --prefix).
+Writes bench/results/repeat-faults.json and repeat-faults.md (see --out, --prefix), and the result in the common
+format, bench/results/repeat_faults/<date>-<commit>.json (bench/results.py).
 """
 
 from __future__ import annotations
@@ -1321,6 +1322,7 @@ def default_limit() -> int:
 
 
 def run_bench(a: argparse.Namespace, say: Callable[[str], None] = print) -> dict[str, Any]:
+    from bench import figures, results
     from bench.machine import machine
 
     out: Path = a.out
@@ -1361,12 +1363,22 @@ def run_bench(a: argparse.Namespace, say: Callable[[str], None] = print) -> dict
     json_path = out / f"{a.prefix}.json"
     json_path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
     md = render(doc, out, a.prefix)
+    common = results.record(
+        "repeat_faults",
+        figures.repeat_faults(doc),
+        root=out,
+        started=doc["measured_at"],
+        machine=doc["machine"],
+        details=doc,
+        variant=results.variant_name(a.prefix, "repeat-faults"),
+        report=md,
+    )
     for name, ev in doc["scenarios"].items():
         say("")
         say(TITLES[name])
         for line in table(ev):
             say(line)
-    say(f"\n[repeat] wrote {json_path} and {md}")
+    say(f"\n[repeat] wrote {json_path}, {md} and {common}")
     return doc
 
 

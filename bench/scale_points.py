@@ -3,7 +3,8 @@
 Run: .venv/bin/python -m bench.scale_points [--seconds 150] [--profile-seconds 30] 1024x1 1024x2 4096x1@5
 (NODESxWORKERS, 90 s each; @S: edge aggregation, each node's GPU samples published every S s and at once
 on a health change; --profile-seconds: py-spy the streams worker for that long, from 30 s before the end).
-Prints one JSON row per point and writes them to var/bench/scale-points/rows.json.
+Prints one JSON row per point and writes them to var/bench/scale-points/rows.json (after each point), then
+the result of the whole invocation to bench/results/scale_points/ (--out: another results folder).
 """
 
 from __future__ import annotations
@@ -14,8 +15,11 @@ import re
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from bench import figures, results
+from bench.machine import machine
 from bench.pipeline import REPO, BaselineAssumptions, _scale_row, evaluate, run_child, scale_config, sustained
 
 _SPEC = re.compile(r"(?P<nodes>[0-9]+)x(?P<workers>[0-9]+)(?:@(?P<every>[0-9]+(?:\.[0-9]+)?))?")
@@ -49,6 +53,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--seconds", type=float, default=90.0, help="how long each point runs (default 90)")
     p.add_argument("--profile-seconds", type=float, default=0.0, help="py-spy the streams worker this long (0: off)")
+    p.add_argument("--out", type=Path, default=results.RESULTS, help="results folder (default bench/results)")
     p.add_argument(
         "points", nargs="+", type=point, metavar="NODESxWORKERS[@S]", help="e.g. 4096x1@5: @S, edge summaries every S s"
     )
@@ -68,6 +73,7 @@ def main(argv: list[str]) -> int:
     ref: float | None = None
     seconds: float = a.seconds
     profile_s: float = a.profile_seconds
+    started = results.now()
     for pt in a.points:
         cfg = scale_config(pt.nodes, seconds, str(out / "data"), 7)
         cfg.workers = pt.workers
@@ -106,6 +112,17 @@ def main(argv: list[str]) -> int:
         print(json.dumps(row), flush=True)
         # After each point: a later point that fails or is stopped keeps the earlier ones.
         (out / "rows.json").write_text(json.dumps(rows, indent=1))
+    parameters = {
+        "command": " ".join(["python -m bench.scale_points", *argv]),
+        "seconds": seconds,
+        "profile_seconds": profile_s,
+        "points": [f"{p.nodes}x{p.workers}" + (f"@{p.every_s:g}" if p.every_s else "") for p in a.points],
+    }
+    details = {**parameters, "rows": rows}
+    path = results.record(
+        "scale_points", figures.scale_points(details), root=a.out, started=started, machine=machine(), details=details
+    )
+    print(f"wrote {path}", flush=True)
     return 0
 
 

@@ -1,5 +1,6 @@
 """RPC load the log discoverer puts on slurmctld (not a test): prints figures and writes
-bench/results/slurm-rpc.json and bench/results/slurm-rpc.md.
+bench/results/slurm-rpc.json and bench/results/slurm-rpc.md, and the result in the common format,
+bench/results/slurm_rpc/<date>-<commit>.json (bench/results.py).
 
 What is measured, on the real slurmctld of each local cluster (22.05: infra/slurm/start.sh,
 24.11: infra/slurm/start-2411.sh), with slurmctld's own counters (`sdiag`, reset with
@@ -44,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+from bench import figures, results
 from bench.machine import machine
 from bus.admin import ensure_topics
 from bus.publish import Publisher
@@ -409,13 +411,15 @@ def main() -> None:
     targets = [t for t in _targets() if t.version in wanted]
     if not targets:
         raise SystemExit(f"no local Slurm cluster of {sorted(wanted)} found (infra/slurm/start.sh, start-2411.sh)")
-    # A run measures some versions; the others keep their last measured entry (each says when).
+    # A run measures some versions; the others keep their last measured entry (each says when), from the
+    # last report or else from the last result file.
     out_json = RESULTS / "slurm-rpc.json"
     kept: dict[str, dict[str, Any]] = {}
-    if out_json.is_file():
-        previous = json.loads(out_json.read_text())
-        if previous.get("seconds") == args.seconds and previous.get("counts") == counts:
-            kept = {r["version"]: r for r in previous.get("results", [])}
+    last = results.latest(results.load(RESULTS), "slurm_rpc")
+    previous = json.loads(out_json.read_text()) if out_json.is_file() else (last.doc.get("details", {}) if last else {})
+    if previous.get("seconds") == args.seconds and previous.get("counts") == counts:
+        kept = {r["version"]: r for r in previous.get("results", [])}
+    started = results.now()
     for target in targets:
         print(f"Slurm {target.version} ({target.conf})", flush=True)
         r = bench_target(target, args.seconds, counts)
@@ -423,11 +427,25 @@ def main() -> None:
         r["extrapolated"] = extrapolate(r)
         print(f"  at {TARGET_NODES} nodes: {json.dumps(r['extrapolated'])}", flush=True)
         kept[target.version] = r
-    results = [kept[v] for v in sorted(kept)]
+    measured = [kept[v] for v in sorted(kept)]
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out_json.write_text(json.dumps({"seconds": args.seconds, "counts": counts, "results": results}, indent=2) + "\n")
-    md = write_md(results, args.seconds, counts)
+    doc = {"seconds": args.seconds, "counts": counts, "results": measured}
+    out_json.write_text(json.dumps(doc, indent=2) + "\n")
+    md = write_md(measured, args.seconds, counts)
     (RESULTS / "slurm-rpc.md").write_text(md)
+    carried = sorted(set(kept) - {t.version for t in targets})
+    results.record(
+        "slurm_rpc",
+        figures.slurm_rpc(doc),
+        root=RESULTS,
+        started=started,
+        machine=machine(),
+        details=doc,
+        report=RESULTS / "slurm-rpc.md",
+        notes=f"Slurm {', '.join(carried)}: carried over from the previous result (see its measured_at)"
+        if carried
+        else None,
+    )
     print(md)
 
 

@@ -10,7 +10,7 @@ settings model): every producer, consumer and admin client of the process gets t
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # librdkafka's own log lines go through Python logging instead of raw stderr.
@@ -22,7 +22,7 @@ class KafkaSecurity:
     protocol: str = "plaintext"  # plaintext | ssl | sasl_plaintext | sasl_ssl
     sasl_mechanism: str | None = None
     sasl_username: str | None = None
-    sasl_password: str | None = None
+    sasl_password: str | None = field(default=None, repr=False)  # never in a repr, a log line or a message
     ssl_ca: str | None = None
     ssl_certificate: str | None = None
     ssl_key: str | None = None

@@ -12,12 +12,14 @@ these routes (the JSON accepted is documented in docs/ingest.md):
   of NVRx's straggler ``Report`` (relative and individual GPU/section scores).
 - ``POST /oauth2/token``: a minimal OAuth2 client-credentials endpoint, because
   NVSentinel's event-exporter fetches its bearer token that way: the client
-  secret is the ingest token and the access token handed back is that token.
+  secret is the service token (else the shared ingest token); the access token
+  handed back is derived from it with an expiry (HMAC), never the secret itself.
 - ``GET /metrics`` (token required): accepted / rejected counters, Prometheus text.
 - ``GET /healthz`` (no token): liveness.
 
-Every POST needs ``Authorization: Bearer <token>`` (compared with
-hmac.compare_digest; anything else is 401). A body over ``max_body_bytes``
+Every POST needs credentials (producers/ingest_auth.py): a service's bearer
+token for NVSentinel, and for NVRx a credential shown to come from the job the
+report names (MUNGE, per-job token); anything else is 401 or 403. A body over ``max_body_bytes``
 (1 MiB) is 413. A body that does not validate is 400 with a JSON body naming
 the first bad field and the problem, and NOTHING of that request is published
 (a batch is all or nothing). Success is 202 with the event ids: the events are
@@ -29,8 +31,7 @@ node) with ``origin`` nvsentinel or nvrx. Event ids are derived from the
 content, including the source's own timestamp, so a retried POST is the same
 event downstream.
 
-Security: the token never appears in logs or responses (except as the
-requested access token of /oauth2/token, to a client that presented it). The
+Security: no token or secret appears in logs or responses. The
 server refuses to listen on a non-loopback address unless TLS cert and key
 are given, or ``allow_insecure`` says plaintext tokens on the network are
 accepted.
@@ -41,11 +42,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import hmac
 import ipaddress
 import logging
 import math
 import os
+import re
 import ssl
 import threading
 import time
@@ -66,11 +67,13 @@ from pydantic.alias_generators import to_camel
 from bus.config import admin_config
 from bus.metrics import MirroredCounter
 from bus.publish import Publisher
+from producers.ingest_auth import AuthRefused, IngestAuth, MungeUnavailable, RefusalRecords
 from producers.metrics import INGEST_ACCEPTED, INGEST_REJECTED, POLL_FAILURES, ProducerHealth
 from schemas.errors import ConfigError, UsageError
 from schemas.events import MAX_EVENT_TIME, HealthEvent, NodeNameInput
 from schemas.ids import stable_id
-from schemas.topics import HEALTH_EXTERNAL
+from schemas.masking import remember
+from schemas.topics import DEADLETTER, HEALTH_EXTERNAL
 
 __all__ = [
     "DEFAULT_HOST",
@@ -287,6 +290,7 @@ class NVSentinelCloudEvent(_Camel):
 # --------------------------------------------------------------------- NVRx models
 Score = Annotated[float, Field(ge=0.0, le=1.0)]
 _JOB_ID = r"^[0-9]{1,20}([_+][0-9]{1,10})?$"
+JOB_ID_RE = re.compile(_JOB_ID)
 
 
 class NVRxScores(BaseModel):
@@ -509,36 +513,63 @@ class _RefusalLog:
         log.log(level, msg + suffix, *args)
 
 
-def create_app(publisher: Publisher, token: str, *, max_body_bytes: int = MAX_BODY_BYTES) -> web.Application:
-    """The ingest application; `app[STATS_KEY]` holds its counters."""
-    if not token or len(token) < MIN_TOKEN_CHARS:
-        raise IngestConfigError(f"the ingest token must be at least {MIN_TOKEN_CHARS} characters")
-    if any(c.isspace() for c in token) or not token.isprintable():
-        raise IngestConfigError("the ingest token must be printable without whitespace")
-    secret = token.encode()
+def create_app(
+    publisher: Publisher, token: str | IngestAuth, *, max_body_bytes: int = MAX_BODY_BYTES
+) -> web.Application:
+    """The ingest application; `app[STATS_KEY]` holds its counters.
+
+    `token` is the shared ingest token (services only), or an IngestAuth naming every credential
+    accepted (producers/ingest_auth.py)."""
+    try:
+        auth = token if isinstance(token, IngestAuth) else IngestAuth(shared_token=token)
+    except ValueError as exc:
+        raise IngestConfigError(str(exc)) from None
     stats = IngestStats()
     refused = _RefusalLog()
+    records = RefusalRecords()
 
     def authorized(request: web.Request) -> bool:
-        scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(credentials.strip().encode(), secret)
+        try:
+            auth.service(request.headers.get("Authorization", ""))
+        except AuthRefused:
+            return False
+        return True
+
+    async def refuse(request: web.Request, denial: AuthRefused, body: bytes = b"") -> web.Response:
+        stats.rejected["unauthorized" if denial.status == 401 else "identity_refused"] += 1
+        refused(
+            logging.WARNING,
+            denial.reason,
+            "ingest %s from %s: %d (%s)",
+            request.path,
+            request.remote or "?",
+            denial.status,
+            denial.detail,
+        )
+        if denial.audit and (letter := records.make(request.path, request.remote or "?", denial, body)):
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, publisher.publish, DEADLETTER, letter)
+            except Exception as exc:
+                log.error("ingest: recording a refusal failed: %s", exc)
+        if denial.status == 401:
+            return _error(401, denial.reason, detail=denial.detail)
+        return web.json_response({"error": denial.reason, "detail": denial.detail}, status=denial.status)
 
     def endpoint(
         origin: str, parse: Callable[[bytes, float], list[HealthEvent]]
     ) -> Callable[[web.Request], Awaitable[web.Response]]:
+        jobs = origin == "nvrx"  # in-job reporters: each request must be shown to come from its job
+
         async def handler(request: web.Request) -> web.Response:
             stats.requests += 1
-            peer = request.remote or "?"
-            if not authorized(request):
-                stats.rejected["unauthorized"] += 1
-                refused(
-                    logging.WARNING,
-                    "unauthorized",
-                    "ingest %s from %s: 401 (missing or wrong bearer token)",
-                    request.path,
-                    peer,
-                )
-                return _error(401, "unauthorized")
+            header = request.headers.get("Authorization", "")
+            try:
+                if jobs:
+                    auth.job_precheck(header)
+                else:
+                    identity = auth.service(header)
+            except AuthRefused as denial:
+                return await refuse(request, denial, await _claimed(request) if denial.audit else b"")
             if request.content_length is not None and request.content_length > max_body_bytes:
                 stats.rejected["too_large"] += 1
                 return _error(413, "too_large", limit_bytes=max_body_bytes)
@@ -564,11 +595,24 @@ def create_app(publisher: Publisher, token: str, *, max_body_bytes: int = MAX_BO
                     bad.reason,
                     "ingest %s from %s: 400 %s: %s",
                     request.path,
-                    peer,
+                    request.remote or "?",
                     bad.field,
                     bad.problem,
                 )
                 return _error(400, bad.reason, field=bad.field, problem=bad.problem)
+            if jobs:
+                try:
+                    # unmunge and scontrol block: off the event loop.
+                    identity = await asyncio.get_running_loop().run_in_executor(
+                        None, auth.job_report, header, body, events
+                    )
+                except AuthRefused as denial:
+                    return await refuse(request, denial, body)
+                except MungeUnavailable as exc:
+                    stats.rejected["identity_unavailable"] += 1
+                    log.error("ingest %s: cannot check the caller's identity: %s", request.path, exc)
+                    return _error(503, "identity_unavailable")
+            events = [e.model_copy(update={"authenticated_as": identity.kind}) for e in events]
             try:
                 # Publisher.publish can block while librdkafka's queue is full: not on the event loop.
                 await asyncio.get_running_loop().run_in_executor(None, _publish_all, publisher, events)
@@ -602,7 +646,7 @@ def create_app(publisher: Publisher, token: str, *, max_body_bytes: int = MAX_BO
         if form.get("grant_type") != "client_credentials":
             stats.rejected["bad_grant"] += 1
             return web.json_response({"error": "unsupported_grant_type"}, status=400)
-        if not hmac.compare_digest(presented.encode(), secret):
+        if not auth.client_secret_ok(presented):
             stats.rejected["unauthorized"] += 1
             refused(
                 logging.WARNING,
@@ -611,8 +655,9 @@ def create_app(publisher: Publisher, token: str, *, max_body_bytes: int = MAX_BO
                 request.remote or "?",
             )
             return web.json_response({"error": "invalid_client"}, status=401)
+        access, expires_in = auth.issue_access_token()  # derived from the secret, never the secret
         return web.json_response(
-            {"access_token": token, "token_type": "Bearer", "expires_in": 3600},
+            {"access_token": access, "token_type": "Bearer", "expires_in": expires_in},
             headers={"Cache-Control": "no-store", "Pragma": "no-cache"},
         )
 
@@ -634,6 +679,14 @@ def create_app(publisher: Publisher, token: str, *, max_body_bytes: int = MAX_BO
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
     return app
+
+
+async def _claimed(request: web.Request) -> bytes:
+    """What a refused job report claimed (its body, for the refusal's record); empty if unreadable."""
+    try:
+        return await request.read()
+    except web.HTTPException:
+        return b""
 
 
 def _publish_all(publisher: Publisher, events: list[HealthEvent]) -> None:
@@ -685,10 +738,12 @@ def load_token(token_file: Path | None = None, env: Mapping[str, str] | None = N
         token = lines[0].strip() if lines else ""
         if not token:
             raise IngestConfigError(f"--token-file {token_file}: the first line is empty")
+        remember(token)  # masked in whatever this process prints (schemas/masking.py)
         return token
     token = (os.environ if env is None else env).get(TOKEN_ENV, "").strip()
     if not token:
         raise IngestConfigError(f"no ingest token: set {TOKEN_ENV} or give --token-file")
+    remember(token)
     return token
 
 
@@ -768,7 +823,7 @@ def run_ingest(
     publisher: Publisher,
     host: str = DEFAULT_HOST,
     port: int = DEFAULT_PORT,
-    token: str = "",
+    token: str | IngestAuth = "",
     *,
     tls_cert: Path | None = None,
     tls_key: Path | None = None,

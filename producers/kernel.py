@@ -10,9 +10,8 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 
@@ -22,31 +21,23 @@ from producers.metrics import LINES_READ
 from producers.position import FilePosition
 from schemas.events import KernelEvent
 from schemas.ids import check_node_name, is_node_name, stable_id
+from schemas.timestamps import Stamp, match_prefix, match_uptime
 from schemas.topics import NODE_KERNEL
 
 # The prefixes kernel lines come with, in the order they appear at the start of a line:
 #   dmesg -x facility/level      "kern  :err   : "
 #   syslog / RHEL messages /     "Mar  3 12:00:00 gpu02 kernel: "    (RFC 3164: no year, no zone)
-#     journalctl (short)
+#     journalctl (short,           "Mar 03 12:00:00.123456 gpu02 kernel: "
+#     short-precise)
 #   ISO 8601 (journalctl -o      "2024-05-01T10:00:00+0000 gpu02 kernel: ", rsyslog RFC 3339
 #     short-iso, rsyslog,          "2019-07-05T02:16:36.434714-04:00 host kernel: ", dmesg --time-format iso
 #     dmesg --time-format iso)     "2025-01-25T10:34:54,859532+00:00 " (no host)
 #   dmesg -T                     "[Mon May  1 10:00:00 2024] "      (no host)
 #   dmesg uptime                 "[  219.470994] "                  (seconds since boot)
-_MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
-_MON = "|".join(_MONTHS)
-_PREFIX = re.compile(
-    r"^(?:[a-z]+\s*:[a-z]+\s*:\s)?"
-    r"(?:"
-    rf"(?P<smon>{_MON}) (?P<sday>[ 0-9]?[0-9]) (?P<shms>[0-9]{{2}}:[0-9]{{2}}:[0-9]{{2}})\s+"
-    r"|(?P<iso>[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(?:[.,][0-9]{1,9})?(?:Z|[+-][0-9]{2}:?[0-9]{2})?)\s+"
-    rf"|\[(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) (?P<tmon>{_MON}) (?P<tday>[ 0-9]?[0-9]) "
-    r"(?P<thms>[0-9]{2}:[0-9]{2}:[0-9]{2}) (?P<tyear>[0-9]{4})\]\s?"
-    r")?"
-)
+# The stamps are read by schemas.timestamps (match_prefix, match_uptime), as the job logs' are.
+_FACILITY = re.compile(r"[a-z]+\s*:[a-z]+\s*:\s")
 # After a syslog or ISO stamp: "HOST kernel: " (or just "kernel: " when the host was not recorded).
 _HOST = re.compile(r"(?:(?P<host>[A-Za-z0-9._-]+)\s+)?kernel:\s?")
-_UPTIME = re.compile(r"\[\s*(?P<up>[0-9]{1,10}\.[0-9]{1,9})\]\s?")
 # "HOST ident[pid]: " after a stamp, the ident not "kernel": a user-space program's line.
 _USER_IDENT = re.compile(r"[A-Za-z0-9._-]+\s+(?P<ident>[\w./@-]+)(?:\[[0-9]+\])?:\s")
 # Numbers are ASCII [0-9]: \d (and str.isdigit) also accept digits int() refuses, like '²'.
@@ -87,38 +78,6 @@ def _small_int(text: str | None) -> int | None:
 
 
 @dataclass(frozen=True)
-class LineTime:
-    """The wall-clock time a line's prefix names.
-
-    Syslog (RFC 3164) stamps carry no year and no zone: `year` is None and the caller supplies the
-    year (from the file's own context or other files; see epoch()), and the time is the host's local
-    time (`utc_offset_s` None). ISO stamps carry both when the writer printed them; dmesg -T carries
-    the year and is local time.
-    """
-
-    month: int
-    day: int
-    hour: int
-    minute: int
-    second: float
-    year: int | None = None
-    utc_offset_s: int | None = None
-
-    def epoch(self, year: int | None = None, utc_offset_s: int = 0) -> float | None:
-        """Seconds since the epoch; `year` for stamps without one, `utc_offset_s` for those without a
-        zone. None when no year is known or the date does not exist (Feb 30, Feb 29 in a common year)."""
-        y = self.year if self.year is not None else year
-        if y is None:
-            return None
-        offset = self.utc_offset_s if self.utc_offset_s is not None else utc_offset_s
-        try:
-            base = datetime(y, self.month, self.day, self.hour, self.minute, tzinfo=UTC)
-        except ValueError:
-            return None
-        return base.timestamp() + self.second - offset
-
-
-@dataclass(frozen=True)
 class ParsedKernelLine:
     kind: str
     node: str
@@ -128,14 +87,14 @@ class ParsedKernelLine:
     pid: int | None = None
     process_name: str | None = None
     host: str | None = None  # the host the line's own prefix names (syslog, journal), if any
-    time: LineTime | None = None  # the wall-clock stamp of the prefix, if any
+    time: Stamp | None = None  # the wall-clock stamp of the prefix, if any (syslog's has no year)
     uptime_s: float | None = None  # dmesg's "[  219.470994]" seconds since boot, if any
 
 
 @dataclass(frozen=True)
 class _Prefix:
     host: str | None
-    time: LineTime | None
+    time: Stamp | None
     uptime_s: float | None
     message: str
     # A syslog line written by a program, not the kernel ("gpu01 root[1234]: ..."): in
@@ -143,55 +102,27 @@ class _Prefix:
     user_space: bool = False
 
 
-def _iso_time(text: str) -> LineTime | None:
-    try:
-        dt = datetime.fromisoformat(text)
-    except ValueError:
-        return None
-    off = dt.utcoffset()
-    return LineTime(
-        month=dt.month,
-        day=dt.day,
-        hour=dt.hour,
-        minute=dt.minute,
-        second=dt.second + dt.microsecond / 1e6,
-        year=dt.year,
-        utc_offset_s=None if off is None else int(off.total_seconds()),
-    )
-
-
-def _clock(month: str, day: str, hms: str, year: str | None) -> LineTime | None:
-    d = _small_int(day.strip())
-    h, m, sec = (_small_int(x) for x in hms.split(":"))
-    if d is None or h is None or m is None or sec is None or not (1 <= d <= 31 and h < 24 and m < 60 and sec < 61):
-        return None
-    return LineTime(_MONTHS.index(month) + 1, d, h, m, float(sec), _small_int(year) if year else None)
-
-
 def split_prefix(line: str) -> _Prefix:
     """Host, time and uptime of a kernel line's prefix (any of the forms above), and the message after it."""
     text = line.strip()
-    m = _PREFIX.match(text)
+    f = _FACILITY.match(text)
+    pos = f.end() if f else 0
     host: str | None = None
-    stamp: LineTime | None = None
-    pos = m.end() if m else 0
-    if m and m.group("smon"):
-        stamp = _clock(m.group("smon"), m.group("sday"), m.group("shms"), None)
-    elif m and m.group("iso"):
-        stamp = _iso_time(m.group("iso").replace(",", "."))
-    elif m and m.group("tmon"):
-        stamp = _clock(m.group("tmon"), m.group("tday"), m.group("thms"), m.group("tyear"))
+    stamp: Stamp | None = None
     user_space = False
-    if m and (m.group("smon") or m.group("iso")):
-        h = _HOST.match(text, pos)
-        if h:
-            host, pos = h.group("host"), h.end()
-        else:
-            user_space = _USER_IDENT.match(text, pos) is not None
-    up = _UPTIME.match(text, pos)
+    at = match_prefix(text, pos)
+    if at is not None:
+        stamp, pos = at.stamp, at.end
+        if at.form != "dmesg_t":  # syslog and ISO stamps are followed by the host (dmesg's are not)
+            h = _HOST.match(text, pos)
+            if h:
+                host, pos = h.group("host"), h.end()
+            else:
+                user_space = _USER_IDENT.match(text, pos) is not None
+    up = match_uptime(text, pos)
     uptime = None
     if up:
-        uptime, pos = float(up.group("up")), up.end()
+        uptime, pos = up
     return _Prefix(host=host, time=stamp, uptime_s=uptime, message=text[pos:], user_space=user_space)
 
 
@@ -201,7 +132,7 @@ def parse_kernel_line(line: str, default_node: str) -> ParsedKernelLine | None:
     Read: NVIDIA fault lines (Xid, SXid, fallen off the bus) and, as kind "other", hung-task / D-state
     report lines and call-trace frames. The node is the host the prefix names if that is a Slurm node
     name (schemas.ids), else `default_node`;
-    `time`/`uptime_s` carry the prefix's stamp (see LineTime for the syslog year).
+    `time`/`uptime_s` carry the prefix's stamp (schemas.timestamps.Stamp: a syslog one has no year).
     """
     nvidia = "NVRM" in line or "SXid" in line
     if not nvidia and not any(h in line for h in _KERNEL_TEXT_HINTS):
@@ -242,7 +173,12 @@ def parse_kernel_line(line: str, default_node: str) -> ParsedKernelLine | None:
     return None
 
 
-def to_event(parsed: ParsedKernelLine, seen_at: float, gpu_index: int | None = None) -> KernelEvent:
+def to_event(
+    parsed: ParsedKernelLine,
+    seen_at: float,
+    gpu_index: int | None = None,
+    reader: Literal["kmsg", "journald", "file"] | None = None,
+) -> KernelEvent:
     """The event to publish. Its node is a Slurm node name: a line's own host that is none (a
     garbled syslog host or _HOSTNAME) was replaced by the default node when parsed."""
     return KernelEvent(
@@ -257,6 +193,9 @@ def to_event(parsed: ParsedKernelLine, seen_at: float, gpu_index: int | None = N
         pid=parsed.pid,
         process_name=parsed.process_name,
         text=parsed.text[:65536],
+        # The evidence's provenance (schemas/events.py kernel_provenance): the ring buffer or
+        # journald's kernel transport is the kernel's; a file ranks below it.
+        reader=reader,
     )
 
 
@@ -302,7 +241,7 @@ class KernelLogProducer:
             # syslog-style file a local user's `logger -t kernel` line looks like the kernel's.
             parsed = replace(parsed, node=self.node)
             gpu = self.gpu_index_of(parsed.pci_bus_id) if self.gpu_index_of and parsed.pci_bus_id else None
-            self.publisher.publish(NODE_KERNEL, to_event(parsed, now, gpu))
+            self.publisher.publish(NODE_KERNEL, to_event(parsed, now, gpu, reader="file"))
             count += 1
         self.published += count
         return count
@@ -453,11 +392,16 @@ class KernelStreamProducer:
     """Publishes NVIDIA fault lines from a stream of kernel messages (kmsg, journald)."""
 
     def __init__(
-        self, publisher: Publisher, node: str | None = None, gpu_index_of: Callable[[str], int | None] | None = None
+        self,
+        publisher: Publisher,
+        node: str | None = None,
+        gpu_index_of: Callable[[str], int | None] | None = None,
+        reader: Literal["kmsg", "journald"] = "kmsg",
     ) -> None:
         self.publisher = publisher
         self.node = check_node_name(node or socket.gethostname(), "node name of the kernel producer")
         self.gpu_index_of = gpu_index_of
+        self.reader: Literal["kmsg", "journald"] = reader
         self.published = 0
 
     def handle(self, message: str, host: str | None = None) -> bool:
@@ -469,7 +413,7 @@ class KernelStreamProducer:
         if parsed is None:
             return False
         gpu = self.gpu_index_of(parsed.pci_bus_id) if self.gpu_index_of and parsed.pci_bus_id else None
-        self.publisher.publish(NODE_KERNEL, to_event(parsed, time.time(), gpu))
+        self.publisher.publish(NODE_KERNEL, to_event(parsed, time.time(), gpu, reader=self.reader))
         self.published += 1
         return True
 

@@ -12,7 +12,7 @@ import re
 import time
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, field_serializer
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, field_serializer, model_validator
 
 from schemas.ids import CLUSTER_RE, NODE_NAME_MAX, NODE_NAME_PATTERN, check_node_name, current_cluster
 from schemas.vocab import (
@@ -20,6 +20,7 @@ from schemas.vocab import (
     Category,
     Guardrail,
     Mode,
+    Provenance,
     RejectReason,
     Remediation,
     ResultStatus,
@@ -128,6 +129,38 @@ class GpuSampleBatch(Event):
     samples: list[GpuSample] = Field(min_length=1)
 
 
+class NetPort(BaseModel):
+    """One InfiniBand / RoCE port as the kernel's sysfs shows it (producers/ib_sysfs.py). None means
+    "not readable", never 0 or DOWN: a file that could not be read or parsed is named in `error`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    device: str = Field(min_length=1, max_length=64)  # e.g. mlx5_0 (/sys/class/infiniband/<device>)
+    port: int = Field(ge=0, le=255)  # ports/<port>: 1.. on an HCA, 0 on a switch
+    # ports/<n>/link_layer: "InfiniBand", or "Ethernet" for a RoCE port.
+    link_layer: str | None = Field(default=None, max_length=32)
+    state: str | None = Field(default=None, max_length=32)  # "ACTIVE" of "4: ACTIVE"
+    state_code: int | None = None  # 4 of "4: ACTIVE"
+    phys_state: str | None = Field(default=None, max_length=64)  # "LinkUp" of "5: LinkUp"
+    phys_state_code: int | None = None
+    rate: str | None = Field(default=None, max_length=64)  # as read, e.g. "200 Gb/sec (4X HDR)"
+    rate_gbps: float | None = None
+    # counters/<name> (IB PortCounters through the PMA): every one that read as a number.
+    counters: dict[str, int] = Field(default_factory=dict)
+    # hw_counters/<name> (optional, driver-defined); None: the port has no hw_counters directory.
+    hw_counters: dict[str, int] | None = None
+    error: str | None = Field(default=None, max_length=2000)
+
+
+class NetPortSample(Event):
+    """One record per node per interval, carrying every InfiniBand / RoCE port of the node."""
+
+    type_name: ClassVar[str] = "net_port_sample"
+    node: NodeName
+    ports: list[NetPort]
+    collector: Literal["sysfs", "sim"] = "sysfs"
+
+
 class LogLine(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -158,6 +191,10 @@ class KernelEvent(Event):
 
     type_name: ClassVar[str] = "kernel_event"
     node: NodeName
+    # How the producer read the line: the kernel's own ring buffer (/dev/kmsg), journald's kernel
+    # transport, or a log file (kern.log, syslog), which a local program can also write to. None:
+    # an event from before this field, taken as a file (the weaker).
+    reader: Literal["kmsg", "journald", "file"] | None = None
     kind: Literal["xid", "sxid", "fallen_off_bus", "other"]
     xid: int | None = None
     pci_bus_id: str | None = None
@@ -261,9 +298,57 @@ class HealthEvent(Event):
     message: str = Field(default="", max_length=65536)
     job_id: str | None = None
     rank: int | None = None
+    # How the ingest server authenticated the report (producers/ingest_auth.py): "service" (a
+    # cluster service's own credential), "job" (a MUNGE credential or per-job token shown to
+    # come from the job it names), "shared" (the shared ingest token, allowed for jobs only by
+    # ingest_allow_shared_token_for_jobs); None: not stated (events from before it existed).
+    authenticated_as: Literal["service", "job", "shared"] | None = None
 
 
 # --- what the streams conclude ---------------------------------------------------
+
+
+def default_provenance(source: str | None, origin: str | None = None) -> Provenance:
+    """The provenance of evidence published before it carried one, from its `source`: a kernel
+    line of unknown reader ranks as a file's, an external report as a job's unless it came from
+    NVSentinel (the ingest endpoint's service)."""
+    if source == "kernel":
+        return "kernel_file"
+    if source == "gpu":
+        return "gpu"
+    if source == "net":
+        return "net"
+    if source == "scheduler":
+        return "scheduler"
+    if source == "external" and origin == "nvsentinel":
+        return "service"
+    return "job"
+
+
+def kernel_provenance(event: KernelEvent) -> Provenance:
+    """A kernel line from the kernel's ring buffer or journald's kernel transport is the kernel's;
+    one from a log file (or from an event that does not say) ranks below it."""
+    return "kernel" if event.reader in ("kmsg", "journald") else "kernel_file"
+
+
+def external_provenance(event: HealthEvent) -> Provenance:
+    """The provenance of an ingested health report, from who the ingest authenticated
+    (producers/ingest_auth.py): a service credential is `service`; a job's credential (MUNGE, a
+    per-job token) is `job`, and so is the shared token where jobs may hold it. An event from before
+    the ingest said (`authenticated_as` None) falls back to the origin its body names."""
+    if event.authenticated_as == "service":
+        return "service"
+    if event.authenticated_as in ("job", "shared"):
+        return "job"
+    return "service" if event.origin == "nvsentinel" else "job"
+
+
+def _with_provenance(data: object) -> object:
+    if isinstance(data, dict) and data.get("provenance") is None and "source" in data:
+        facts = data.get("facts")
+        origin = facts.get("origin") if isinstance(facts, dict) else None
+        return {**data, "provenance": default_provenance(data.get("source"), origin)}
+    return data
 
 
 class RankActivity(BaseModel):
@@ -291,6 +376,9 @@ class Anomaly(Event):
     role: Role
     isolate: bool = False  # the fault lives on `node`: drain it before a restart
     source: Source
+    # Who could have written the evidence (schemas/vocab.py Provenance): what policy lets it trigger.
+    # Events without it (older producers) get it from `source` (default_provenance).
+    provenance: Provenance = "job"
     job_id: str | None = None
     node: NodeName | None = None
     rank: int | None = None
@@ -305,11 +393,14 @@ class Anomaly(Event):
     # For collateral signals (collective timeouts): what the job's other ranks were last doing.
     activity: list[RankActivity] = Field(default_factory=list, max_length=64)
 
+    _fill_provenance = model_validator(mode="before")(_with_provenance)
+
 
 class Evidence(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     source: Source
+    provenance: Provenance = "job"
     signature: str
     node: NodeName | None = None
     rank: int | None = None
@@ -317,6 +408,8 @@ class Evidence(BaseModel):
     line: str
     role: Role
     gpu: int | None = None
+
+    _fill_provenance = model_validator(mode="before")(_with_provenance)
 
 
 class Incident(Event):
@@ -357,6 +450,9 @@ class Incident(Event):
     # stated where `isolate` is.
     isolatable: bool = False
     isolation_note: str = Field(default="", max_length=1024)
+    # The strongest provenance among the deciding (root) evidence; None: an incident from before
+    # provenance was carried.
+    provenance: Provenance | None = None
     explanation: str
     evidence: list[Evidence]
     anomaly_ids: list[str]
@@ -611,6 +707,7 @@ class NodeCommandResult(Event):
 EVENT_TYPES: tuple[type[Event], ...] = (
     GpuSample,
     GpuSampleBatch,
+    NetPortSample,
     LogBatch,
     ProgressBatch,
     HealthEvent,

@@ -22,6 +22,7 @@ from schemas.events import (
     KernelEvent,
     LogBatch,
     ModeChange,
+    NetPortSample,
     NodeCommand,
     NodeCommandResult,
     NodeReturn,
@@ -42,6 +43,8 @@ class Topic:
 
 GPU_SAMPLES = Topic("gpu.samples", GpuSample, "node")
 NODE_KERNEL = Topic("node.kernel", KernelEvent, "node")
+# InfiniBand / RoCE port state and error counters from the node's sysfs (producers/ib_sysfs.py).
+NET_PORTS = Topic("net.ports", NetPortSample, "node")
 JOB_LOGS = Topic("job.logs", LogBatch, "job id")
 JOB_PROGRESS = Topic("job.progress", ProgressBatch, "job id")
 HEALTH_EXTERNAL = Topic("health.external", HealthEvent, "node")
@@ -83,6 +86,7 @@ NODE_COMMAND_RESULTS = Topic("node.command.results", NodeCommandResult, "node")
 ALL_TOPICS: tuple[Topic, ...] = (
     GPU_SAMPLES,
     NODE_KERNEL,
+    NET_PORTS,
     JOB_LOGS,
     JOB_PROGRESS,
     SCHED_EVENTS,
@@ -106,7 +110,7 @@ ALL_TOPICS: tuple[Topic, ...] = (
     NODE_COMMAND_RESULTS,
 )
 TOPIC_BY_NAME = {t.name: t for t in ALL_TOPICS}
-INPUT_TOPICS = (GPU_SAMPLES, NODE_KERNEL, JOB_LOGS, JOB_PROGRESS, SCHED_EVENTS, HEALTH_EXTERNAL)
+INPUT_TOPICS = (GPU_SAMPLES, NODE_KERNEL, NET_PORTS, JOB_LOGS, JOB_PROGRESS, SCHED_EVENTS, HEALTH_EXTERNAL)
 DEFAULT_PARTITIONS = 12
 
 
@@ -120,7 +124,9 @@ def partition_key(event: Event) -> bytes:
 
     One job's evidence must land on one partition, in order, for attribution.
     """
-    if isinstance(event, (GpuSample, KernelEvent, HealthEvent, NodeReturn, NodeCommand, NodeCommandResult)):
+    if isinstance(
+        event, (GpuSample, KernelEvent, NetPortSample, HealthEvent, NodeReturn, NodeCommand, NodeCommandResult)
+    ):
         return event.node.encode()
     if isinstance(event, (LogBatch, ProgressBatch)):
         return event.job_id.encode()

@@ -72,6 +72,7 @@ INTRODUCED: dict[str, int] = {
     "node_command": 2,
     "node_command_result": 2,
     "gpu_sample_batch": 2,
+    "net_port_sample": 2,
 }
 
 

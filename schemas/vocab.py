@@ -36,7 +36,31 @@ Severity = Literal["info", "warning", "error", "critical"]
 # root: the signal names its own origin as the likely cause (Xid 79 on that node);
 # collateral: the signal is a symptom seen on ranks that merely waited on the culprit.
 Role = Literal["root", "collateral"]
-Source = Literal["job_log", "kernel", "scheduler", "gpu", "external"]
+# net: the node's own InfiniBand / RoCE port readings (producers/ib_sysfs.py), as gpu is its own GPU telemetry.
+Source = Literal["job_log", "kernel", "scheduler", "gpu", "external", "net"]
+# Who could have written a piece of evidence (docs/security.md "Provenance"): what policy may let
+# it trigger. kernel: the node's kernel ring buffer read from /dev/kmsg or journald's kernel
+# transport; kernel_file: a kernel line read from a log file (kern.log, syslog, messages), ranked
+# below kernel since a local program can write a look-alike line there; gpu: NVML or
+# dcgm-exporter on the node; net: the node's own InfiniBand/RoCE port state and counters (sysfs);
+# scheduler: Slurm's own state (squeue/sinfo); service: an
+# authenticated cluster service (NVSentinel); job: the job's output or an in-job reporter (NVRx),
+# written with the job owner's rights.
+Provenance = Literal["kernel", "kernel_file", "gpu", "net", "scheduler", "service", "job"]
+PROVENANCES: tuple[str, ...] = ("kernel", "kernel_file", "gpu", "net", "scheduler", "service", "job")
+#: How strong a provenance is: later evidence of a higher rank reopens a judgement made on a lower
+#: one (streams/attribution.py). job < kernel_file < the rest.
+PROVENANCE_RANK: dict[str, int] = {
+    "job": 0,
+    "kernel_file": 1,
+    "kernel": 2,
+    "gpu": 2,
+    "net": 2,
+    "scheduler": 2,
+    "service": 2,
+}
+#: Provenances that may isolate a node on their own by default (policy `provenance.node_evidence`).
+NODE_EVIDENCE: tuple[Provenance, ...] = ("kernel", "kernel_file", "gpu", "net", "scheduler", "service")
 ResultStatus = Literal["done", "failed", "skipped"]
 # Why an operator rejected a recommendation: a short fixed list, so it can be scored.
 RejectReason = Literal["wrong_node", "wrong_category", "not_a_fault", "not_worth_acting", "other"]

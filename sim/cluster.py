@@ -517,7 +517,8 @@ class SimCluster:
             parsed = parse_kernel_line(line, node)
             if parsed is None:
                 continue  # what producers.kernel drops (e.g. mlx5 link lines): never published
-            self._publish(NODE_KERNEL, to_event(parsed, ts, gpu_index_of(parsed.pci_bus_id)))
+            # The simulated node's kernel, as the kmsg producer would read it.
+            self._publish(NODE_KERNEL, to_event(parsed, ts, gpu_index_of(parsed.pci_bus_id), reader="kmsg"))
 
     def _flush_lines(self, now: float) -> None:
         if not self._lines:

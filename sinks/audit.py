@@ -35,6 +35,7 @@ from schemas.codec import DecodeError, decode
 from schemas.errors import Unavailable
 from schemas.events import Event
 from schemas.ids import cluster_scoped
+from schemas.masking import mask
 from schemas.topics import TOPIC_BY_NAME, Topic
 from sinks import metrics
 from sinks.audit_schema import (
@@ -222,7 +223,7 @@ class AuditStore:
     def __init__(self, url: str, database: str = "trainmedic", layout: LayoutSettings | None = None) -> None:
         if not database.replace("_", "").isalnum():
             raise AuditStoreError(f"database name {database!r}: letters, digits and _ only")
-        self.url = url
+        self.url = url  # may hold the password: messages show `where` instead
         self.database = database
         self._layout = layout  # None: from the environment when migrate() runs (sinks/audit_schema.py)
         folder = chdb_folder(url)
@@ -233,22 +234,29 @@ class AuditStore:
             import clickhouse_connect
         except ImportError:
             raise AuditStoreError(
-                f"cannot open {url}: clickhouse-connect is not installed (pip install 'trainmedic[server]')"
+                f"cannot open {self.where}: clickhouse-connect is not installed (pip install 'trainmedic[server]')"
             ) from None
         try:
             self.client: Client = clickhouse_connect.get_client(dsn=url)
         except Exception as exc:
             if "already initialized" in str(exc):
                 raise AuditStoreError(
-                    f"cannot open {url}: this process has another chDB folder open, and chDB allows one per process"
+                    f"cannot open {self.where}: this process has another chDB folder open, and chDB allows one per "
+                    "process"
                 ) from None
-            raise AuditStoreError(f"cannot open ClickHouse at {url}: {exc}") from None
+            # The driver's message may echo the DSN, password and all.
+            raise AuditStoreError(mask(f"cannot open ClickHouse at {self.where}: {exc}")) from None
         self._lock = threading.Lock()
 
     @classmethod
     def embedded(cls, data_dir: Path, database: str = "trainmedic", layout: LayoutSettings | None = None) -> AuditStore:
         data_dir.mkdir(parents=True, exist_ok=True)
         return cls(f"chdb://{data_dir.resolve()}", database, layout)
+
+    @property
+    def where(self) -> str:
+        """The URL as messages, banners and errors show it: its password masked (schemas/masking.py)."""
+        return mask(self.url)
 
     @property
     def is_chdb(self) -> bool:
@@ -264,7 +272,7 @@ class AuditStore:
             raise AuditStoreError(str(exc)) from None
         if settings.cluster and self.is_chdb:
             raise AuditStoreError(
-                f"audit cluster {settings.cluster!r} set, but {self.url} is chDB: chDB has no Keeper or "
+                f"audit cluster {settings.cluster!r} set, but {self.where} is chDB: chDB has no Keeper or "
                 "cluster; Replicated tables need a ClickHouse server cluster"
             )
         return settings

@@ -113,7 +113,7 @@ def check_schema(store: AuditStore) -> None:
             if r["name"] not in ("system", "information_schema", "INFORMATION_SCHEMA", "default")
         ]
         raise AuditQueryError(
-            f"no database {store.database!r} in {store.url}: nothing was audited there yet, "
+            f"no database {store.database!r} in {store.where}: nothing was audited there yet, "
             f"or --database names another one (found: {', '.join(others) or 'none'})"
         )
     names = {
@@ -122,7 +122,7 @@ def check_schema(store: AuditStore) -> None:
     }
     if missing := sorted(set(RELATIONS) - names):
         raise AuditQueryError(
-            f"the audit schema of {store.database!r} in {store.url} predates this trainmedic "
+            f"the audit schema of {store.database!r} in {store.where} predates this trainmedic "
             f"(missing {', '.join(missing)}): run `trainmedic audit db migrate` with the same options"
         )
 

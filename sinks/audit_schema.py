@@ -225,6 +225,8 @@ ANOMALIES_T = Table(
         Column("severity", LC, _a("severity")),
         Column("role", LC, _a("role")),
         Column("source", LC, _a("source")),
+        # migration 023: who could have written it (schemas/vocab.py Provenance); NULL on older rows
+        Column("provenance", "LowCardinality(Nullable(String))", _a("provenance")),
         key("job_id", low=False),
         key("node"),
         Column("rank", "Nullable(Int32)", _a("rank")),
@@ -260,6 +262,8 @@ INCIDENTS_T = Table(
         # The fact policy's action follows (the fault lives on the culprit's node); NULL on rows from
         # before it was recorded (migration 012), whose recommended_action says it.
         Column("isolate", "Nullable(Bool)", _a("isolate")),
+        # migration 023: the strongest provenance among the deciding evidence; NULL on older rows
+        Column("provenance", "LowCardinality(Nullable(String))", _a("provenance")),
         Column("explanation", "String", _a("explanation"), codec=ZSTD),
         Column("evidence", "String", _evidence, codec=ZSTD),  # JSON list of {source, signature, node, ...}
         Column("anomaly_ids", "Array(String)", _a("anomaly_ids")),

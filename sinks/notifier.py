@@ -52,6 +52,7 @@ from schemas.codec import DecodeError, decode
 from schemas.errors import ConfigError
 from schemas.events import Decision, Event, GuardrailTrip, Incident
 from schemas.ids import DEFAULT_CLUSTER, cluster_scoped, current_cluster, stable_id
+from schemas.masking import remember
 from schemas.topics import DEADLETTER, DECISIONS, GUARDRAIL_TRIPS, INCIDENTS, Topic
 from schemas.vocab import Severity
 from schemas.yamlsafe import FILE_LIMITS, YamlError, compose_yaml, construct_yaml, line_of
@@ -245,6 +246,7 @@ def read_token(path: Path) -> str:
         raise NotifierConfigError(f"{path}: token file is empty")
     if not _TOKEN_RE.match(token):
         raise NotifierConfigError(f"{path}: the token must be one line of printable ASCII without spaces")
+    remember(token)  # masked in whatever this process prints (schemas/masking.py)
     return token
 
 
@@ -279,6 +281,7 @@ def parse_config(text: str | bytes, origin: str = "<notifier config>", base: Pat
                     f"{origin}: line {line_of(root, loc)}: field 'endpoints.{i}.token_file': {exc}"
                 ) from None
             ep = ep.model_copy(update={"token_file": path})
+        remember(ep.routing_key, ep.url)  # the key, and any password or token the URL's query holds
         endpoints.append(ep)
     return config.model_copy(update={"endpoints": endpoints})
 

@@ -36,6 +36,7 @@ from schemas.events import (
     JobAttempt,
     KernelEvent,
     LogBatch,
+    NetPortSample,
     ProgressBatch,
     SchedEvent,
 )
@@ -55,6 +56,7 @@ from schemas.topics import (
     JOB_LOGS,
     JOB_PROGRESS,
     MODE_CHANGES,
+    NET_PORTS,
     NODE_KERNEL,
     SCHED_EVENTS,
     Topic,
@@ -69,6 +71,7 @@ from streams.detectors.external import ExternalHealthDetector
 from streams.detectors.gpu_health import GpuHealthDetector
 from streams.detectors.hang import HangDetector, job_state_kind
 from streams.detectors.kernel_text import KernelTextDetector
+from streams.detectors.net_ports import NetPortDetector
 from streams.detectors.signatures import SignatureDetector
 from streams.detectors.straggler import GPU_SAMPLE_EVERY_S, StragglerDetector
 from streams.detectors.throughput import ThroughputDetector
@@ -153,6 +156,7 @@ _SIGNAL_TYPES: dict[str, type[Event]] = {
     SCHED_EVENTS.name: SchedEvent,
 }
 kernel_topic = _topic(NODE_KERNEL.name)
+net_topic = _topic(NET_PORTS.name)
 external_topic = _topic(HEALTH_EXTERNAL.name)
 sched_topic = _topic(SCHED_EVENTS.name)
 anomalies_topic = _topic(ANOMALIES.name)
@@ -225,6 +229,8 @@ gpu_health_detector = GpuHealthDetector()
 external_detector = ExternalHealthDetector()
 # SXids and hung-task / D-state reports; keeps one open report per node (bounded, see kernel_signatures.yaml).
 kernel_text_detector = KernelTextDetector()
+# InfiniBand / RoCE ports down after being up, link downs, error-counter bursts (net_ports.yaml).
+net_port_detector = NetPortDetector()
 attributor = Attributor(settle_s=SETTINGS.settle_s, collateral_wait_s=SETTINGS.collateral_s)
 # Operator mode changes: the API's state file when this host sees it, then mode.changes.
 modes = ModeState(BOOTSTRAP, SETTINGS.modes_file)
@@ -539,6 +545,17 @@ async def detect_kernel(stream: faust.StreamT[bytes]) -> None:
         if (kev := await accept(event, KernelEvent, "detect_kernel", "streams.detect_kernel")) is None:
             continue
         for anomaly in [*xid_detector.detect(kev), *kernel_text_detector.detect(kev)]:
+            await publish(ANOMALIES, anomaly)
+
+
+@app.agent(net_topic)
+async def detect_net(stream: faust.StreamT[bytes]) -> None:
+    """Each node's own InfiniBand / RoCE ports; its anomalies are node-keyed, as the GPU detector's,
+    and route_anomalies re-keys them to the jobs on the node."""
+    async for event in stream.events():
+        if (sample := await accept(event, NetPortSample, "detect_net", "streams.detect_net")) is None:
+            continue
+        for anomaly in net_port_detector.observe(sample):
             await publish(ANOMALIES, anomaly)
 
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 from schemas.events import Anomaly, Evidence, Incident, SchedEvent
 from schemas.ids import stable_id
-from schemas.vocab import SEVERITY_RANK
+from schemas.vocab import PROVENANCE_RANK, SEVERITY_RANK
 from streams.causal import judge, tier
-from streams.policy import isolation
+from streams.policy import isolation, job_evidence_only, node_evidence, strongest_provenance
 
 MAX_EVIDENCE = 50
 # Jobs that finished are forgotten after this long, to bound memory.
@@ -111,6 +111,67 @@ def _comment(src: SchedEvent | Incident | _Allocation | None) -> str | None:
     return src.comment if src is not None else None
 
 
+@dataclass(frozen=True)
+class _Held:
+    """An incident holding its job (or node): until when, its id, whether it explains the fault (a
+    category other than unknown), and the provenance rank its isolation rested on (None: it
+    isolated nothing - no fault of a node, or isolation not permitted)."""
+
+    until: float
+    incident_id: str
+    explains: bool
+    isolated_on: int | None
+
+
+def _isolation_rank(inc: Incident) -> int | None:
+    """The provenance rank an incident's isolation rested on; None when it isolates nothing."""
+    if not (inc.isolate and inc.isolatable and inc.culprit_node):
+        return None
+    strong = node_evidence(inc)
+    if strong:
+        return PROVENANCE_RANK[strong[0].provenance]
+    return PROVENANCE_RANK["job"]  # a partition that lets job evidence isolate
+
+
+def _held(inc: Incident, until: float) -> _Held:
+    return _Held(until, inc.incident_id, inc.category != "unknown", _isolation_rank(inc))
+
+
+def _stronger_isolating(held: _Held, anomaly: Anomaly) -> bool:
+    """Later stronger evidence reopens the judgement: an isolating fault reported by the node's
+    kernel or GPUs, the scheduler or a service is never absorbed by an incident that isolated
+    nothing (it decided no action, or its isolation was not permitted) or isolated on weaker
+    provenance (the job's own output, a syslog file)."""
+    if not (anomaly.isolate and anomaly.role == "root" and anomaly.provenance != "job"):
+        return False
+    return held.isolated_on is None or held.isolated_on < PROVENANCE_RANK[anomaly.provenance]
+
+
+#: Slurm's node states that say the node itself failed: what corroborates a job's node-failure line.
+_NODE_DOWN_STATES = frozenset({"DOWN"})
+_NODE_DOWN_FLAGS = frozenset({"NOT_RESPONDING"})
+
+
+def _node_down(ev: SchedEvent) -> bool:
+    return (ev.state in _NODE_DOWN_STATES or bool(_NODE_DOWN_FLAGS.intersection(ev.flags))) and (
+        "MAINTENANCE" not in ev.flags and ev.reservation is None
+    )
+
+
+def _scheduler_evidence(ev: SchedEvent) -> Evidence:
+    shown = "+".join([ev.state, *ev.flags])
+    why = f": {ev.reason}" if ev.reason else ""
+    return Evidence(
+        source="scheduler",
+        provenance="scheduler",
+        signature="slurm_node_down",
+        node=ev.node,
+        time=ev.event_time,
+        line=f"slurm: node {ev.node} {shown}{why}"[:4096],
+        role="collateral",
+    )
+
+
 def _names_the_cause(held_explains: bool, anomaly: Anomaly) -> bool:
     """Whether `anomaly`, arriving while an incident holds its job, must be an incident of its own.
 
@@ -140,8 +201,15 @@ class Attributor:
         self.collateral_wait_s = collateral_wait_s
         self.hold_s = hold_s
         self._groups: dict[str, _Group] = {}
-        # key -> (until, incident id, whether it explains the fault: a category other than unknown)
-        self._closed: dict[str, tuple[float, str, bool]] = {}
+        # key -> the incident holding the job (or node) and what it may absorb
+        self._closed: dict[str, _Held] = {}
+        # node -> Slurm's latest report of it down or not responding (a SchedEvent of kind node):
+        # what corroborates a job's own evidence about the node (streams.policy.isolation).
+        self._down: dict[str, SchedEvent] = {}
+        # node -> an incident whose isolation of that node waits for corroboration (only the job's
+        # own evidence named it): Slurm reporting the node down within its hold reissues it.
+        self._awaiting: dict[str, Incident] = {}
+        self._reissued: list[Incident] = []
         self._alloc: dict[str, _Allocation] = {}  # job id -> allocation
         self._node_job: dict[str, str] = {}  # node -> running job id
         self._incident_times: dict[str, float] = {}
@@ -192,7 +260,8 @@ class Attributor:
         node = inc.culprit_node or next((e.node for e in inc.evidence if e.node), None)
         key = inc.job_id or f"node:{node or '?'}"
         until = inc.event_time + self.hold_s
-        self._closed[key] = (until, inc.incident_id, inc.category != "unknown")
+        self._closed[key] = _held(inc, until)
+        self._await_corroboration(inc)
         self._incident_times[inc.incident_id] = inc.event_time
         for aid in inc.anomaly_ids:
             self._attributed[aid] = until
@@ -200,12 +269,15 @@ class Attributor:
     # -- inputs ------------------------------------------------------------------
 
     def observe_sched(self, ev: SchedEvent, now: float) -> None:
+        if ev.kind == "node" and ev.node:
+            self._observe_node(ev, now)
+            return
         if ev.kind != "job" or not ev.job_id:
             return
         if ev.state == "RUNNING" and ev.nodes:
             self._set_alloc(ev.job_id, tuple(ev.nodes), ev.partition, now, ev)
             closed = self._closed.get(ev.job_id)
-            if closed and ev.event_time > self._incident_time(closed[1]):
+            if closed and ev.event_time > self._incident_time(closed.incident_id):
                 # The job runs again after our incident: new faults are new incidents.
                 del self._closed[ev.job_id]
         elif ev.state in (
@@ -233,9 +305,13 @@ class Attributor:
             job_id = self._node_job.get(anomaly.node)
         key = job_id or f"node:{anomaly.node or '?'}"
         closed = self._closed.get(key)
-        if (closed and now < closed[0] and not _names_the_cause(closed[2], anomaly)) or self._attributed.get(
-            anomaly.event_id, 0.0
-        ) > now:
+        holds = (
+            closed is not None
+            and now < closed.until
+            and not _names_the_cause(closed.explains, anomaly)
+            and not _stronger_isolating(closed, anomaly)
+        )
+        if holds or self._attributed.get(anomaly.event_id, 0.0) > now:
             self.absorbed += 1
             return
         group = self._groups.get(key)
@@ -254,7 +330,7 @@ class Attributor:
             for g in self._groups.values()
             if now - g.opened_at >= (self.settle_s if g.has_root else self.collateral_wait_s)
         ]
-        incidents = []
+        incidents, self._reissued = self._reissued, []
         for g in ready:
             del self._groups[g.key]
             if g.job_id is None and g.anomalies[0].node and g.anomalies[0].node in self._node_job:
@@ -265,7 +341,8 @@ class Attributor:
                         job_group.add(a)
                     continue
             inc = self._incident(g, now)
-            self._closed[g.key] = (now + self.hold_s, inc.incident_id, inc.category != "unknown")
+            self._closed[g.key] = _held(inc, now + self.hold_s)
+            self._await_corroboration(inc)
             self._incident_times[inc.incident_id] = inc.event_time
             for aid in inc.anomaly_ids:
                 self._attributed[aid] = now + self.hold_s
@@ -274,7 +351,7 @@ class Attributor:
         return incidents
 
     def pending(self) -> int:
-        return len(self._groups)
+        return len(self._groups) + len(self._reissued)
 
     def retain(self, keep: Callable[[str], bool]) -> int:
         """Drop the open groups whose key `keep` refuses (their job's partition went to another
@@ -332,8 +409,12 @@ class Attributor:
                 group.opened_at = min(group.opened_at, node_group.opened_at)
 
     def _expire(self, now: float) -> None:
-        for key in [k for k, (until, _, _) in self._closed.items() if until <= now]:
-            self._incident_times.pop(self._closed.pop(key)[1], None)
+        for key in [k for k, held in self._closed.items() if held.until <= now]:
+            self._incident_times.pop(self._closed.pop(key).incident_id, None)
+        for node in [n for n, inc in self._awaiting.items() if inc.event_time + self.hold_s <= now]:
+            del self._awaiting[node]
+        for node in [n for n, ev in self._down.items() if now - ev.event_time > ALLOCATION_TTL_S]:
+            del self._down[node]
         for aid in [a for a, until in self._attributed.items() if until <= now]:
             del self._attributed[aid]
         for job_id in [j for j, a in self._alloc.items() if now - a.seen_at > ALLOCATION_TTL_S]:
@@ -352,6 +433,25 @@ class Attributor:
         first = min(a.event_time for a in taken)
         incident_id = stable_id("inc", g.key, min(a.event_id for a in taken))
         explanation = v.explanation
+        evidence = [
+            Evidence(
+                source=a.source,
+                provenance=a.provenance,
+                signature=a.signature,
+                node=a.node,
+                rank=a.rank,
+                time=a.event_time,
+                line=a.line,
+                role=a.role,
+                gpu=a.gpu,
+            )
+            for a in v.ranked[:MAX_EVIDENCE]
+        ]
+        down = self._down.get(v.culprit_node or "")
+        if v.isolate and down is not None and down.event_time >= first - self.hold_s:
+            # Slurm's own word that the node failed: corroborates the job's evidence about it.
+            evidence.append(_scheduler_evidence(down))
+            explanation += f"; corroborated by the scheduler: {evidence[-1].line}"
         if g.twins:
             seen = sorted({f"{a.signature} on {a.node} (source {a.source})" for a in g.twins})
             explanation += f"; also reported by another source, counted once: {', '.join(seen)}"
@@ -376,23 +476,55 @@ class Attributor:
             confidence=v.confidence,
             isolate=v.isolate,
             explanation=explanation,
-            evidence=[
-                Evidence(
-                    source=a.source,
-                    signature=a.signature,
-                    node=a.node,
-                    rank=a.rank,
-                    time=a.event_time,
-                    line=a.line,
-                    role=a.role,
-                    gpu=a.gpu,
-                )
-                for a in v.ranked[:MAX_EVIDENCE]
-            ],
+            evidence=evidence,
+            provenance=strongest_provenance(evidence),
             anomaly_ids=sorted(a.event_id for a in taken),
             first_signal_time=first,
         )
-        if not draft.isolate:
-            return draft
-        ok, note = isolation(draft)
-        return draft.model_copy(update={"isolatable": ok, "isolation_note": "" if ok else note})
+        return _judged(draft)
+
+    # -- corroboration by the scheduler ----------------------------------------------
+
+    def _observe_node(self, ev: SchedEvent, now: float) -> None:
+        node = ev.node
+        assert node is not None
+        if not _node_down(ev):
+            self._down.pop(node, None)
+            return
+        self._down[node] = ev
+        waiting = self._awaiting.pop(node, None)
+        if waiting is None or now >= waiting.event_time + self.hold_s:
+            return
+        # The incident whose isolation only the job's own evidence called for: Slurm now says the node
+        # failed. Judged again with that evidence, as an incident of its own (the first decided
+        # without it); it then holds the job as the first did.
+        evidence = [*waiting.evidence, _scheduler_evidence(ev)]
+        incident_id = stable_id("inc", waiting.incident_id, "corroborated", ev.event_id)
+        redone = _judged(
+            waiting.model_copy(
+                update={
+                    "event_id": incident_id,
+                    "incident_id": incident_id,
+                    "event_time": now,
+                    "evidence": evidence,
+                    "provenance": strongest_provenance(evidence),
+                    "explanation": waiting.explanation + f"; corroborated by the scheduler: {evidence[-1].line}",
+                }
+            )
+        )
+        key = waiting.job_id or f"node:{node}"
+        self._closed[key] = _held(redone, now + self.hold_s)
+        self._incident_times[incident_id] = now
+        self._reissued.append(redone)
+
+    def _await_corroboration(self, inc: Incident) -> None:
+        if inc.isolate and inc.culprit_node and not inc.isolatable and job_evidence_only(inc):
+            self._awaiting[inc.culprit_node] = inc
+
+
+def _judged(draft: Incident) -> Incident:
+    """The incident with whether isolating its culprit may be carried out (streams.policy.isolation)."""
+    if not draft.isolate:
+        return draft
+    ok, note = isolation(draft)
+    return draft.model_copy(update={"isolatable": ok, "isolation_note": "" if ok else note})

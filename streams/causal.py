@@ -28,7 +28,7 @@ from schemas.vocab import SEVERITY_RANK, Category, Severity
 from streams.detectors.activity import default_activities
 from streams.ranks import rank_ranges
 
-_SOURCE_RANK = {"kernel": 3, "scheduler": 2, "gpu": 2, "external": 1, "job_log": 0}
+_SOURCE_RANK = {"kernel": 3, "scheduler": 2, "gpu": 2, "net": 2, "external": 1, "job_log": 0}
 # torch's default NCCL collective timeout (10 min; 30 min for other backends and older torch).
 DEFAULT_COLLECTIVE_TIMEOUT_MS = 600_000
 # A configured timeout below this share of the default is "far below" it: a setting of the job.

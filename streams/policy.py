@@ -26,11 +26,14 @@ from schemas.vocab import (
     CATEGORIES,
     DRAINS,
     NEVER_ACTS,
+    NODE_EVIDENCE,
+    PROVENANCE_RANK,
     SEVERITY_RANK,
     STOPS,
     ActionKind,
     Category,
     Mode,
+    Provenance,
     Remediation,
     Severity,
 )
@@ -239,6 +242,38 @@ class ReturnToService(BaseModel):
     automatic: AutoReturn = Field(default_factory=AutoReturn)
 
 
+class ProvenancePolicy(BaseModel):
+    """What evidence of each provenance may trigger (docs/security.md "Provenance"). Evidence of any
+    provenance may restart or stop the job it is about; isolating a node needs evidence about that
+    node of a provenance in `node_evidence` - the node's kernel, its GPU telemetry, the scheduler,
+    an authenticated service - in the incident. A job's own output (and NVRx, which runs in the
+    job) never isolates a node on its own: the isolation stays a recommendation for a person."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    node_evidence: list[Provenance] = Field(default_factory=lambda: list(NODE_EVIDENCE), min_length=1)
+    # Partitions (shell globs) where a job's own evidence may isolate a node the scheduler gives the
+    # job, uncorroborated. A RISK (docs/security.md): any job there can drain its own nodes by
+    # printing one line, and spend the cluster's drains per window. For a partition whose jobs are
+    # all trusted, where waiting for the scheduler to mark a node down costs more than a wrong drain.
+    job_isolates_own_nodes: list[str] = Field(default_factory=list, max_length=256)
+
+    @field_validator("node_evidence")
+    @classmethod
+    def _not_job(cls, value: list[Provenance]) -> list[Provenance]:
+        if "job" in value:
+            raise ValueError(
+                "job evidence never isolates a node on its own: name the partitions in job_isolates_own_nodes instead"
+            )
+        return value
+
+    def job_may_isolate(self, partition: str | None) -> bool:
+        return any(fnmatch.fnmatchcase(partition or "", p) for p in self.job_isolates_own_nodes)
+
+
+DEFAULT_PROVENANCE = ProvenancePolicy()
+
+
 class JobRule(BaseModel):
     """An operator's per-job setting by job name, user, account or partition: the values a job's
     owner writes after trainmedic= in its comment (streams/job_settings.py)."""
@@ -290,6 +325,7 @@ class Policy(BaseModel):
     return_to_service: ReturnToService = Field(default_factory=ReturnToService)
     fleet: FleetPolicy = Field(default_factory=FleetPolicy)
     remediation: RemediationPolicy = Field(default_factory=RemediationPolicy)
+    provenance: ProvenancePolicy = Field(default_factory=ProvenancePolicy)
 
     def mode_for(self, partition: str | None, category: Category | None = None) -> Mode:
         """Most specific wins: partition+category, partition, category, default."""
@@ -422,41 +458,89 @@ def _culprit_words(incident: Incident) -> str:
     return " ".join(parts) or "the failing process"
 
 
-def node_reported_fault(incident: Incident) -> bool:
-    """The culprit node's own kernel log or GPU telemetry reported the fault (its producer runs there).
+def node_reported_fault(incident: Incident, gate: ProvenancePolicy = DEFAULT_PROVENANCE) -> bool:
+    """The culprit node's own kernel log, GPU telemetry or InfiniBand/RoCE port readings reported the
+    fault (its producer runs there).
 
     Not ingested health events: the ingest endpoint takes the node from the request body under
     one shared token, and NVRx reports come from inside jobs - a job holding the token could
     otherwise name any node. Those drains need the scheduler's placement like a job's output.
     """
     node = incident.culprit_node
+    own = {p for p in gate.node_evidence if p in ("kernel", "kernel_file", "gpu", "net")}
     return node is not None and any(
-        e.node == node and e.role == "root" and e.source in ("kernel", "gpu") for e in incident.evidence
+        e.node == node and e.role == "root" and e.provenance in own for e in incident.evidence
     )
 
 
-def isolation(incident: Incident) -> tuple[bool, str]:
+def node_evidence(incident: Incident, gate: ProvenancePolicy = DEFAULT_PROVENANCE) -> list[Evidence]:
+    """The incident's evidence about its culprit node that may isolate it (a provenance of
+    `gate.node_evidence`: the node's kernel or GPUs, the scheduler, a service), strongest first."""
+    node = incident.culprit_node
+    found = [e for e in incident.evidence if node is not None and e.node == node and e.provenance in gate.node_evidence]
+    return sorted(found, key=lambda e: (-PROVENANCE_RANK[e.provenance], e.role != "root", e.time))
+
+
+def strongest_provenance(evidence: list[Evidence]) -> Provenance | None:
+    """The strongest provenance among the deciding (root) evidence, else among all of it."""
+    pool = [e for e in evidence if e.role == "root"] or evidence
+    return max((e.provenance for e in pool), key=lambda p: PROVENANCE_RANK[p], default=None)
+
+
+def job_evidence_only(incident: Incident, gate: ProvenancePolicy = DEFAULT_PROVENANCE) -> bool:
+    """The culprit is one of the job's nodes per the scheduler, and nothing but evidence the job
+    could write calls for isolating it: the job may be restarted or stopped, the node is not drained."""
+    return (
+        incident.culprit_node is not None
+        and bool(incident.culprit_in_job)
+        and not node_evidence(incident, gate)
+        and not gate.job_may_isolate(incident.partition)
+    )
+
+
+def isolation(incident: Incident, gate: ProvenancePolicy = DEFAULT_PROVENANCE) -> tuple[bool, str]:
     """Whether draining the incident's culprit node may be carried out, and why not.
 
-    Only a node that is the job's own per the scheduler's placement, or the node whose own
-    kernel log or GPU telemetry reported the fault (its producer runs there), may be isolated.
-    A job's output is the job's to write: a node it merely names is not evidence enough.
+    Verdict and permission are separate: attribution says the fault lives on the node; this says
+    whether the evidence's provenance may take it out of service. A node is isolated on evidence
+    about it from its own kernel or GPU telemetry, the scheduler or an authenticated service (the
+    policy's `provenance.node_evidence`), or, where the policy relaxes it for the partition, on
+    the job's own evidence about one of its nodes per the scheduler. A job's output alone - a
+    node-failure line, an adapter error naming a host - never isolates a node: it restarts or
+    stops only the job, and the isolation stays a recommendation for a person.
     """
     node = incident.culprit_node
     if node is None:
         return False, f"the culprit is {_culprit_words(incident)}, not resolved to a node of the job"
-    if node_reported_fault(incident):
+    if node_reported_fault(incident, gate):
         return True, f"{node} reported the fault itself"
-    if incident.culprit_in_job:
-        return True, f"{node} is one of the job's nodes per the scheduler"
+    strong = node_evidence(incident, gate)
+    if strong:
+        e = strong[0]
+        return True, f"{e.provenance} evidence about {node} ({e.signature})"
     if incident.culprit_in_job is False:
         nodes = ", ".join(incident.job_nodes) or "none known"
         return False, (
             f"culprit {node} is named by the job's output but is not one of the job's nodes per the scheduler "
             f"({nodes}): no isolating action"
         )
+    if incident.culprit_in_job and gate.job_may_isolate(incident.partition):
+        return True, (
+            f"{node} is one of the job's nodes per the scheduler, and partition {incident.partition} lets "
+            "the job's own evidence isolate it (provenance.job_isolates_own_nodes)"
+        )
+    if incident.culprit_in_job:
+        return False, (
+            f"only evidence the job could write names {node} (provenance job): it restarts or stops the job, "
+            f"never isolates a node on its own; no {'/'.join(gate.node_evidence)} evidence about {node} "
+            "corroborates it (for a node failure: Slurm reporting the node DOWN or NOT_RESPONDING; for an "
+            "adapter or port error: the node's own port state or counters): isolating it is for a person to decide"
+        )
     return False, f"culprit {node} is named by the job's output and the scheduler's placement of the job is unknown"
 
+
+#: What is left of an isolating action when only the job's own evidence calls for it: its job part.
+_JOB_ONLY: dict[ActionKind, ActionKind] = {"drain_and_requeue": "requeue", "drain_and_stop": "stop", "drain": "none"}
 
 #: The actions that restart the job; which of the two a category's restart is, the fault says.
 RESTARTS: tuple[ActionKind, ...] = ("requeue", "drain_and_requeue")
@@ -518,7 +602,7 @@ def decide(
         # A rule without a category filter matched: "healthy" and "unknown" still never act.
         rule += f" ({incident.category} never acts: none)"
         action = "none"
-    isolatable, note = isolation(incident)
+    isolatable, note = isolation(incident, policy.provenance)
     if action in DRAINS and not isolatable:
         if incident.culprit_node is not None and incident.culprit_in_job is False:
             # A job's output named a node the scheduler did not give it: draining it would let one
@@ -526,6 +610,12 @@ def decide(
             action = "none"
             rule += " (culprit outside the job: none)"
             reasons.append(note)
+        elif job_evidence_only(incident, policy.provenance):
+            # The job's own evidence about one of its nodes: it may restart or stop the job that wrote
+            # it, not take the node out of service. The isolation is a recommendation for a person.
+            action = _JOB_ONLY[action]
+            rule += f" (job evidence only: {action} of the job; isolating {incident.culprit_node} is for a person)"
+            reasons.append(f"{note}; isolating {incident.culprit_node} recommended")
         else:
             # Never a silent plain restart: it may land on the same bad GPU. Recommend the
             # isolation, naming what is known, and leave it to a person.
@@ -630,7 +720,7 @@ def decide(
         incident.incident_id,
         requested_by="policy",
         now=now,
-        node_reported_fault=node_reported_fault(incident),
+        node_reported_fault=node_reported_fault(incident, policy.provenance),
     )
 
 
@@ -840,7 +930,7 @@ def explain(policy: Policy, incident: Incident) -> list[str]:
         lines.append(f"  rule {r.name}: {'MATCHES' if r.match.matches(incident) else 'no match'} -> {r.action}")
     chosen, by = choose_action(policy, incident)
     lines.append(f"  facts call for: {chosen} ({by})")
-    isolatable, note = isolation(incident)
+    isolatable, note = isolation(incident, policy.provenance)
     lines.append(f"  isolation: {'allowed' if isolatable else 'not allowed'} ({note})")
     lines.append(f"  job settings: {job_settings(policy, incident).describe()}")
     decision, action = decide(policy, incident, now=incident.event_time)

@@ -268,3 +268,16 @@ def slurm(slurm_cluster: Cluster) -> Iterator[Any]:
     reset()
     yield backend
     reset()
+
+
+@pytest.fixture(autouse=True)
+def _config_env_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`trainmedic --config F` sets TRAINMEDIC_CONFIG for the processes it starts; run in-process by
+    CliRunner it would leak into every later test of the worker (a later test then read that
+    config's token). Recording the variable here makes monkeypatch put it back after each test."""
+    from trainmedic.settings import CONFIG_ENV
+
+    previous = os.environ.get(CONFIG_ENV)
+    monkeypatch.setenv(CONFIG_ENV, previous or "unset")
+    if previous is None:
+        monkeypatch.delenv(CONFIG_ENV)

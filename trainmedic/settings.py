@@ -29,6 +29,8 @@ from pydantic_settings import SettingsError as PydanticSettingsError
 from bus.config import KafkaSecurity, configure_security
 from schemas.errors import ConfigError
 from schemas.ids import CLUSTER_RE, DEFAULT_CLUSTER, NodeNameError, check_node_name, set_cluster
+from schemas.masking import MASK, mask, remember
+from schemas.masking import install as mask_process_output
 from schemas.topics import DEFAULT_PARTITIONS
 from schemas.vocab import Mode
 from schemas.yamlsafe import load_yaml
@@ -66,6 +68,13 @@ class Settings(BaseSettings):
     node_strip_domain: bool = Field(
         default=False, description="report gpu01 for gpu01.example.org (Slurm NodeNames are short host names)"
     )
+
+    # -- node producers -------------------------------------------------------------------
+    ib_sysfs_root: Path = Field(
+        default=Path("/sys/class/infiniband"),
+        description="where `produce ib` reads the InfiniBand / RoCE ports (the kernel's sysfs class directory)",
+    )
+    ib_interval_s: float = Field(default=10.0, gt=0, le=3600, description="seconds between `produce ib` samples")
 
     # -- Kafka --------------------------------------------------------------------------
     bootstrap: str | None = Field(
@@ -120,7 +129,28 @@ class Settings(BaseSettings):
     api_tls_cert: Path | None = Field(default=None, description="the API's TLS certificate chain (PEM)")
     api_tls_key: Path | None = Field(default=None, description="the API's TLS private key (PEM)")
     api_insecure: bool = Field(default=False, description="allow the API off loopback without TLS")
-    ingest_token: SecretStr | None = Field(default=None, description="bearer token the ingest endpoint requires")
+    ingest_token: SecretStr | None = Field(
+        default=None, description="the shared ingest token: accepted from services (NVSentinel), not for jobs"
+    )
+
+    # -- ingest identity (docs/ingest.md, "Identity") -------------------------------------------
+    ingest_service_token: SecretStr | None = Field(
+        default=None, description="NVSentinel's own bearer token, and the /oauth2/token client secret"
+    )
+    site_secret: SecretStr | None = Field(
+        default=None,
+        description="derives per-job ingest tokens (`trainmedic ingest job-token`) and per-node signing keys; "
+        "at least 32 characters",
+    )
+    ingest_munge: bool = Field(
+        default=True,
+        description="accept `Authorization: MUNGE` on /v1/nvrx (needs unmunge, the cluster's munged and Slurm access)",
+    )
+    ingest_munge_socket: str | None = Field(default=None, description="munged's socket; unset: munge's default")
+    ingest_allow_shared_token_for_jobs: bool = Field(
+        default=False,
+        description="RISK: accept the shared ingest token for NVRx job reports (whoever holds it can requeue any job)",
+    )
 
     # -- Slurm (the executor) ----------------------------------------------------------------
     slurm_access: Literal["local", "ssh", "rest"] = "local"
@@ -191,13 +221,16 @@ class Settings(BaseSettings):
         given = {k: v for k, v in flags.items() if v is not None}
         token = _config_file.set(config_path(config))
         try:
-            return cls(**given)
+            settings = cls(**given)
         except ValidationError as exc:
             raise SettingsError(_describe(exc)) from None
         except PydanticSettingsError as exc:  # a complex value (node_map) that is not JSON in the env
             raise SettingsError(f'{exc} (a mapping is JSON in the environment: \'{{"k8s-name": "gpu01"}}\')') from None
         finally:
             _config_file.reset(token)
+        # Whatever this process prints, logs or serves from now on is masked of these (schemas/masking.py).
+        remember(*(settings.secret(name) for name in secret_fields()))
+        return settings
 
     def slurm_node(self, name: str | None = None) -> str:
         """The Slurm NodeName this process reports for: `name`, else the node setting, else the
@@ -419,8 +452,8 @@ def _shown(value: Any, secret: bool) -> str:
     if value is None:
         return "-"
     if secret:
-        return "********"
-    return str(value)
+        return MASK
+    return mask(str(value))  # a URL setting (api, slurmrestd_url) may carry credentials too
 
 
 def audit_layout(settings: Settings) -> LayoutSettings:
@@ -446,7 +479,10 @@ def clickhouse_dsn(settings: Settings) -> str | None:
 
 
 def apply(settings: Settings) -> None:
-    """Make `settings` the process's: its cluster name (ids, events) and Kafka security (bus)."""
+    """Make `settings` the process's: its cluster name (ids, events), Kafka security (bus), and its
+    secrets masked in every log record and uncaught exception's traceback (schemas/masking.py)."""
+    mask_process_output()
+    remember(*(settings.secret(name) for name in secret_fields()))
     set_cluster(settings.cluster)
     try:
         configure_security(kafka_security(settings))

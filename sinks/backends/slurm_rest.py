@@ -33,6 +33,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from schemas.errors import Refused
+from schemas.masking import remember
 from schemas.yamlsafe import YamlError, load_yaml
 from sinks.backends.base import BackendError, JobState, NodeState, NotPermitted, refuse_node_action, refuse_relabel
 from sinks.backends.slurm_cli import (
@@ -150,6 +151,7 @@ class TokenSource:
         token = text.strip().removeprefix("SLURM_JWT=")
         if not token or any(c.isspace() or not c.isprintable() for c in token):
             raise BackendError(f"slurmrestd {where}: empty or not a single-line token")
+        remember(token)  # a rotated token too: masked in whatever this process prints
         return token
 
 

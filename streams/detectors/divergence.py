@@ -303,6 +303,7 @@ class DivergenceDetector:
             role="root",
             isolate=False,
             source="job_log",
+            provenance="job",
             job_id=job.job_id,
             node=last.node,
             rank=last.rank,

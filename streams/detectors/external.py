@@ -48,7 +48,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from schemas.events import Anomaly, HealthEvent
+from schemas.events import Anomaly, HealthEvent, external_provenance
 from schemas.ids import stable_id
 from schemas.vocab import SEVERITY_RANK, Category, Role, Severity
 from schemas.yamlsafe import YamlError, load_yaml
@@ -488,6 +488,7 @@ class ExternalHealthDetector:
             role=call.role,
             isolate=call.isolate,
             source="external",
+            provenance=external_provenance(event),
             job_id=job_id,
             node=node,
             rank=rank,

@@ -518,6 +518,7 @@ class GpuHealthDetector:
             role=f.role,
             isolate=f.isolate,
             source="gpu",
+            provenance="gpu",
             node=sample.node,
             gpu=gpu.index,
             line=f"{sample.node} GPU {gpu.index}: {f.line}"[:4096],

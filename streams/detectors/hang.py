@@ -464,6 +464,7 @@ class HangDetector:
             role="root",
             isolate=False,
             source=source,
+            provenance="gpu" if source == "gpu" else "job",
             job_id=job.job_id,
             partition=job.partition,
             job_nodes=list(job.nodes),

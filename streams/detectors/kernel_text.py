@@ -13,7 +13,7 @@ import re
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from schemas.events import Anomaly, KernelEvent
+from schemas.events import Anomaly, KernelEvent, kernel_provenance
 from schemas.ids import stable_id
 from streams.catalog import KernelSignatures, ReportVerdict, default_kernel_signatures
 from streams.detectors.xid import SxidDetector
@@ -138,6 +138,7 @@ class KernelTextDetector:
             role=verdict.role,
             isolate=False,
             source="kernel",
+            provenance=kernel_provenance(event),
             node=event.node,
             line=event.text[:2000],
             meaning=meaning,

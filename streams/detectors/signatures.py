@@ -74,6 +74,7 @@ class SignatureDetector:
                 role=sig.role,
                 isolate=sig.isolate,
                 source="job_log",
+                provenance="job",
                 job_id=batch.job_id,
                 node=node,
                 rank=rank,

@@ -555,6 +555,7 @@ class StragglerDetector:
             role="root",
             isolate=True,
             source="gpu" if v.gpu_metrics or v.slowdown else "job_log",
+            provenance="gpu" if v.gpu_metrics or v.slowdown else "job",
             job_id=job.job_id,
             node=node,
             partition=job.partition,

@@ -252,6 +252,7 @@ class ThroughputDetector:
             role="root",
             isolate=False,
             source="job_log",
+            provenance="job",
             job_id=job.job_id,
             node=last.node,
             rank=last.rank,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from schemas.events import Anomaly, KernelEvent
+from schemas.events import Anomaly, KernelEvent, kernel_provenance
 from schemas.ids import stable_id
 from schemas.vocab import Role, Severity
 from streams.catalog import SxidCatalog, XidBucket, XidEntry, default_sxids, load_xid_catalog
@@ -69,6 +69,7 @@ class XidDetector:
                 role=role,
                 isolate=isolate,
                 source="kernel",
+                provenance=kernel_provenance(event),
                 node=event.node,
                 gpu=event.gpu_index,  # the culprit GPU a reset_gpu remediation resets
                 line=event.text[:2000],
@@ -91,6 +92,7 @@ class XidDetector:
             role="root",
             isolate=False,
             source="kernel",
+            provenance=kernel_provenance(event),
             node=event.node,
             line=event.text[:2000],
             meaning=f"Xid {event.xid}: not in the catalog; see NVIDIA's Xid catalog",
@@ -134,6 +136,7 @@ class SxidDetector:
                 # A fatal NVSwitch error takes the node's NVLink fabric down: drain it. Non-fatal: a look.
                 isolate=fatal,
                 source="kernel",
+                provenance=kernel_provenance(event),
                 node=event.node,
                 line=event.text[:2000],
                 meaning=(

@@ -46,12 +46,13 @@ def _events(t0: float) -> list[Event]:
     return events
 
 
-# Columns added by migrations after the layout (009, 010, 012, 014, 017, 018, 022), by table ("*": every
+# Columns added by migrations after the layout (009, 010, 012, 014, 017, 018, 022, 023), by table ("*": every
 # table): absent from the old tables, NULL or their default after.
 ADDED_AFTER_LAYOUT = {
     "*": {"cluster"},
     "sched_events": {"reason_user", "reason_time", "reservation"},
-    "incidents": {"isolate", "job_comment", "domain", "domain_nodes", "domain_failed_nodes"},
+    "incidents": {"isolate", "job_comment", "domain", "domain_nodes", "domain_failed_nodes", "provenance"},
+    "anomalies": {"provenance"},
     "node_returns": {"outcome", "check", "check_passed", "detail"},
 }
 

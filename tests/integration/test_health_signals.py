@@ -21,10 +21,13 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from bus.identity import job_token
 from bus.publish import Publisher
 from producers.ingest import IngestServer, create_app
+from producers.ingest_auth import IngestAuth
 from producers.kernel import KernelLogProducer
 from schemas.events import GpuMetrics, GpuSample, SchedEvent
+from schemas.ids import DEFAULT_CLUSTER
 from schemas.topics import GPU_SAMPLES, SCHED_EVENTS
 from sinks.audit import AuditStore
 from sinks.backends.simulated import SimulatedScheduler
@@ -104,9 +107,10 @@ def test_kernel_nvml_nvsentinel_and_nvrx_signals_each_reach_one_incident_on_thei
         assert pub.flush(10) == 0
 
         # 2. and 3. through the ingest endpoint, as NVSentinel and an NVRx hook post them.
-        token = secrets.token_urlsafe(24)
+        token, site = secrets.token_urlsafe(24), secrets.token_urlsafe(32)
         ingest_pub = Publisher(broker.bootstrap, "test-ingest")
-        server = IngestServer(create_app(ingest_pub, token), "127.0.0.1", 0).start()
+        auth = IngestAuth(shared_token=token, site_secret=site)
+        server = IngestServer(create_app(ingest_pub, auth), "127.0.0.1", 0).start()
         try:
             nvs_node = sched.job_state(nvs_job).nodes[0]
             event = copy.deepcopy(NVSENTINEL_XID48)
@@ -123,7 +127,9 @@ def test_kernel_nvml_nvsentinel_and_nvrx_signals_each_reach_one_incident_on_thei
                 "fault_type": "rank_heartbeat_timeout",
                 "message": "rank 3 missed its heartbeats for 60 s",
             }
-            nvrx_id = _post(f"{server.url}/v1/nvrx", hang, token)["event_id"]
+            # NVRx runs inside the job: its report carries the job's own token (issue 41), not the shared one.
+            nvrx_token = job_token(site.encode(), DEFAULT_CLUSTER, nvrx_job)
+            nvrx_id = _post(f"{server.url}/v1/nvrx", hang, nvrx_token)["event_id"]
         finally:
             server.stop()
             ingest_pub.flush(10)

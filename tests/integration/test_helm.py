@@ -95,6 +95,7 @@ EVERYTHING: dict[str, Any] = {
     },
     "nodeProducers": {
         "gpu": {"source": "dcgm"},
+        "ib": {"enabled": True, "intervalSeconds": 5},
         "kernel": {"source": "kmsg"},
         "logs": {"enabled": True},
         "hostNetwork": True,
@@ -152,6 +153,7 @@ COMMANDS = {
     "topics": ["trainmedic", "topics", "create"],
     "audit-migrate": ["trainmedic", "audit", "db", "migrate"],
     "kernel": ["trainmedic", "produce", "kernel"],
+    "ib": ["trainmedic", "produce", "ib"],
     "logs": ["trainmedic", "produce", "logs"],
     "agent": ["trainmedic", "run", "node-agent"],
 }
@@ -693,6 +695,9 @@ def test_kernel_from_kmsg_gpu_from_dcgm_logs_from_the_bus(chart: Any) -> None:
     assert {"name": "kmsg", "hostPath": {"path": "/dev/kmsg", "type": "CharDevice"}} in spec["volumes"]
     assert container(ds, "gpu")["args"] == ["produce", "dcgm", "--url", "http://$(HOST_IP):9400/metrics"]
     assert container(ds, "logs")["args"] == ["produce", "logs", "--discover", "--placements", "bus"]
+    ib = container(ds, "ib")
+    assert ib["args"] == ["produce", "ib", "--interval", "5"]
+    assert "privileged" not in ib["securityContext"] and not ib["securityContext"].get("capabilities", {}).get("add")
     # hostname: the node's own name, which needs the host's network namespace.
     assert spec["hostNetwork"] is True and spec["dnsPolicy"] == "ClusterFirstWithHostNet"
     node_map = find(render(chart, EVERYTHING), "ConfigMap", "-node-map")

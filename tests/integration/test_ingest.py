@@ -33,6 +33,7 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 
 from bus.config import consumer_config
+from bus.identity import job_token
 from bus.publish import Publisher
 from producers.ingest import (
     STATS_KEY,
@@ -44,8 +45,10 @@ from producers.ingest import (
     load_token,
     run_ingest,
 )
+from producers.ingest_auth import IngestAuth
 from schemas.codec import decode
 from schemas.events import HealthEvent
+from schemas.ids import DEFAULT_CLUSTER
 from schemas.topics import HEALTH_EXTERNAL
 from tests.conftest import wait_for
 from tests.launch import self_signed_certificate
@@ -125,6 +128,11 @@ class Ingest:
     publisher: Publisher
     stats: IngestStats
     bootstrap: str
+    site_secret: str = ""
+
+    def job_token(self, job_id: str) -> str:
+        """The per-job token a prolog hands to job `job_id` (NVRx reports need one, not the shared token)."""
+        return job_token(self.site_secret.encode(), DEFAULT_CLUSTER, job_id)
 
 
 @pytest.fixture(autouse=True)
@@ -137,12 +145,12 @@ def _release_publishers(broker: EmbeddedBroker) -> Iterator[None]:
 
 @pytest.fixture
 def ingest(broker: EmbeddedBroker) -> Iterator[Ingest]:
-    token = secrets.token_urlsafe(24)
+    token, site = secrets.token_urlsafe(24), secrets.token_urlsafe(32)
     publisher = Publisher(broker.bootstrap, "test-ingest")
-    app = create_app(publisher, token)
+    app = create_app(publisher, IngestAuth(shared_token=token, site_secret=site))
     server = IngestServer(app, "127.0.0.1", 0).start()
     # A proxy: pytest keeps fixture values until the broker has stopped; the real reference must go earlier.
-    yield Ingest(server.url, token, weakref.proxy(publisher), app[STATS_KEY], broker.bootstrap)
+    yield Ingest(server.url, token, weakref.proxy(publisher), app[STATS_KEY], broker.bootstrap, site)
     server.stop()
     publisher.flush(10)  # serves pending delivery callbacks, which hold the Publisher alive
 
@@ -213,7 +221,7 @@ def test_nvsentinel_and_nvrx_events_are_published(ingest: Ingest) -> None:
     assert status == 202, body
     cloud_id = body["event_id"]
 
-    status, body = _post(f"{ingest.url}/v1/nvrx", NVRX_STRAGGLER, ingest.token)
+    status, body = _post(f"{ingest.url}/v1/nvrx", NVRX_STRAGGLER, ingest.job_token("1234"))
     assert status == 202, body
     nvrx_id = body["event_id"]
 
@@ -274,9 +282,10 @@ def test_rejected_requests_publish_nothing(ingest: Ingest, caplog: pytest.LogCap
     status, body = _post(url, b'{"nodeName": "gpu01", ', ingest.token)
     assert (status, body["error"], body["field"]) == (400, "invalid_json", "<body>")
 
-    status, body = _post(f"{ingest.url}/v1/nvrx", {**NVRX_STRAGGLER, "scores": {"gpu_relative": 1.7}}, ingest.token)
+    job = ingest.job_token("1234")
+    status, body = _post(f"{ingest.url}/v1/nvrx", {**NVRX_STRAGGLER, "scores": {"gpu_relative": 1.7}}, job)
     assert (status, body["field"]) == (400, "scores.gpu_relative"), body
-    status, body = _post(f"{ingest.url}/v1/nvrx", {**NVRX_STRAGGLER, "jobid": "1234"}, ingest.token)
+    status, body = _post(f"{ingest.url}/v1/nvrx", {**NVRX_STRAGGLER, "jobid": "1234"}, job)
     assert (status, body["field"]) == (400, "jobid"), body
 
     # Valid bodies without the right token.
@@ -333,7 +342,9 @@ def test_a_forged_node_name_is_refused_escaped_and_nothing_is_published(
         ("nvrx", {**NVRX_STRAGGLER, "node": "gpu[01-02]"}, "node"),  # a hostlist is no one node
     ]
     for path, payload, field in posts:
-        status, body = _post(f"{ingest.url}/v1/{path}", payload, ingest.token)
+        # NVRx reports come with their job's token (ingest identity), NVSentinel's with the shared one.
+        token = ingest.job_token(NVRX_STRAGGLER["job_id"]) if path == "nvrx" else ingest.token
+        status, body = _post(f"{ingest.url}/v1/{path}", payload, token)
         assert (status, body["error"], body["field"]) == (400, "invalid_field", field), body
         assert body["problem"].startswith("invalid node name '") and "Slurm node name" in body["problem"], body
     # The problem shows the value with its control characters escaped, as text: no raw ESC or newline.
@@ -371,8 +382,15 @@ def test_oauth2_token_endpoint_for_nvsentinel_exporter(ingest: Ingest) -> None:
     )
     with urllib.request.urlopen(req, timeout=30) as resp:
         grant = json.loads(resp.read())
-    assert grant["token_type"] == "Bearer" and grant["access_token"] == ingest.token
-    assert _post(f"{ingest.url}/v1/nvsentinel", NVSENTINEL_XID48, grant["access_token"])[0] == 202
+    # The access token is derived from the secret with an expiry (issue 41): never the secret itself.
+    access = grant["access_token"]
+    assert grant["token_type"] == "Bearer" and grant["expires_in"] == 3600
+    assert access != ingest.token and ingest.token not in access
+    assert _post(f"{ingest.url}/v1/nvsentinel", NVSENTINEL_XID48, access)[0] == 202
+    # A service credential does not speak for jobs; a forged access token is nothing.
+    assert _post(f"{ingest.url}/v1/nvrx", NVRX_STRAGGLER, access)[0] == 403
+    forged = access.rsplit(".", 1)[0] + "." + "0" * 64
+    assert _post(f"{ingest.url}/v1/nvsentinel", NVSENTINEL_XID48, forged)[0] == 401
 
     wrong = urllib.parse.urlencode(
         {"grant_type": "client_credentials", "client_id": "x", "client_secret": "wrong-secret"}
@@ -385,20 +403,28 @@ def test_oauth2_token_endpoint_for_nvsentinel_exporter(ingest: Ingest) -> None:
 
 
 def test_run_ingest_serves_until_stopped(broker: EmbeddedBroker) -> None:
-    token = secrets.token_urlsafe(24)
+    token, site = secrets.token_urlsafe(24), secrets.token_urlsafe(32)
     publisher = Publisher(broker.bootstrap, "test-ingest")
     ready: list[IngestServer] = []
     stop = threading.Event()
     result: list[IngestStats] = []
     thread = threading.Thread(
         target=lambda: result.append(
-            run_ingest(publisher, "127.0.0.1", 0, token, stop_event=stop, on_ready=ready.append)
+            run_ingest(
+                publisher,
+                "127.0.0.1",
+                0,
+                IngestAuth(shared_token=token, site_secret=site),
+                stop_event=stop,
+                on_ready=ready.append,
+            )
         ),
         daemon=True,
     )
     thread.start()
     server = wait_for("the ingest server", lambda: ready[0] if ready else None, timeout=30)
-    status, body = _post(f"{server.url}/v1/nvrx", {**NVRX_STRAGGLER, "kind": "fault", "fault_type": "hang"}, token)
+    fault = {**NVRX_STRAGGLER, "kind": "fault", "fault_type": "hang"}
+    status, body = _post(f"{server.url}/v1/nvrx", fault, job_token(site.encode(), DEFAULT_CLUSTER, "1234"))
     assert status == 202, body
     stop.set()
     thread.join(timeout=30)

@@ -72,7 +72,7 @@ UNIT_VARIABLES = {"KERNEL_SOURCE", "DCGM_URL", "INGEST_HOST", "INGEST_PORT", "IN
 }
 OTHER_VARIABLES = {"SLURM_CONF", "PYTHONUNBUFFERED"}
 CENTRAL = ("streams", "executor", "audit-sink", "api", "ingest", "notifier", "slurm-producer")
-NODE = ("gpu", "dcgm", "kernel", "logs", "node-agent")
+NODE = ("gpu", "dcgm", "ib", "kernel", "logs", "node-agent")
 # Units that run as root, each with the one capability it needs as its whole bounding set.
 ROOT = {"trainmedic-node-agent.service": "CAP_SYS_ADMIN"}
 ONE_SHOTS = ("topics", "audit-migrate")
@@ -669,6 +669,13 @@ def test_gpu_without_nvml_says_so(broker: EmbeddedBroker, tmp_path: Path) -> Non
     proc = run_one_shot(unit_command("gpu", Site(tmp_path, broker.bootstrap)), timeout=60)
     assert proc.returncode == 3, proc.stdout + proc.stderr  # Unavailable, not a usage error (2)
     assert "NVML" in proc.stderr and "Usage:" not in proc.stderr
+
+
+def test_ib_without_an_rdma_driver_says_so(broker: EmbeddedBroker, tmp_path: Path) -> None:
+    # No InfiniBand adapter here: /sys/class/infiniband is absent (docs/environment.md).
+    proc = run_one_shot(unit_command("ib", Site(tmp_path, broker.bootstrap)), timeout=60)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "no InfiniBand / RoCE device driver is loaded" in proc.stderr and "Usage:" not in proc.stderr
 
 
 def test_node_agent_without_nvml_says_so(broker: EmbeddedBroker, tmp_path: Path) -> None:

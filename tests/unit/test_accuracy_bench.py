@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bench import accuracy
+from bench import accuracy, results
 from tests.conftest import FIXTURES
 
 DEV = FIXTURES / "corpus" / "dev"
@@ -63,8 +63,13 @@ def test_both_splits_reported_and_test_misses_only_in_files(
 def test_single_split_writes_its_own_files(corpus: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     assert run(corpus, out, "--split", "dev") == 0
-    assert sorted(p.name for p in out.iterdir()) == ["accuracy-dev.json", "accuracy-dev.md"]
+    assert sorted(p.name for p in out.iterdir()) == ["accuracy", "accuracy-dev.json", "accuracy-dev.md"]
     assert "test" not in json.loads((out / "accuracy-dev.json").read_text())["splits"]
+    # The same run in the common results format (bench/results.py), named after its split.
+    (common,) = (out / "accuracy").iterdir()
+    doc = json.loads(common.read_text())
+    assert results.errors(doc) == [] and doc["variant"] == "dev" and common.name.endswith("-dev.json")
+    assert {f["where"]["split"] for f in doc["figures"]} == {"dev"}
 
 
 def test_culprit_rank_is_scored_and_unknown_category_accepted(corpus: Path, tmp_path: Path) -> None:

@@ -38,6 +38,7 @@ def xid(node: str, code: int, t: float) -> Anomaly:
         role=e.role,
         isolate=e.isolate,
         source="kernel",
+        provenance="kernel",  # read from /dev/kmsg
         node=node,
         line=f"NVRM: Xid (PCI:0000:07:00): {code}, pid=0",
         meaning=e.meaning,

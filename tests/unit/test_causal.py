@@ -205,11 +205,15 @@ def test_a_node_named_by_the_job_but_not_its_own_is_never_isolated() -> None:
     assert action is None and decision.action == "none" and "gpu06" in decision.reason
 
 
-def test_a_node_of_the_job_is_isolated() -> None:
+def test_a_node_of_the_job_named_only_by_its_output_is_not_isolated() -> None:
+    """Issue 41 reversed this: the job's own line naming one of its nodes restarts the job; draining
+    the node needs evidence the job cannot write (here none), so it is recommended to a person."""
     inc = diagnose([line(NODE_FAILURE.replace("gpu06", "gpu02"), T, 1)], sched=["gpu01", "gpu02"])
-    assert (inc.culprit_node, inc.culprit_in_job, inc.isolatable) == ("gpu02", True, True)
+    assert (inc.culprit_node, inc.culprit_in_job, inc.isolate, inc.isolatable) == ("gpu02", True, True, False)
+    assert inc.provenance == "job" and "never isolates a node on its own" in inc.isolation_note
     decision, action = decide(load_policy().with_mode("autonomous"), inc, T + 2)
-    assert action is not None and (action.action, action.node) == ("drain_and_requeue", "gpu02")
+    assert action is not None and (action.action, action.node) == ("requeue", "gpu02")
+    assert "isolating gpu02 recommended" in decision.reason
 
 
 def test_no_placement_known_stays_a_recommendation() -> None:

@@ -30,8 +30,9 @@ TOP_KEYS = {
     "explanation",
     "evidence",
     "files",
+    "provenance",
 }
-EVIDENCE_KEYS = {"source", "signature", "node", "rank", "role", "line"}
+EVIDENCE_KEYS = {"source", "provenance", "signature", "node", "rank", "role", "line"}
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:

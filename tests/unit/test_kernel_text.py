@@ -11,8 +11,9 @@ from datetime import UTC, datetime
 
 import pytest
 
-from producers.kernel import LineTime, parse_kernel_line, split_prefix, to_event
+from producers.kernel import parse_kernel_line, split_prefix, to_event
 from schemas.events import Anomaly, KernelEvent
+from schemas.timestamps import Stamp
 from streams.catalog import load_kernel_signatures
 from streams.detectors.kernel_text import KernelTextDetector
 from streams.detectors.xid import SxidDetector, XidDetector
@@ -215,10 +216,10 @@ def test_syslog_prefix_has_host_and_time_but_no_year() -> None:
         "Aug 26 22:05:06 gpu02 kernel: [2442787.612089]  [<ffffffffa036bafa>] ? exp_find+0xbc/0xc8 [nfsd]", "x"
     )
     assert p is not None and (p.kind, p.node, p.host, p.uptime_s) == ("other", "gpu02", "gpu02", 2442787.612089)
-    assert p.time == LineTime(month=8, day=26, hour=22, minute=5, second=6.0)
+    assert p.time == Stamp(month=8, day=26, hour=22, minute=5, second=6.0)
     assert p.time.epoch() is None  # no year in the line: the caller must supply it
     assert p.time.epoch(year=2014) == datetime(2014, 8, 26, 22, 5, 6, tzinfo=UTC).timestamp()
-    assert LineTime(month=2, day=29, hour=0, minute=0, second=0.0).epoch(year=2023) is None
+    assert Stamp(month=2, day=29, hour=0, minute=0, second=0.0).epoch(year=2023) is None
 
 
 def test_syslog_day_padding_and_missing_host() -> None:
@@ -248,6 +249,16 @@ def test_journal_and_rsyslog_iso_prefixes() -> None:
     assert q.message.startswith("Lustre: 42858:0:")
 
 
+def test_journal_short_precise_prefix_has_host_and_microseconds() -> None:
+    # journalctl -o short-precise (built, journalctl(1)): before schemas.timestamps the fraction hid
+    # the prefix, so the host went unread and a program's forged line passed for the kernel's.
+    line = "Oct 11 06:07:26.123456 gpu01 kernel: NVRM: Xid (PCI:0000:07:00): 79, pid=1234, GPU has fallen off the bus."
+    p = parse_kernel_line(line, "x")
+    assert p is not None and (p.xid, p.node, p.host) == (79, "gpu01", "gpu01")
+    assert p.time == Stamp(month=10, day=11, hour=6, minute=7, second=26.123456)
+    assert parse_kernel_line(line.replace(" kernel: ", " alice[4242]: "), "x") is None
+
+
 def test_dmesg_x_facility_and_iso_time() -> None:
     # leptonai/gpud PR #870 (dmesg -x --time-format iso: facility:level, comma decimals, no host)
     p = parse_kernel_line(
@@ -267,7 +278,7 @@ def test_dmesg_t_prefix_has_the_year_and_no_host() -> None:
     )
     p = parse_kernel_line(line, "x")
     assert p is not None and (p.xid, p.node, p.host) == (119, "x", None)
-    assert p.time == LineTime(month=4, day=26, hour=23, minute=12, second=26.0, year=2026)
+    assert p.time == Stamp(month=4, day=26, hour=23, minute=12, second=26.0, year=2026)
     assert p.time.epoch(utc_offset_s=3600) == datetime(2026, 4, 26, 22, 12, 26, tzinfo=UTC).timestamp()
 
 

@@ -1,4 +1,6 @@
-"""Timestamps written in log lines (streams.detectors.logtime), on real line prefixes.
+"""Timestamps written in log lines, through the names streams.detectors.logtime still exports for
+trainmedic/diagnose.py (the reader is schemas.timestamps; tests/unit/test_timestamps.py covers
+every form). These ids are kept: tests/ids-before.txt lists them.
 
 Every line is copied from the fixtures named beside it (sources in their SOURCES.md or label.yaml)
 or from the public thread cited inline; the New Year case uses stamps built directly.
@@ -49,7 +51,7 @@ def utc(year: int, month: int, day: int, hour: int, minute: int, second: int, us
 def test_dated_forms(line: str, expected: float) -> None:
     stamp = parse_stamp(line)
     assert stamp is not None
-    assert stamp.resolved() == pytest.approx(expected)
+    assert stamp.epoch() == pytest.approx(expected)
 
 
 # tests/fixtures/logs/xid79_kern.log (syslog) and tests/fixtures/logs/nccl_watchdog_timeout.log
@@ -61,14 +63,14 @@ GLOG_UNPADDED = "[E704 13:48:58.260494728 ProcessGroupNCCL.cpp:1746] [PG ID 0 PG
 
 def test_yearless_forms_take_the_year_of_the_dated_lines() -> None:
     syslog, glog, unpadded = parse_stamp(SYSLOG), parse_stamp(GLOG), parse_stamp(GLOG_UNPADDED)
-    assert syslog is not None and syslog.year is None and syslog.resolved() is None
+    assert syslog is not None and syslog.year is None and syslog.epoch() is None
     assert glog is not None and (glog.month, glog.day, glog.hour, glog.minute) == (12, 29, 16, 47)
     assert glog.second == pytest.approx(25.333820755)
     assert unpadded is not None and (unpadded.month, unpadded.day) == (7, 4)
     dated = parse_stamp("[2022-05-01 03:56:11] PULSE: tr11-176B-ml is waiting to be scheduled")
     assert dated is not None
     ref = reference_time([dated, syslog])
-    assert ref == dated.resolved()
+    assert ref == dated.epoch()
     # The year that puts Sep 09 nearest to May 2022: 2022 (131 days after), not 2021 (234 before).
     assert resolve_year(syslog, ref) == 2022
     # A late-December stamp next to dated lines of the first days of January is from the year before.

@@ -112,15 +112,20 @@ def test_log_named_node_outside_the_job_gets_no_action() -> None:
     assert "gpu06" in d.reason and "not one of the job's nodes" in d.reason and "gpu01" in d.reason
 
 
-def test_log_named_node_of_the_job_is_isolated() -> None:
+def test_log_named_node_of_the_job_restarts_the_job_and_isolates_nothing() -> None:
+    """Issue 41: the job's own output naming one of its nodes (per the scheduler) used to drain that
+    node. Now job evidence restarts only the job; isolating the node is a recommendation for a person."""
     policy = parse_policy("mode: autonomous\n" + _actions())
     log_evidence = [
         Evidence(source="job_log", signature="srun_node_failure", node="gpu02", time=9.0, line="l", role="root")
     ]
+    assert log_evidence[0].provenance == "job"
     inc = incident(category="node").model_copy(update={"culprit_in_job": True, "evidence": log_evidence})
     d, a = decide(policy, inc, 11.0)
-    assert a is not None and (a.action, a.node) == ("drain_and_requeue", "gpu02")
-    assert not a.node_reported_fault  # the executor checks the job's placement again before draining
+    assert a is not None and (a.action, a.node) == ("requeue", "gpu02")
+    assert d.action == "requeue" and d.executed
+    assert "job evidence only" in d.rule and "isolating gpu02 is for a person" in d.rule
+    assert "never isolates a node on its own" in d.reason and "isolating gpu02 recommended" in d.reason
     # The same line without the scheduler's placement: a recommendation, not an action.
     d, a = decide(policy, inc.model_copy(update={"culprit_in_job": None}), 11.0)
     assert a is None and d.action == "drain_and_requeue" and "placement of the job is unknown" in d.reason

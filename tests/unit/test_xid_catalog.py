@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from schemas.events import Incident
+from schemas.events import Evidence, Incident
 from schemas.vocab import ACTIONS, CATEGORIES, Category
 from streams.catalog import (
     CATALOG_DIR,
@@ -48,7 +48,12 @@ def _recommend(category: Category, isolate: bool) -> str:
         confidence=0.9,
         isolate=isolate,
         explanation="",
-        evidence=[],
+        # The Xid as the node's kernel reported it: provenance that may isolate the node (issue 41).
+        evidence=[
+            Evidence(
+                source="kernel", provenance="kernel", signature="xid", node="gpu01", time=1.0, line="", role="root"
+            )
+        ],
         anomaly_ids=[],
         first_signal_time=1.0,
     )

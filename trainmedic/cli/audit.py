@@ -125,7 +125,7 @@ def _store(data_dir: Path, clickhouse: str | None, database: str, check: bool = 
             q.check_schema(store)
         yield store
     except ClickHouseError as exc:
-        raise Unavailable(f"{store.url}, database {database}: {exc}") from None
+        raise Unavailable(f"{store.where}, database {database}: {exc}") from None
     finally:
         store.close()
 
@@ -606,7 +606,7 @@ def migrate(
         (data_dir / "chdb").mkdir(parents=True, exist_ok=True)
     with _store(data_dir, clickhouse, database, check=False) as store:
         applied = store.migrate()
-        where = chdb_folder(store.url) or store.url
+        where = chdb_folder(store.url) or store.where
     if applied:
         typer.echo(f"{database} in {where}: applied " + ", ".join(m.path.name for m in applied))
     else:

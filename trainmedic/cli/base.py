@@ -4,7 +4,8 @@ Every app and sub-app is made with `new_app`, so its Click group is `Group`, whi
 
 - turns a `TrainmedicError` raised by any command into one line, ``error: MESSAGE``, on
   stderr and the exit status of its class (schemas/errors.py, docs/cli.md): the one
-  place where exit statuses are decided; no traceback for expected errors;
+  place where exit statuses are decided; no traceback for expected errors; the message
+  masked of every secret the process knows (schemas/masking.py), whatever raised it;
 - shows values in help as TEXT, INTEGER, FLOAT, PATH (or the option's own metavar),
   never as Python annotations: Typer prints ``<bool>``, ``<list[Path]>`` with no
   setting to turn that off.
@@ -24,6 +25,7 @@ import typer
 from typer.core import TyperArgument, TyperGroup, TyperOption
 
 from schemas.errors import TrainmedicError, UsageError
+from schemas.masking import mask
 from schemas.printable import printable
 from trainmedic.settings import CONFIG_ENV, Settings, unknown_env
 from trainmedic.settings import apply as apply_settings
@@ -78,8 +80,9 @@ def _plain(params: list[Any]) -> list[Any]:
 
 
 def fail(exc: TrainmedicError) -> NoReturn:
-    """The single mapping of an expected error to the user: one line on stderr, the class's exit status."""
-    typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+    """The single mapping of an expected error to the user: one line on stderr, the class's exit status.
+    The last line of defence for secrets: whatever the message holds, none of them is printed."""
+    typer.secho(f"error: {mask(str(exc))}", fg=typer.colors.RED, err=True)
     raise typer.Exit(int(exc.exit_code)) from None
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from schemas.errors import ConfigError, Refused, TrainmedicError, Unavailable
+from schemas.masking import remember
 
 
 class ClientError(TrainmedicError, RuntimeError):
@@ -47,11 +48,13 @@ def api_token(data_dir: Path, explicit: str | None) -> str:
     if explicit:  # the settings' token (trainmedic.settings: env, *_FILE or config file)
         return explicit
     try:
-        return (data_dir / "api-token").read_text().strip()
+        token = (data_dir / "api-token").read_text().strip()
     except OSError:
         raise ClientConfigError(
             f"no token: set TRAINMEDIC_TOKEN or TRAINMEDIC_TOKEN_FILE, or make {data_dir / 'api-token'} readable"
         ) from None
+    remember(token)  # masked in whatever this process prints (schemas/masking.py)
+    return token
 
 
 def call(url: str, token: str, method: str, path: str, body: dict[str, Any] | None = None) -> Any:

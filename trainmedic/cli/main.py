@@ -32,6 +32,7 @@ from trainmedic.cli.backend import (
 from trainmedic.cli.base import new_app, settings, use_config
 from trainmedic.cli.bench import bench_app
 from trainmedic.cli.config import config_app
+from trainmedic.cli.ingest import ingest_app
 from trainmedic.cli.mode import mode_app
 from trainmedic.cli.nodes import nodes_app
 from trainmedic.cli.policy import policy_app
@@ -152,7 +153,7 @@ def up(
         else f"Kafka {stack.bootstrap}."
     )
     typer.echo(
-        f"trainmedic is up: {durability} Audit {stack.store.url if stack.store else '?'}, "
+        f"trainmedic is up: {durability} Audit {stack.store.where if stack.store else '?'}, "
         f"scheduler {sched.name}, operator API and console {stack.api.url + '/' if stack.api else '-'} "
         f"(operator token in {stack.config.token_file}, read-only token in {stack.config.viewer_token_file}), "
         f"metrics {stack.metrics.url if stack.metrics else 'off'} (streams workers: "
@@ -311,6 +312,7 @@ app.add_typer(produce_app, name="produce")
 app.command("readiness")(readiness_cmd)
 app.add_typer(bench_app, name="bench")
 app.add_typer(config_app, name="config")
+app.add_typer(ingest_app, name="ingest")
 app.add_typer(run_app, name="run")
 app.add_typer(topics_app, name="topics")
 

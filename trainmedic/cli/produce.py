@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from producers.position import Checkpointer, PositionStore
 
 produce_app = new_app(
-    help="Run a signal producer: gpu (NVML), dcgm, kernel, logs, slurm. Each publishes to Kafka. "
+    help="Run a signal producer: gpu (NVML), dcgm, ib (InfiniBand / RoCE ports), kernel, logs, slurm. Each publishes to Kafka. "
     "(HTTP ingest of NVSentinel / NVRx events is `trainmedic run ingest`.)"
 )
 
@@ -268,6 +268,46 @@ STREAM_IDLE_S = 5.0
 
 
 @produce_app.command()
+def ib(
+    bootstrap: BootstrapOpt = None,
+    data_dir: DataDirOpt = Path("var"),
+    node: NodeOpt = None,
+    interval: Annotated[
+        Optional[float], typer.Option(help="Seconds between samples (default: the setting ib_interval_s, 10).")
+    ] = None,
+    sysfs_root: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--sysfs-root",
+            help="The InfiniBand sysfs class directory to read (default: the setting ib_sysfs_root, "
+            "/sys/class/infiniband).",
+        ),
+    ] = None,
+    metrics_address: MetricsOpt = None,
+) -> None:
+    """InfiniBand / RoCE port state and error counters from sysfs: one record per node per interval,
+    every port of every RDMA device in it (topic net.ports)."""
+    from producers.ib_sysfs import IbSysfsCollector, IbSysfsProducer, IbSysfsUnavailable
+
+    if interval is not None and not interval > 0:
+        raise UsageError("--interval must be > 0")
+    s = settings(ib_sysfs_root=sysfs_root, ib_interval_s=interval)
+    name = _node(node)  # refused before anything starts: not a Slurm node name
+    _logging()
+    # The sysfs tree first: a host without RDMA devices is told so, not about Kafka.
+    try:
+        collector = IbSysfsCollector(s.ib_sysfs_root)
+    except IbSysfsUnavailable as exc:
+        raise Unavailable(f"InfiniBand / RoCE ports cannot be read on this host: {exc}") from None
+    with _probes(metrics_address):
+        pub = _publisher(bootstrap, data_dir, "trainmedic-ib")
+        producer = IbSysfsProducer(pub, node=name, interval_s=s.ib_interval_s, collector=collector)
+        typer.echo(f"producing InfiniBand / RoCE port samples from {s.ib_sysfs_root} every {s.ib_interval_s:g} s")
+        _run_loop("ib", producer.run)
+    _finish(pub, {"samples": producer.samples, "errors": producer.errors, "port_errors": producer.port_errors})
+
+
+@produce_app.command()
 def kernel(
     bootstrap: BootstrapOpt = None,
     data_dir: DataDirOpt = Path("var"),
@@ -330,7 +370,7 @@ def _kernel(
         liveness.stop()
         _finish(pub, {"published": follower.published}, checkpoint)
         return
-    stream = KernelStreamProducer(pub, node=node, gpu_index_of=gpu_index_of)
+    stream = KernelStreamProducer(pub, node=node, gpu_index_of=gpu_index_of, reader="kmsg" if kmsg else "journald")
     # The stream's position: the journal cursor, or the kmsg sequence number within this boot.
     last: dict[str, Any] = {}
     checkpoint = Checkpointer(store, lambda: dict(last), _flushed(pub))

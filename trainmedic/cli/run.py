@@ -290,7 +290,7 @@ def audit_sink(
             return
         sink = AuditSink(address, store, group=group)
         sink.stop_event = stop
-        typer.echo(f"audit sink up: group {group}, {database} in {store.url.split('@')[-1]}")
+        typer.echo(f"audit sink up: group {group}, {database} in {store.where}")
         _run_until_stopped("audit-sink", sink.run, stop)
     finally:
         store.close()
@@ -422,13 +422,13 @@ def ingest(
 ) -> None:
     """HTTP ingest of NVSentinel health events and NVRx reports (token required). See docs/ingest.md."""
     from bus.publish import Publisher
-    from producers.ingest import TOKEN_ENV, IngestConfigError, load_token, run_ingest
+    from producers.ingest import IngestConfigError, run_ingest
+    from trainmedic.cli.ingest import ingest_auth
 
     _logging()
     try:
-        # The token as the settings have it (TRAINMEDIC_INGEST_TOKEN, _FILE or the config file).
-        token = load_token(token_file, {TOKEN_ENV: settings().secret("ingest_token") or ""})
-    except IngestConfigError as exc:
+        auth = ingest_auth(settings(), token_file)
+    except (IngestConfigError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     address = _bootstrap(bootstrap, "the ingest endpoint")
     pub = Publisher(address, "trainmedic-ingest")
@@ -437,7 +437,7 @@ def ingest(
     _on_term(stop.set)
     try:
         stats = run_ingest(
-            pub, host, port, token, tls_cert=tls_cert, tls_key=tls_key, allow_insecure=insecure, stop_event=stop
+            pub, host, port, auth, tls_cert=tls_cert, tls_key=tls_key, allow_insecure=insecure, stop_event=stop
         )
     except IngestConfigError as exc:
         raise UsageError(str(exc)) from None

@@ -40,6 +40,7 @@ from bus.consume import group_consumer, read_records
 from schemas.codec import DecodeError, decode
 from schemas.errors import NotFound, Unavailable, UsageError
 from schemas.events import GpuSample
+from schemas.masking import mask
 from schemas.printable import printable
 from schemas.topics import GPU_SAMPLES
 from sinks.audit import AuditStore
@@ -157,7 +158,7 @@ def _load_incident(store: AuditStore, incident_id: str) -> tuple[dict[str, Any],
         {"i": incident_id},
     )
     if not rows:
-        raise NotFound(f"no incident {incident_id!r} in the audit database {store.database!r} ({store.url})")
+        raise NotFound(f"no incident {incident_id!r} in the audit database {store.database!r} ({store.where})")
     raw = rows[0]
     first, published = _ts(raw["first_signal_time"]), _ts(raw["event_time"])
     row: dict[str, Any] = jsonable(raw)
@@ -611,7 +612,8 @@ def bundle_files(bundle: Bundle) -> dict[str, bytes]:
         "gpu_samples.jsonl": b"".join(orjson.dumps(r) + b"\n" for r in s["gpu_samples"]),
     }
     assert list(files) == list(FILES)
-    return files
+    # The last line of defence: a gap or a row may quote an exception that echoed a DSN or a token.
+    return {name: mask(data.decode()).encode() for name, data in files.items()}
 
 
 def bundle_bytes(bundle: Bundle) -> bytes:

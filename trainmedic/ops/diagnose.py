@@ -267,7 +267,7 @@ def _kernel_anomalies(lines: Sequence[_Line], xids: XidDetector, text: KernelTex
         parsed = parse_kernel_line(ln.raw, default_node=_NO_HOST)
         if parsed is None:
             continue
-        event = to_event(parsed, ln.ts)
+        event = to_event(parsed, ln.ts, reader="file")
         # As the streams worker's detect_kernel: Xids, then SXids and hung-task reports.
         for a in [*xids.detect(event), *text.detect(event)]:
             # Plain dmesg output names no host: then the culprit node is unknown, not "unknown-node".
@@ -290,7 +290,8 @@ def _quoted_kernel_anomalies(lines: Sequence[_Line], xids: XidDetector) -> list[
             continue
         for a in xids.detect(to_event(parsed, ln.ts)):
             node = None if a.node == _NO_HOST else a.node
-            out.append(a.model_copy(update={"job_id": OFFLINE_JOB, "node": node}))
+            # Quoted in a job's output or an alert: written by whoever wrote that text.
+            out.append(a.model_copy(update={"job_id": OFFLINE_JOB, "node": node, "provenance": "job"}))
     return out
 
 
@@ -626,6 +627,7 @@ def diagnose_paths(
             "action": "none",
             "confidence": confidence,
             "explanation": explanation,
+            "provenance": None,
             "evidence": [],
             "files": names,
         }
@@ -637,7 +639,15 @@ def diagnose_paths(
         raise DiagnoseError(f"internal: expected one incident, got {len(incidents)}")
     inc = incidents[0]
     evidence = [
-        {"source": e.source, "signature": e.signature, "node": e.node, "rank": e.rank, "role": e.role, "line": e.line}
+        {
+            "source": e.source,
+            "provenance": e.provenance,
+            "signature": e.signature,
+            "node": e.node,
+            "rank": e.rank,
+            "role": e.role,
+            "line": e.line,
+        }
         for e in inc.evidence
     ]
     # The action is the policy's, as the streams worker would decide it (attribution states facts).
@@ -666,6 +676,7 @@ def diagnose_paths(
         "action": action,
         "confidence": inc.confidence,
         "explanation": explanation,
+        "provenance": inc.provenance,
         "evidence": evidence,
         "files": names,
     }

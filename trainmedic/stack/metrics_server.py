@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from bus import health
 from schemas.errors import ConfigError
+from schemas.masking import mask
 from trainmedic.build import BUILD_INFO  # noqa: F401 - registers trainmedic_build_info in every process
 
 
@@ -44,11 +45,12 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         path = self.path.split("?", 1)[0]
         if path == "/metrics":
-            self._send(200, generate_latest(REGISTRY), CONTENT_TYPE_LATEST)
+            # Masked (schemas/masking.py): a label or a reason may quote a URL or an exception.
+            self._send(200, mask(generate_latest(REGISTRY).decode()).encode(), CONTENT_TYPE_LATEST)
         elif path in ("/healthz", "/livez", "/readyz"):
             rep = health.report()
             ok = rep["live"] if path != "/readyz" else rep["ready"]
-            self._send(200 if ok else 503, orjson.dumps(rep), "application/json")
+            self._send(200 if ok else 503, mask(orjson.dumps(rep).decode()).encode(), "application/json")
         else:
             self._send(404, b'{"error": "not found: /metrics, /healthz, /readyz"}', "application/json")
 

@@ -30,6 +30,7 @@ from bus.publish import NotDelivered, Publisher
 from schemas.errors import TrainmedicError
 from schemas.events import Action, Approval, Decision, ModeChange, incident_in_reason
 from schemas.ids import NodeNameError, check_node_name, current_cluster, stable_id
+from schemas.masking import remember
 from schemas.topics import ACTIONS, APPROVALS, MODE_CHANGES
 from schemas.vocab import DRAINS, Category, Mode, RejectReason
 from schemas.yamlsafe import API_LIMITS
@@ -54,6 +55,7 @@ from trainmedic.ops.return_to_service import ReturnRefused, return_node
 from trainmedic.web.console import LiveFeed, console_router
 from trainmedic.web.console.routes import audit_behind, audit_current
 from trainmedic.web.last_good_policy import LastGoodPolicy, PolicyState
+from trainmedic.web.masked_errors import mask_errors, masked
 
 log = logging.getLogger("trainmedic.web.api")
 READINESS_WINDOW_S = 30 * 86400.0
@@ -78,6 +80,7 @@ def load_or_create_token(path: Path) -> str:
         token = path.read_text().strip()
         if len(token) < 16:
             raise ApiError(f"{path}: token too short (at least 16 characters)")
+        remember(token)
         return token
     path.parent.mkdir(parents=True, exist_ok=True)
     token = secrets.token_urlsafe(32)
@@ -85,6 +88,7 @@ def load_or_create_token(path: Path) -> str:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as fh:
         fh.write(token + "\n")
+    remember(token)
     return token
 
 
@@ -189,7 +193,7 @@ def create_api(
     or resume (403 "operator role required"). `audit_problem`: why the audit is behind (its
     inserts failing; the stack's sink says), None while it is current: the endpoints that list
     from the audit answer 503 naming it meanwhile, instead of a list that lacks what happened."""
-    api = FastAPI(title="trainmedic", version="1", docs_url=None, redoc_url=None)
+    api = mask_errors(FastAPI(title="trainmedic", version="1", docs_url=None, redoc_url=None))
     PENDING.store = store
     lock = threading.Lock()
     policies = LastGoodPolicy(policy_path)
@@ -281,7 +285,7 @@ def create_api(
     @api.get("/api/health", response_model=None)
     def get_health() -> dict[str, Any] | JSONResponse:
         """Unauthenticated liveness for load balancers and `up`'s supervision: 503 while a part is down."""
-        report = stack_health()
+        report: dict[str, Any] = masked(stack_health())  # its reasons may quote an exception
         if not report.get("ok"):
             return JSONResponse(status_code=503, content=report)
         return report

@@ -76,6 +76,7 @@ SELECT
     nullIf(i.culprit_node, '') AS culprit_node,
     i.confidence AS confidence,
     i.explanation AS explanation,
+    i.provenance AS provenance,
     i.detection_latency_s AS detection_latency_s,
     d.decision_id AS decision_id,
     d.kind AS decision_kind,

@@ -461,10 +461,13 @@ ingest: [metrics]
 slurm-producer: [metrics]
 {{- end }}
 {{- with .Values.nodeProducers }}
-{{- if and .enabled (or .gpu.enabled .kernel.enabled .logs.enabled .agent.enabled) }}
+{{- if and .enabled (or .gpu.enabled .ib.enabled .kernel.enabled .logs.enabled .agent.enabled) }}
 node-producers:
   {{- if .gpu.enabled }}
   - metrics-gpu
+  {{- end }}
+  {{- if .ib.enabled }}
+  - metrics-ib
   {{- end }}
   {{- if .kernel.enabled }}
   - metrics-kernel

@@ -272,6 +272,7 @@
       culprit_node: ev.culprit_node,
       confidence: ev.confidence,
       explanation: ev.explanation,
+      provenance: ev.provenance,
     });
     if (isNew) {
       activity(
@@ -439,6 +440,8 @@
     const action = rec.decision_action || "\u2014";
     const rec5 = [text("span", action)];
     if (rec.decision_mode) rec5.push(text("span", `mode ${rec.decision_mode}`, "why"));
+    // Who could have written the deciding evidence (kernel, kernel_file, gpu, net, scheduler, service, job).
+    if (rec.provenance) rec5.push(text("span", `evidence from ${rec.provenance}`, "why"));
     if (rec.explanation) rec5.push(text("span", rec.explanation, "why"));
     c[5].replaceChildren(...rec5);
     const st = [badge(status)];
