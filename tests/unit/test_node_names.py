@@ -26,7 +26,7 @@ from schemas.printable import printable
 from sinks.backends.slurm_cli import validate_node_name
 from slurmio.hostlist import HostlistError, expand_hostlist
 from trainmedic.cli import audit as audit_cli
-from trainmedic.cli.base import print_rows
+from trainmedic.cli.base import new_app, print_rows
 from trainmedic.cli.main import app
 from trainmedic.settings import Settings, SettingsError
 
@@ -348,3 +348,19 @@ def test_the_console_writes_server_values_as_text_never_as_html() -> None:
             "createContextualFragment",
         ):
             assert sink not in text, f"{script.name} uses {sink}"
+
+
+def test_an_error_line_stays_one_line_escaped() -> None:
+    sub = new_app()
+
+    @sub.command()
+    def fails() -> None:
+        raise UsageError(f"the API said: no node {FORGED}")
+
+    @sub.command()
+    def other() -> None:
+        pass
+
+    result = runner.invoke(sub, ["fails"])
+    assert result.exit_code == ExitCode.USAGE
+    assert result.stderr == f"error: the API said: no node {printable(FORGED)}\n"

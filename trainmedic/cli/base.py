@@ -81,8 +81,9 @@ def _plain(params: list[Any]) -> list[Any]:
 
 def fail(exc: TrainmedicError) -> NoReturn:
     """The single mapping of an expected error to the user: one line on stderr, the class's exit status.
-    The last line of defence for secrets: whatever the message holds, none of them is printed."""
-    typer.secho(f"error: {mask(str(exc))}", fg=typer.colors.RED, err=True)
+    The last line of defence for secrets: whatever the message holds, none of them is printed; and its
+    one line stays one, control characters escaped (schemas.printable: an API's detail may quote a value)."""
+    typer.secho(f"error: {printable(mask(str(exc)))}", fg=typer.colors.RED, err=True)
     raise typer.Exit(int(exc.exit_code)) from None
 
 
