@@ -213,9 +213,11 @@ def _logs_harness() -> Callable[[bytes], None]:
 def _kernel_harness() -> Callable[[bytes], None]:
     from producers.kernel import journal_message, kmsg_message, parse_kernel_line, to_event
     from schemas.codec import encode
+    from schemas.ids import is_node_name
 
     def publish(message: str, host: str | None) -> None:
-        parsed = parse_kernel_line(message, host or "fuzz-node")
+        # As KernelStreamProducer.handle: journald's _HOSTNAME only when it is a Slurm node name.
+        parsed = parse_kernel_line(message, host if host and is_node_name(host) else "fuzz-node")
         if parsed is not None:
             encode(to_event(parsed, 0.0, gpu_index=0))
 

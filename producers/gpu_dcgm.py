@@ -32,7 +32,7 @@ from producers.gpu_nvml import decode_throttle_reasons
 from producers.metrics import SCRAPE_FAILURES, ProducerHealth
 from schemas.errors import Unavailable
 from schemas.events import GpuMetrics, GpuSample
-from schemas.ids import stable_id
+from schemas.ids import check_node_name, is_node_name, stable_id
 from schemas.topics import GPU_SAMPLES
 
 log = logging.getLogger("trainmedic.gpu.dcgm")
@@ -44,8 +44,6 @@ DCGM_BLANK_FLOOR = float(2**47)
 MAX_BODY_BYTES = 32 * MIB
 # The `gpu` label is an index: ASCII digits only (str.isdigit() also takes '²', which int() refuses).
 _GPU_INDEX = re.compile(r"[0-9]{1,6}")
-# GpuSample.node's bound: a longer Hostname label cannot be published.
-MAX_NODE_CHARS = 128
 # orjson writes integers up to 64 bits; a reading past that is not a real one.
 _INT64 = range(-(2**63), 2**63)
 
@@ -148,7 +146,7 @@ def parse_exposition(text: str, default_node: str) -> dict[str, list[GpuMetrics]
         # raises) or one past DCGM's blank sentinels, of either sign, is "not supported": None.
         if (
             not _GPU_INDEX.fullmatch(gpu_label)
-            or len(node) > MAX_NODE_CHARS
+            or not is_node_name(node)  # a Hostname label GpuSample.node refuses (schemas.ids)
             or not math.isfinite(value)
             or abs(value) >= DCGM_BLANK_FLOOR
         ):
@@ -205,7 +203,7 @@ class DcgmScraper:
             raise ValueError(f"dcgm-exporter URL must be http(s)://HOST:PORT/metrics, got {url!r}")
         self.url = url
         self.timeout_s = timeout_s
-        self.default_node = default_node or _default_node(url)
+        self.default_node = check_node_name(default_node or _default_node(url), "node name of the dcgm producer")
         self._last_xid: dict[tuple[str, int], int] = {}
 
     def fetch(self) -> str:

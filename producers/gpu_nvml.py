@@ -25,7 +25,7 @@ from bus.publish import Publisher
 from producers.metrics import POLL_FAILURES, ProducerHealth
 from schemas.errors import Unavailable
 from schemas.events import GpuMetrics, GpuSample
-from schemas.ids import stable_id
+from schemas.ids import check_node_name, stable_id
 from schemas.topics import GPU_SAMPLES
 
 log = logging.getLogger("trainmedic.gpu.nvml")
@@ -462,7 +462,7 @@ class NvmlProducer:
             )
         from producers.gpu_edge import EdgeSummary, node_phase
 
-        self.node = node or socket.gethostname()
+        self.node = check_node_name(node or socket.gethostname(), "node name of the GPU producer")
         # After the checks above, so that a bad value leaves no NVML handle open.
         self.summary = (
             EdgeSummary(summary_every_s, slack_s=interval_s / 2, phase_s=node_phase(self.node, summary_every_s))

@@ -49,7 +49,7 @@ from bus.publish import Publisher
 from producers.metrics import POLL_FAILURES, ProducerHealth
 from schemas.errors import Unavailable
 from schemas.events import NetPort, NetPortSample
-from schemas.ids import stable_id
+from schemas.ids import check_node_name, stable_id
 from schemas.topics import NET_PORTS
 
 log = logging.getLogger("trainmedic.net.ib")
@@ -225,7 +225,7 @@ class IbSysfsProducer:
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
-        self.node = node or socket.gethostname()
+        self.node = check_node_name(node or socket.gethostname(), "node name of the IB producer")
         self.publisher = publisher
         self.interval_s = interval_s
         self.collector = collector if collector is not None else IbSysfsCollector(root)

@@ -70,7 +70,7 @@ from bus.publish import Publisher
 from producers.ingest_auth import AuthRefused, IngestAuth, MungeUnavailable, RefusalRecords
 from producers.metrics import INGEST_ACCEPTED, INGEST_REJECTED, POLL_FAILURES, ProducerHealth
 from schemas.errors import ConfigError, UsageError
-from schemas.events import MAX_EVENT_TIME, HealthEvent
+from schemas.events import MAX_EVENT_TIME, HealthEvent, NodeNameInput
 from schemas.ids import stable_id
 from schemas.masking import remember
 from schemas.topics import DEADLETTER, HEALTH_EXTERNAL
@@ -200,7 +200,7 @@ class NVSentinelHealthEvent(_Camel):
     entities_impacted: list[NVSentinelEntity] = Field(default_factory=list, max_length=1024)
     metadata: dict[str, str] = Field(default_factory=dict, max_length=1024)
     generated_timestamp: float | None = None
-    node_name: str = Field(min_length=1, max_length=128)
+    node_name: NodeNameInput  # a Slurm node name (schemas.ids); a forged one is refused, shown escaped
     quarantine_overrides: NVSentinelOverrides | None = None
     drain_overrides: NVSentinelOverrides | None = None
     processing_strategy: str | int | None = None
@@ -327,7 +327,7 @@ class NVRxReport(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
 
     kind: Literal["straggler", "fault"]
-    node: str = Field(min_length=1, max_length=128)
+    node: NodeNameInput  # a Slurm node name (schemas.ids)
     timestamp: float
     job_id: str | None = Field(default=None, pattern=_JOB_ID)
     rank: int | None = Field(default=None, ge=0, le=10_000_000)

@@ -20,7 +20,7 @@ from producers.position import FilePosition
 from producers.progress import ProgressParser
 from producers.tracebacks import TracebackGrouper
 from schemas.events import LogBatch, LogLine, ProgressBatch
-from schemas.ids import stable_id
+from schemas.ids import NODE_NAME_PATTERN, stable_id
 from schemas.topics import JOB_LOGS, JOB_PROGRESS
 
 _SRUN_LABEL = re.compile(r"^\s*(\d{1,6}): ")
@@ -34,7 +34,8 @@ _MPI_TAG = re.compile(r"^(?P<pre>\d{4}-\d\d-\d\dT[\d:.]+Z?: )?\[\d{1,6},(?P<rank
 # The rank named inside a c10d message: "[Rank 12]", "[PG 0 (default_pg) Rank 12]",
 # "[PG ID 2 PG GUID 3 Rank 2]": the number after "Rank", never the PG's.
 _C10D_RANK = re.compile(r"\[(?:PG [^\]]*?)?Rank (\d{1,6})\]")
-_HOST = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
+# A Slurm node name (schemas.ids): a host a line names is one, or the line names none.
+_HOST = NODE_NAME_PATTERN
 # Where the line itself names the host that wrote it, most specific first.
 _HOST_FORMS = (
     # NCCL: "host:pid:tid [cudaDev] NCCL ..." (cudaDev: the GPU index on that host).
@@ -49,7 +50,7 @@ _HOST_FORMS = (
     # "Xid errors on instance: gpu03, ...", 'Hostname=gpu03'.
     re.compile(rf"\binstance=\"(?P<host>{_HOST}?)(?::\d+)?\""),
     re.compile(rf"\b[Ii]nstance: (?P<host>{_HOST}?)[,;\s]"),
-    re.compile(rf"\b[Hh]ostname[=:] ?\"?(?P<host>{_HOST})"),
+    re.compile(rf"\b[Hh]ostname[=:] ?\"?(?P<host>{_HOST})(?![A-Za-z0-9._-])"),  # not the start of a longer one
 )
 MAX_LINES_PER_BATCH = 1000
 

@@ -20,7 +20,7 @@ from producers.follow import FileFollower
 from producers.metrics import LINES_READ
 from producers.position import FilePosition
 from schemas.events import KernelEvent
-from schemas.ids import stable_id
+from schemas.ids import check_node_name, is_node_name, stable_id
 from schemas.timestamps import Stamp, match_prefix, match_uptime
 from schemas.topics import NODE_KERNEL
 
@@ -67,8 +67,6 @@ _KERNEL_TEXT_HINTS = ("blocked for more than", "state:D", " D ", "+0x", ") from 
 # 64 bits it could not even be published (orjson refuses it), so it becomes None.
 _MAX_FIELD_INT = 2**31 - 1
 _FIELD_DIGITS = len(str(_MAX_FIELD_INT))
-# KernelEvent.node's bound; Linux host names are at most 64 characters.
-MAX_NODE_CHARS = 128
 
 
 def _small_int(text: str | None) -> int | None:
@@ -132,7 +130,8 @@ def parse_kernel_line(line: str, default_node: str) -> ParsedKernelLine | None:
     """Parse one kernel log line; None when it is not a line trainmedic reads.
 
     Read: NVIDIA fault lines (Xid, SXid, fallen off the bus) and, as kind "other", hung-task / D-state
-    report lines and call-trace frames. The node is the host the prefix names, else `default_node`;
+    report lines and call-trace frames. The node is the host the prefix names if that is a Slurm node
+    name (schemas.ids), else `default_node`;
     `time`/`uptime_s` carry the prefix's stamp (schemas.timestamps.Stamp: a syslog one has no year).
     """
     nvidia = "NVRM" in line or "SXid" in line
@@ -143,7 +142,7 @@ def parse_kernel_line(line: str, default_node: str) -> ParsedKernelLine | None:
         return None  # only the kernel's own lines are evidence about the node: a program's can be forged
     base = ParsedKernelLine(
         kind="other",
-        node=pre.host or default_node,
+        node=pre.host if pre.host and is_node_name(pre.host) else default_node,
         text=line.strip(),
         host=pre.host,
         time=pre.time,
@@ -180,14 +179,13 @@ def to_event(
     gpu_index: int | None = None,
     reader: Literal["kmsg", "journald", "file"] | None = None,
 ) -> KernelEvent:
-    """The event to publish. A node name over KernelEvent's 128 characters (a garbled syslog
-    host or _HOSTNAME) is cut to fit rather than raising: the fault line is still worth
-    publishing, and the cut name matches no real node, so no action lands on a wrong one."""
+    """The event to publish. Its node is a Slurm node name: a line's own host that is none (a
+    garbled syslog host or _HOSTNAME) was replaced by the default node when parsed."""
     return KernelEvent(
         # The line's own text (with its kernel timestamp) identifies it: a re-read is a duplicate.
         event_id=stable_id("kern", parsed.node, parsed.text),
         event_time=seen_at,
-        node=parsed.node[:MAX_NODE_CHARS],
+        node=parsed.node,
         kind=parsed.kind,  # type: ignore[arg-type]
         xid=parsed.xid,
         pci_bus_id=parsed.pci_bus_id,
@@ -215,7 +213,8 @@ class KernelLogProducer:
         lookback_bytes: int = 0,
     ) -> None:
         self.publisher = publisher
-        self.node = node or socket.gethostname()
+        # Refused at start, not at the first fault line: a bad name would make every event unpublishable.
+        self.node = check_node_name(node or socket.gethostname(), "node name of the kernel producer")
         self.follower = FileFollower(Path(path), from_start=from_start, resume=resume, lookback_bytes=lookback_bytes)
         self.gpu_index_of = gpu_index_of
         self.published = 0
@@ -400,7 +399,7 @@ class KernelStreamProducer:
         reader: Literal["kmsg", "journald"] = "kmsg",
     ) -> None:
         self.publisher = publisher
-        self.node = node or socket.gethostname()
+        self.node = check_node_name(node or socket.gethostname(), "node name of the kernel producer")
         self.gpu_index_of = gpu_index_of
         self.reader: Literal["kmsg", "journald"] = reader
         self.published = 0
@@ -409,7 +408,8 @@ class KernelStreamProducer:
         if not message:
             return False  # an idle wake-up of the reader (read_kmsg / read_journal idle_s), no line
         LINES_READ.labels("kernel").inc()
-        parsed = parse_kernel_line(message, host or self.node)
+        # journald's _HOSTNAME when it is a node name; a garbled one is this producer's node.
+        parsed = parse_kernel_line(message, host if host and is_node_name(host) else self.node)
         if parsed is None:
             return False
         gpu = self.gpu_index_of(parsed.pci_bus_id) if self.gpu_index_of and parsed.pci_bus_id else None

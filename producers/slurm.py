@@ -99,7 +99,7 @@ from typing import Any
 from bus.publish import Publisher
 from producers.metrics import POLL_FAILURES, ProducerHealth
 from schemas.events import SchedEvent
-from schemas.ids import stable_id
+from schemas.ids import is_node_name, stable_id
 from schemas.topics import SCHED_EVENTS
 from slurmio.hostlist import HostlistError, expand_hostlist
 from slurmio.nodes import read_all_nodes
@@ -409,7 +409,13 @@ class SlurmProducer:
         jobs = parse_squeue(squeue)
         # Each node with its own reason (23.02+ sinfo --json gives a group of nodes one reason).
         _, infos = read_all_nodes(self.runner, self.command_timeout_s, detect(squeue, "squeue --json"))
-        nodes = {name: _node_view(n) for name, n in infos.items()}
+        nodes = {name: _node_view(n) for name, n in infos.items() if is_node_name(name)}
+        if len(nodes) < len(infos):
+            # No event can carry such a name (schemas.ids); the others are still reported.
+            odd = [name for name in infos if not is_node_name(name)]
+            log.warning(
+                "skipped %d node(s) whose name is not a Slurm node name: %s", len(odd), ", ".join(map(repr, odd[:5]))
+            )
         in_maint = maintenance_nodes(read_reservations(self.runner, self.command_timeout_s))
         for name, resv in in_maint.items():
             if (view := nodes.get(name)) is not None:
@@ -649,6 +655,6 @@ def _safe_expand(nodelist: str) -> list[str]:
     try:
         return expand_hostlist(nodelist)
     except HostlistError as exc:
-        # One odd nodelist must not cost the whole poll; the raw text still says where.
+        # One odd nodelist must not cost the whole poll; the warning says where (the text is no node name).
         log.warning("%s", exc)
-        return [nodelist]
+        return []

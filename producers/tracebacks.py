@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass, field
 
 from schemas.events import LogLine
+from schemas.ids import NODE_NAME_PATTERN
 
 HEADER = "Traceback (most recent call last):"
 _CHAINING = (
@@ -28,7 +29,7 @@ MAX_BLOCK_LINES = 400
 MAX_CONTEXT_CHARS = 60_000
 
 _ROOT_CAUSE = "Root Cause (first observed failure):"
-_TABLE_HOST = re.compile(r"^\s+host\s*: (?P<host>[A-Za-z0-9][A-Za-z0-9._-]{0,127})\s*$")
+_TABLE_HOST = re.compile(rf"^\s+host\s*: (?P<host>{NODE_NAME_PATTERN})\s*$")  # a Slurm node name (schemas.ids)
 _TABLE_RANK = re.compile(r"^\s+rank\s*: (?P<rank>\d{1,7})(?: \(local_rank: (?P<local>\d{1,4})\))?")
 _TABLE_FIELD = re.compile(r"^\s+(?:time|exitcode|error_file|traceback)\s*:")
 _TABLE_ENTRY = re.compile(r"^\[\d+\]:\s*$")

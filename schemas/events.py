@@ -12,9 +12,9 @@ import re
 import time
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, field_serializer, model_validator
 
-from schemas.ids import CLUSTER_RE, current_cluster
+from schemas.ids import CLUSTER_RE, NODE_NAME_MAX, NODE_NAME_PATTERN, check_node_name, current_cluster
 from schemas.vocab import (
     ActionKind,
     Category,
@@ -37,6 +37,26 @@ SCHEMA_VERSION = 2
 # event; it is refused at decode (dead letter) instead of failing an audit insert later.
 MAX_EVENT_TIME = 7_258_118_400.0
 Timestamp = Annotated[float, Field(ge=0.0, le=MAX_EVENT_TIME, allow_inf_nan=False)]
+
+
+# A Slurm node name (schemas.ids: the grammar and where it comes from), in every field of every
+# event that names a node: a decoder refuses a forged one (a newline, an ANSI escape, a hostlist's
+# comma) naming the field, and the event goes to the dead letters. Checked by pydantic-core's own
+# regex (whose `$` is the end of the text, not before a last newline): decoding is the hot path.
+NodeName = Annotated[str, Field(min_length=1, max_length=NODE_NAME_MAX, pattern=f"^{NODE_NAME_PATTERN}$")]
+
+
+def _node_name(value: str) -> str:
+    return check_node_name(value)
+
+
+# The same grammar where a name comes in from outside (the ingest's payloads, the API's requests):
+# the refusal also shows the value, its control characters escaped (schemas.ids.check_node_name).
+NodeNameInput = Annotated[
+    str,
+    AfterValidator(_node_name),
+    WithJsonSchema({"type": "string", "minLength": 1, "maxLength": NODE_NAME_MAX, "pattern": f"^{NODE_NAME_PATTERN}$"}),
+]
 
 
 def now() -> float:
@@ -94,7 +114,7 @@ class GpuSample(Event):
     """One record per node per interval, carrying every GPU of the node."""
 
     type_name: ClassVar[str] = "gpu_sample"
-    node: str = Field(min_length=1, max_length=128)
+    node: NodeName
     gpus: list[GpuMetrics]
     collector: Literal["nvml", "dcgm", "sim"] = "nvml"
 
@@ -136,7 +156,7 @@ class NetPortSample(Event):
     """One record per node per interval, carrying every InfiniBand / RoCE port of the node."""
 
     type_name: ClassVar[str] = "net_port_sample"
-    node: str = Field(min_length=1, max_length=128)
+    node: NodeName
     ports: list[NetPort]
     collector: Literal["sysfs", "sim"] = "sysfs"
 
@@ -147,7 +167,7 @@ class LogLine(BaseModel):
     text: str = Field(max_length=65536)
     ts: Timestamp  # when the line was written, or first seen by the tailer
     rank: int | None = Field(default=None, ge=0)
-    node: str | None = None
+    node: NodeName | None = None
     gpu: int | None = Field(default=None, ge=0)  # GPU index on `node`, when the line says
     lineno: int = Field(ge=0)
     # A multi-line Python traceback travels as one line: `text` is its final
@@ -161,7 +181,7 @@ class LogBatch(Event):
     type_name: ClassVar[str] = "log_batch"
     job_id: str = Field(min_length=1, max_length=64)
     source: str  # file path or stream name
-    job_nodes: list[str] = Field(default_factory=list)
+    job_nodes: list[NodeName] = Field(default_factory=list)
     partition: str | None = None
     lines: list[LogLine]
 
@@ -170,7 +190,7 @@ class KernelEvent(Event):
     """One parsed kernel-log line of interest (Xid, SXid, fallen off the bus)."""
 
     type_name: ClassVar[str] = "kernel_event"
-    node: str = Field(min_length=1, max_length=128)
+    node: NodeName
     # How the producer read the line: the kernel's own ring buffer (/dev/kmsg), journald's kernel
     # transport, or a log file (kern.log, syslog), which a local program can also write to. None:
     # an event from before this field, taken as a file (the weaker).
@@ -190,10 +210,10 @@ class SchedEvent(Event):
     type_name: ClassVar[str] = "sched_event"
     kind: Literal["job", "node"]
     job_id: str | None = None
-    node: str | None = None
+    node: NodeName | None = None
     state: str
     previous_state: str | None = None
-    nodes: list[str] = Field(default_factory=list)
+    nodes: list[NodeName] = Field(default_factory=list)
     partition: str | None = None
     reason: str | None = None
     flags: list[str] = Field(default_factory=list)
@@ -232,7 +252,7 @@ class ProgressSample(BaseModel):
 
     ts: Timestamp  # when the line was written (or first seen)
     rank: int | None = Field(default=None, ge=0)
-    node: str | None = None
+    node: NodeName | None = None
     step: int | None = Field(default=None, ge=0)
     step_time_s: float | None = Field(default=None, ge=0)
     loss: float | None = None  # NaN/inf are kept: a diverged loss is a signal
@@ -257,7 +277,7 @@ class ProgressBatch(Event):
 
     type_name: ClassVar[str] = "progress_batch"
     job_id: str = Field(min_length=1, max_length=64)
-    job_nodes: list[str] = Field(default_factory=list)
+    job_nodes: list[NodeName] = Field(default_factory=list)
     partition: str | None = None
     samples: list[ProgressSample]
 
@@ -267,7 +287,7 @@ class HealthEvent(Event):
 
     type_name: ClassVar[str] = "health_event"
     origin: Literal["nvsentinel", "nvrx"]
-    node: str = Field(min_length=1, max_length=128)
+    node: NodeName
     check_name: str
     component: str | None = None  # e.g. GPU, NVSwitch, NIC
     component_ids: list[str] = Field(default_factory=list)
@@ -339,7 +359,7 @@ class RankActivity(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     rank: int | None = None
-    node: str | None = None
+    node: NodeName | None = None
     activity: str = Field(min_length=1, max_length=64)  # an id of streams/catalog/activities.yaml
     time: Timestamp
     line: str = Field(default="", max_length=512)
@@ -360,10 +380,10 @@ class Anomaly(Event):
     # Events without it (older producers) get it from `source` (default_provenance).
     provenance: Provenance = "job"
     job_id: str | None = None
-    node: str | None = None
+    node: NodeName | None = None
     rank: int | None = None
     partition: str | None = None
-    job_nodes: list[str] = Field(default_factory=list)
+    job_nodes: list[NodeName] = Field(default_factory=list)
     line: str = Field(default="", max_length=4096)
     meaning: str = ""
     gpu: int | None = Field(default=None, ge=0)  # GPU index on `node`, when the signal names it
@@ -382,7 +402,7 @@ class Evidence(BaseModel):
     source: Source
     provenance: Provenance = "job"
     signature: str
-    node: str | None = None
+    node: NodeName | None = None
     rank: int | None = None
     time: Timestamp
     line: str
@@ -399,7 +419,7 @@ class Incident(Event):
     incident_id: str
     job_id: str | None = None
     partition: str | None = None
-    job_nodes: list[str] = Field(default_factory=list)
+    job_nodes: list[NodeName] = Field(default_factory=list)
     job_name: str | None = None  # from the scheduler's job state, when one was seen
     job_restarts: int | None = Field(default=None, ge=0)  # Slurm's restart count of the job, when seen
     user: str | None = None
@@ -408,13 +428,13 @@ class Incident(Event):
     # A fleet incident (streams/fleet.py): the shared component whose nodes failed together
     # ("switch:leaf3", a rack), and all its nodes; None for a job's incident.
     domain: str | None = Field(default=None, max_length=256)
-    domain_nodes: list[str] = Field(default_factory=list)
+    domain_nodes: list[NodeName] = Field(default_factory=list)
     # The domain's nodes whose own incidents made the fleet incident: they keep those drains (their
     # way back needs a health check); a drain set takes only the others (streams/policy.py).
-    domain_failed_nodes: list[str] = Field(default_factory=list)
+    domain_failed_nodes: list[NodeName] = Field(default_factory=list)
     category: Category
     severity: Severity
-    culprit_node: str | None = None
+    culprit_node: NodeName | None = None
     culprit_rank: int | None = None
     culprit_gpu: int | None = None  # GPU index on the culprit node, when the evidence names it
     confidence: float = Field(ge=0.0, le=1.0)
@@ -448,7 +468,7 @@ class Decision(Event):
     job_id: str | None = None
     partition: str | None = None
     category: Category
-    culprit_node: str | None = None
+    culprit_node: NodeName | None = None
     culprit_rank: int | None = None
     culprit_gpu: int | None = None
     action: ActionKind
@@ -472,10 +492,10 @@ class Action(Event):
     decision_id: str
     incident_id: str
     job_id: str | None = None
-    node: str | None = None
+    node: NodeName | None = None
     # A drain set (a fleet incident's shared component, streams/fleet.py): every node of it taken
     # out as one, under the guardrails as a whole; `node` is then None.
-    nodes: list[str] = Field(default_factory=list, max_length=10_000)
+    nodes: list[NodeName] = Field(default_factory=list, max_length=10_000)
     partition: str | None = None
     action: ActionKind
     stop_mode: Literal["cancel", "hold"] = "cancel"
@@ -509,7 +529,7 @@ class ActionAttempt(Event):
     action_id: str
     incident_id: str
     job_id: str | None = None
-    node: str | None = None
+    node: NodeName | None = None
     partition: str | None = None
     action: ActionKind
     call: AttemptCall
@@ -523,7 +543,7 @@ class ActionResult(Event):
     action_id: str
     incident_id: str
     job_id: str | None = None
-    node: str | None = None
+    node: NodeName | None = None
     action: ActionKind
     status: ResultStatus
     backend: str
@@ -573,7 +593,7 @@ class NodeReturn(Event):
     """An operator returned a node that trainmedic drained to service."""
 
     type_name: ClassVar[str] = "node_return"
-    node: str = Field(min_length=1, max_length=128)
+    node: NodeName
     incident_id: str | None = None  # the incident named in the drain reason
     drain_reason: str
     operator: str = Field(min_length=1, max_length=128)
@@ -594,7 +614,7 @@ class GuardrailTrip(Event):
     action_id: str
     incident_id: str
     job_id: str | None = None
-    node: str | None = None
+    node: NodeName | None = None
     partition: str | None = None
     action: ActionKind
     detail: str
@@ -631,8 +651,8 @@ class JobAttempt(Event):
     end_reason: str | None = Field(default=None, max_length=256)
     cause_incident_id: str | None = None  # the incident policy restarted the job for
     cause_category: Category | None = None
-    cause_node: str | None = None
-    excluded_nodes: list[str] = Field(default_factory=list)  # excluded so far in the lineage
+    cause_node: NodeName | None = None
+    excluded_nodes: list[NodeName] = Field(default_factory=list)  # excluded so far in the lineage
     # Progress: the lineage's best step and last checkpoint before the attempt, the attempt's own
     # best step, and whether it saved a checkpoint beyond the last one.
     start_step: int | None = Field(default=None, ge=0)
@@ -654,7 +674,7 @@ class NodeCommand(Event):
 
     type_name: ClassVar[str] = "node_command"
     command_id: str = Field(min_length=1, max_length=200)
-    node: str = Field(min_length=1, max_length=128)
+    node: NodeName
     kind: NodeCommandKind
     gpu: int | None = Field(default=None, ge=0)  # the GPU's index on the node (NVML's); None: every GPU
     action_id: str
@@ -670,7 +690,7 @@ class NodeCommandResult(Event):
 
     type_name: ClassVar[str] = "node_command_result"
     command_id: str = Field(min_length=1, max_length=200)
-    node: str = Field(min_length=1, max_length=128)
+    node: NodeName
     kind: NodeCommandKind
     gpu: int | None = Field(default=None, ge=0)
     action_id: str

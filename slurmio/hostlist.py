@@ -5,7 +5,9 @@ library that follows Slurm's syntax: zero padding from the lower bound,
 several bracket groups as a cartesian product, duplicates and order kept).
 This module adds what trainmedic needs around it: Slurm's placeholders
 (``(null)``, ``None``, ``N/A``) mean no nodes, an empty name (``a,,b``) and an
-absurdly long number are refused, every failure is a `HostlistError`, and
+absurdly long number are refused, so is an expanded name that is not a Slurm
+node name (schemas.ids: no whitespace, control character or stray bracket gets
+through as a name), every failure is a `HostlistError`, and
 results are cached (a poll expands the same job lists again and again).
 The integration tests compare it with ``scontrol show hostnames`` on both
 clusters.
@@ -19,6 +21,7 @@ import re
 import hostlist as _pyhostlist
 
 from schemas.errors import UsageError
+from schemas.ids import is_node_name
 
 __all__ = ["HostlistError", "MAX_HOSTS", "expand_hostlist"]
 
@@ -55,6 +58,9 @@ def _expand_cached(text: str) -> tuple[str, ...]:
         names = _pyhostlist.expand_hostlist(text, allow_duplicates=True)
     except _pyhostlist.BadHostlist as exc:
         raise HostlistError(f"bad hostlist {text[:200]!r}: {exc}") from None
+    for name in names:
+        if not is_node_name(name):
+            raise HostlistError(f"hostlist {text[:200]!r} names {name[:80]!r}, not a Slurm node name")
     return tuple(names)
 
 

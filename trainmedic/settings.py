@@ -28,7 +28,7 @@ from pydantic_settings import SettingsError as PydanticSettingsError
 
 from bus.config import KafkaSecurity, configure_security
 from schemas.errors import ConfigError
-from schemas.ids import CLUSTER_RE, DEFAULT_CLUSTER, set_cluster
+from schemas.ids import CLUSTER_RE, DEFAULT_CLUSTER, NodeNameError, check_node_name, set_cluster
 from schemas.masking import MASK, mask, remember
 from schemas.masking import install as mask_process_output
 from schemas.topics import DEFAULT_PARTITIONS
@@ -234,13 +234,21 @@ class Settings(BaseSettings):
 
     def slurm_node(self, name: str | None = None) -> str:
         """The Slurm NodeName this process reports for: `name`, else the node setting, else the
-        host name; then node_map, else node_strip_domain."""
+        host name; then node_map, else node_strip_domain. One that is not a Slurm node name
+        (schemas.ids) is refused here, as a producer or agent starts: SettingsError saying where
+        it came from."""
         import socket
 
         found = name or self.node or socket.gethostname()
         if found in self.node_map:
-            return self.node_map[found]
-        return found.split(".", 1)[0] if self.node_strip_domain else found
+            slurm, source = self.node_map[found], f"node_map[{found!r}]"
+        else:
+            slurm = found.split(".", 1)[0] if self.node_strip_domain else found
+            source = "--node / the node setting (TRAINMEDIC_NODE)" if name or self.node else "this host's name"
+        try:
+            return check_node_name(slurm)
+        except NodeNameError as exc:
+            raise SettingsError(f"{exc}; it came from {source}: set the node name with --node or node_map") from None
 
     def secret(self, name: str) -> str | None:
         value = getattr(self, name)

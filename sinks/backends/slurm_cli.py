@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import NoReturn
 
 from schemas.errors import NotFound
+from schemas.ids import check_node_name
 from sinks.backends.base import BackendError, JobState, NodeState, NotPermitted, refuse_node_action, refuse_relabel
 from slurmio.hostlist import HostlistError
 from slurmio.hostlist import expand_hostlist as _expand_hostlist
@@ -45,7 +46,6 @@ __all__ = [
     "validate_reason",
 ]
 
-_NODE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _JOB_ID_RE = re.compile(r"[0-9]{1,12}")
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 _EMPTY = ("", "(null)", "None", "N/A")
@@ -59,10 +59,8 @@ class JobNotFoundError(NotFound, BackendError):
 
 # --------------------------------------------------------------------- validation
 def validate_node_name(node: str) -> str:
-    """Return ``node`` if it is a plain Slurm node name, else raise ValueError."""
-    if not isinstance(node, str) or _NODE_RE.fullmatch(node) is None:
-        raise ValueError(f"invalid node name {node!r}: must match {_NODE_RE.pattern}")
-    return node
+    """Return ``node`` if it is a plain Slurm node name (schemas.ids' grammar), else raise ValueError."""
+    return check_node_name(node)
 
 
 def validate_job_id(job_id: str) -> str:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from schemas.events import Anomaly, LogBatch, LogLine
-from schemas.ids import stable_id
+from schemas.ids import is_node_name, stable_id
 from streams.catalog import Signature, default_signatures
 from streams.detectors.activity import ActivityTracker
 from streams.detectors.prefilter import may_match
@@ -58,7 +58,9 @@ class SignatureDetector:
                 continue
             sig, m = hit
             groups = m.groupdict()
-            node = groups.get("node") or line.node
+            # A host the line names counts only if it is a Slurm node name (schemas.ids): "Node failure on -".
+            named = groups.get("node")
+            node = named if named and is_node_name(named) else line.node
             rank = int(groups["rank"]) if groups.get("rank") else line.rank
             gpu = int(groups["gpu"]) if groups.get("gpu") else line.gpu
             facts = {k: v[:MAX_FACT_CHARS] for k, v in groups.items() if v is not None and k not in _ATTRIBUTION_GROUPS}

@@ -319,6 +319,55 @@ def test_rejected_requests_publish_nothing(ingest: Ingest, caplog: pytest.LogCap
     assert not any(ingest.token in r.getMessage() for r in caplog.records), "the token was logged"
 
 
+def test_a_forged_node_name_is_refused_escaped_and_nothing_is_published(
+    ingest: Ingest, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 40 item 5: a node name with a newline and ANSI escapes (the forged row of `recommendations
+    list`) is a 400 naming the field, the value shown escaped; counted; nothing of it reaches Kafka."""
+    caplog.set_level(logging.DEBUG)
+    forged = "gpu01\n\x1b[31mdec-forged  job 1  gpu_hardware\x1b[0m"
+    escaped = "'gpu01\\n\\x1b[31mdec-forged  job 1  gpu_hardware\\x1b[0m'"
+    cloud = copy.deepcopy(NVSENTINEL_CLOUDEVENT)
+    cloud["data"]["healthEvent"]["nodeName"] = forged
+    posts: list[tuple[str, Any, str]] = [
+        ("nvsentinel", {**NVSENTINEL_XID48, "nodeName": forged}, "nodeName"),
+        # All or nothing: the valid first event of the batch is not published either.
+        (
+            "nvsentinel",
+            {"version": 1, "events": [NVSENTINEL_XID48, {**NVSENTINEL_XID48, "nodeName": forged}]},
+            "events.1.nodeName",
+        ),
+        ("nvsentinel", cloud, "data.healthEvent.nodeName"),
+        ("nvrx", {**NVRX_STRAGGLER, "node": forged}, "node"),
+        ("nvrx", {**NVRX_STRAGGLER, "node": "gpu[01-02]"}, "node"),  # a hostlist is no one node
+    ]
+    for path, payload, field in posts:
+        # NVRx reports come with their job's token (ingest identity), NVSentinel's with the shared one.
+        token = ingest.job_token(NVRX_STRAGGLER["job_id"]) if path == "nvrx" else ingest.token
+        status, body = _post(f"{ingest.url}/v1/{path}", payload, token)
+        assert (status, body["error"], body["field"]) == (400, "invalid_field", field), body
+        assert body["problem"].startswith("invalid node name '") and "Slurm node name" in body["problem"], body
+    # The problem shows the value with its control characters escaped, as text: no raw ESC or newline.
+    status, body = _post(f"{ingest.url}/v1/nvsentinel", {**NVSENTINEL_XID48, "nodeName": forged}, ingest.token)
+    assert escaped in body["problem"] and "\x1b" not in body["problem"] and "\n" not in body["problem"]
+
+    marker = {**NVSENTINEL_XID48, "checkName": "MARKER", "nodeName": "gpu-node-43"}
+    status, body = _post(f"{ingest.url}/v1/nvsentinel", marker, ingest.token)
+    assert status == 202, body
+    records = _consume_until(ingest.bootstrap, {body["event_id"]})
+    assert [r.check_name for r in records] == ["MARKER"]
+    assert ingest.publisher.flush(10) == 0
+    assert _records_in_topic(ingest.bootstrap) == 1
+
+    assert ingest.stats.rejected == {"invalid_field": len(posts) + 1}
+    req = urllib.request.Request(f"{ingest.url}/metrics", headers={"Authorization": f"Bearer {ingest.token}"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert f'trainmedic_ingest_rejected_total{{reason="invalid_field"}} {len(posts) + 1}' in resp.read().decode()
+    # The refusal's log line names the value escaped too: no control character reaches a terminal.
+    refusals = [r.getMessage() for r in caplog.records if "nodeName" in r.getMessage()]
+    assert refusals and not any("\x1b" in m or "\n" in m for m in refusals), refusals
+
+
 def test_oauth2_token_endpoint_for_nvsentinel_exporter(ingest: Ingest) -> None:
     form = urllib.parse.urlencode({"grant_type": "client_credentials", "scope": "events:write"}).encode()
     req = urllib.request.Request(

@@ -18,9 +18,13 @@ from typing import Annotated, Any, Optional, cast
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from schemas.errors import ConfigError, NotFound, Unavailable
+from schemas.ids import check_node_name
+from schemas.printable import printable
 from schemas.vocab import CATEGORIES
 from sinks import audit_queries as q
 from sinks.audit import AuditStore, ChdbFolderLocked, chdb_folder
@@ -131,6 +135,8 @@ def _print_json(data: Any) -> None:
 
 
 def _fmt(value: Any) -> str:
+    """A value of the audit as one line of text: control characters escaped (schemas.printable), so
+    a newline or ANSI escape in a record, even one written before names were checked, forges nothing."""
     if value is None:
         return "-"
     if isinstance(value, datetime):
@@ -141,15 +147,21 @@ def _fmt(value: Any) -> str:
         return f"{value:.3f}"
     if isinstance(value, list | tuple):
         return ",".join(_fmt(v) for v in value)
-    return str(value)
+    return printable(value)
+
+
+def _show(value: Any) -> str:
+    """`_fmt`, for a line Rich reads markup in: a '[' of the value is text, not a style."""
+    return escape(_fmt(value))
 
 
 def _table(title: str, rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> Table:
-    table = Table(title=title, title_justify="left")
+    # Text cells: Rich reads no markup in them; _fmt escaped their control characters.
+    table = Table(title=Text(printable(title)), title_justify="left")
     for _, header in columns:
         table.add_column(header, overflow="fold")
     for row in rows:
-        table.add_row(*(_fmt(row.get(key)) for key, _ in columns))
+        table.add_row(*(Text(_fmt(row.get(key))) for key, _ in columns))
     return table
 
 
@@ -233,7 +245,7 @@ def incident(
         counts = ", ".join(f"{k} {v}" for k, v in built.counts().items())
         typer.echo(f"{written}: {counts}")
         for gap in built.gaps:
-            typer.echo(f"  gap: {gap}")
+            typer.echo(f"  gap: {printable(gap)}")
         return
     if as_json:
         _print_json(built.manifest())
@@ -296,11 +308,11 @@ def job(
     console = Console()
     for inc in data["incidents"]:
         console.print(
-            f"[bold]{inc['incident_id']}[/]  {inc['category']}  culprit {_fmt(inc['culprit_node'])}  "
-            f"decision {_fmt(inc['decision_action'])} ({_fmt(inc['decision_kind'])})  "
-            f"detection {_fmt(inc['detection_latency_s'])} s  action {_fmt(inc['action_latency_s'])} s"
+            f"[bold]{_show(inc['incident_id'])}[/]  {_show(inc['category'])}  culprit {_show(inc['culprit_node'])}  "
+            f"decision {_show(inc['decision_action'])} ({_show(inc['decision_kind'])})  "
+            f"detection {_show(inc['detection_latency_s'])} s  action {_show(inc['action_latency_s'])} s"
         )
-    console.print(f"restarts by trainmedic: {data['restarts']}")
+    console.print(f"restarts by trainmedic: {_show(data['restarts'])}")
     if data["attempts"]:
         console.print(_table("attempts (lineage across restarts)", _attempt_rows(data["attempts"]), _ATTEMPT_COLUMNS))
     console.print(
@@ -321,6 +333,7 @@ def node(
     as_json: AsJson = False,
 ) -> None:
     """A node's history: incidents it was blamed for, actions taken on it, anomalies seen on it, returns to service."""
+    check_node_name(name)  # exit 2 naming it, escaped: no node is called that
     with _store(data_dir, clickhouse, database) as store:
         data = q.node_history(store, name)
     if not (data["incidents"] or data["events"] or data["anomalies"] or data["returns"]):
@@ -330,8 +343,8 @@ def node(
         return
     console = Console()
     console.print(
-        f"[bold]{name}[/]: culprit of {data['incidents_blamed']} incident(s), "
-        f"first {_fmt(data['first_seen'])}, last {_fmt(data['last_seen'])}"
+        f"[bold]{_show(name)}[/]: culprit of {_show(data['incidents_blamed'])} incident(s), "
+        f"first {_show(data['first_seen'])}, last {_show(data['last_seen'])}"
     )
     console.print(_table("incidents", _with_outcome(data["incidents"]), _INCIDENT_COLUMNS))
     console.print(
@@ -477,7 +490,7 @@ def goodput(
         return
     f = data["fleet"]
     console = Console()
-    who = f"job {job}" if job else "fleet"
+    who = f"job {_show(job)}" if job else "fleet"
     window = f"last {_span(since)}" if since is not None else "all time"
     gpn = data["assumptions"]["gpus_per_node"]
     console.print(

@@ -26,6 +26,7 @@ from typer.core import TyperArgument, TyperGroup, TyperOption
 
 from schemas.errors import TrainmedicError, UsageError
 from schemas.masking import mask
+from schemas.printable import printable
 from trainmedic.settings import CONFIG_ENV, Settings, unknown_env
 from trainmedic.settings import apply as apply_settings
 from trainmedic.stack.metrics_server import MetricsServer, parse_address
@@ -80,8 +81,9 @@ def _plain(params: list[Any]) -> list[Any]:
 
 def fail(exc: TrainmedicError) -> NoReturn:
     """The single mapping of an expected error to the user: one line on stderr, the class's exit status.
-    The last line of defence for secrets: whatever the message holds, none of them is printed."""
-    typer.secho(f"error: {mask(str(exc))}", fg=typer.colors.RED, err=True)
+    The last line of defence for secrets: whatever the message holds, none of them is printed; and its
+    one line stays one, control characters escaped (schemas.printable: an API's detail may quote a value)."""
+    typer.secho(f"error: {printable(mask(str(exc)))}", fg=typer.colors.RED, err=True)
     raise typer.Exit(int(exc.exit_code)) from None
 
 
@@ -196,12 +198,13 @@ def settings(**flags: Any) -> Settings:
 
 
 def print_rows(rows: list[dict[str, Any]], as_json: bool, line: Callable[[dict[str, Any]], str]) -> None:
-    """An API listing: JSON as the API gave it, or one line per row."""
+    """An API listing: JSON as the API gave it, or one line per row, its control characters escaped
+    (schemas.printable): a newline in a value cannot forge a row, an ANSI escape cannot recolour one."""
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
     for r in rows:
-        typer.echo(line(r))
+        typer.echo(printable(line(r)))
 
 
 def running_api(data_dir: Path, clickhouse: str | None) -> tuple[str, str] | None:

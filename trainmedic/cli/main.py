@@ -17,6 +17,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from schemas.errors import ExitCode, Unavailable, UsageError
+from schemas.printable import printable
 from trainmedic.cli.audit import audit_app
 from trainmedic.cli.backend import (
     KnownHostsOpt,
@@ -280,17 +281,24 @@ def diagnose(
         if "job" in report:
             j = report["job"]
             typer.echo(
-                f"job         {j['job_id']} ({j['state']}) on {j['nodelist'] or 'no nodes'}: {', '.join(j['paths'])}"
+                printable(
+                    f"job         {j['job_id']} ({j['state']}) on {j['nodelist'] or 'no nodes'}: {', '.join(j['paths'])}"
+                )
             )
-        typer.echo(
-            f"category    {report['category']}\nculprit     {culprit}\naction      {report['action']}\n"
-            f"confidence  {report['confidence']}\nwhy         {report['explanation']}"
-        )
+        # One line each, control characters escaped: the evidence quotes the logs (ANSI colours and all).
+        for line in (
+            f"category    {report['category']}",
+            f"culprit     {culprit}",
+            f"action      {report['action']}",
+            f"confidence  {report['confidence']}",
+            f"why         {report['explanation']}",
+        ):
+            typer.echo(printable(line))
         for e in report["evidence"][:20]:
             where = e["node"] or "?"
             if e["rank"] is not None:
                 where += f" rank {e['rank']}"
-            typer.echo(f"  [{e['role']:10}] {e['signature']:28} {where:16} {e['line'][:160]}")
+            typer.echo(printable(f"  [{e['role']:10}] {e['signature']:28} {where:16} {e['line'][:160]}"))
     if report["category"] != "healthy":
         raise typer.Exit(ExitCode.NO)
 

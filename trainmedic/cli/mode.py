@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from schemas.printable import printable
 from schemas.vocab import CATEGORIES, MODES
 from trainmedic.cli.base import ApiOpt, DataDir, OperatorOpt, api, expect, new_app, whoami
 
@@ -49,9 +50,11 @@ def set_cmd(
         },
     )
     typer.echo(
-        f"mode for partition={r['partition'] or '*'} category={r['category'] or '*'}: "
-        f"{r['old_mode'] or '(unknown: no valid policy)'} -> {r['new_mode']}"
+        printable(
+            f"mode for partition={r['partition'] or '*'} category={r['category'] or '*'}: "
+            f"{r['old_mode'] or '(unknown: no valid policy)'} -> {r['new_mode']}"
+        )
     )
     if r.get("policy_error"):
         # The change is made; the operator should still learn that the file on disk is not in force.
-        typer.echo(f"warning: the policy file failed to load: {r['policy_error']}", err=True)
+        typer.echo(printable(f"warning: the policy file failed to load: {r['policy_error']}"), err=True)

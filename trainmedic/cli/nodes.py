@@ -7,6 +7,8 @@ from typing import Annotated
 
 import typer
 
+from schemas.ids import check_node_name
+from schemas.printable import printable
 from trainmedic.cli.base import ApiOpt, AsJson, DataDir, OperatorOpt, api, new_app, print_rows, whoami
 
 nodes_app = new_app(help="Nodes as the scheduler sees them; return one trainmedic drained to service.")
@@ -38,6 +40,7 @@ def resume(
     api_url: ApiOpt = None,
 ) -> None:
     """Return a node trainmedic drained to service (refused for nodes drained by someone else)."""
+    check_node_name(node)  # a forged name never reaches the API's URL: exit 2 naming it, escaped
     r = api(
         data_dir,
         api_url,
@@ -45,4 +48,4 @@ def resume(
         f"/api/nodes/{node}/resume",
         {"operator": operator or whoami(), "comment": comment},
     )
-    typer.echo(f"resumed {node} (it was drained for {r['incident_id']}): {r.get('check', '')}")
+    typer.echo(printable(f"resumed {node} (it was drained for {r['incident_id']}): {r.get('check', '')}"))

@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from schemas.errors import NotFound, UsageError
+from schemas.printable import printable
 from sinks.guardrails import parse_guardrails
 from streams.policy import explain, load_overlay, load_policy, parse_policy
 from trainmedic.cli.base import AsJson, new_app, running_api, since_days
@@ -73,7 +74,7 @@ def explain_cmd(
         store.close()
     if inc is None:
         raise NotFound(f"no incident {incident} in the audit")
-    typer.echo("\n".join(explain(pol, inc)))
+    typer.echo("\n".join(map(printable, explain(pol, inc))))  # one line each: a recorded value forges none
 
 
 @policy_app.command("replay")
@@ -111,4 +112,4 @@ def replay_cmd(
     if as_json:
         typer.echo(json.dumps(report, indent=2, default=str))
     else:
-        typer.echo("\n".join(render(report)))
+        typer.echo("\n".join(map(printable, render(report))))

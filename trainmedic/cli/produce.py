@@ -197,6 +197,7 @@ def gpu(
                 f"--summary-every ({summary_every:g} s) must be <= {MAX_EVERY_S:g} s: the hang detector "
                 "treats GPU readings older than 60 s as stale"
             )
+    name = _node(node)  # a name that is not a Slurm node name is refused before anything starts
     _logging()
     # NVML first: a host without it is told so, not about Kafka.
     collector = _nvml_collector()
@@ -206,7 +207,7 @@ def gpu(
         with _probes(metrics_address):
             pub = _publisher(bootstrap, data_dir, "trainmedic-gpu")
             producer = NvmlProducer(
-                pub, node=_node(node), interval_s=interval, collector=collector, summary_every_s=summary_every
+                pub, node=name, interval_s=interval, collector=collector, summary_every_s=summary_every
             )
             stop = _stop_event()
             if summary_every is None:
@@ -235,13 +236,12 @@ def dcgm(
     """Scrape dcgm-exporter and publish the same per-node GPU records as `gpu`."""
     from producers.gpu_dcgm import DcgmProducer
 
+    name = _node(node, host_default=False)  # refused before Kafka: not a Slurm node name
     _logging()
     with _probes(metrics_address):
         pub = _publisher(bootstrap, data_dir, "trainmedic-dcgm")
         try:
-            producer = DcgmProducer(
-                pub, url, interval_s=interval, timeout_s=timeout, node=_node(node, host_default=False)
-            )
+            producer = DcgmProducer(pub, url, interval_s=interval, timeout_s=timeout, node=name)
         except ValueError as exc:
             raise UsageError(f"--url: {exc}") from None
         _run_loop("dcgm", producer.run)
@@ -292,6 +292,7 @@ def ib(
     if interval is not None and not interval > 0:
         raise UsageError("--interval must be > 0")
     s = settings(ib_sysfs_root=sysfs_root, ib_interval_s=interval)
+    name = _node(node)  # refused before anything starts: not a Slurm node name
     _logging()
     # The sysfs tree first: a host without RDMA devices is told so, not about Kafka.
     try:
@@ -300,7 +301,7 @@ def ib(
         raise Unavailable(f"InfiniBand / RoCE ports cannot be read on this host: {exc}") from None
     with _probes(metrics_address):
         pub = _publisher(bootstrap, data_dir, "trainmedic-ib")
-        producer = IbSysfsProducer(pub, node=_node(node), interval_s=s.ib_interval_s, collector=collector)
+        producer = IbSysfsProducer(pub, node=name, interval_s=s.ib_interval_s, collector=collector)
         typer.echo(f"producing InfiniBand / RoCE port samples from {s.ib_sysfs_root} every {s.ib_interval_s:g} s")
         _run_loop("ib", producer.run)
     _finish(pub, {"samples": producer.samples, "errors": producer.errors, "port_errors": producer.port_errors})
@@ -323,15 +324,16 @@ def kernel(
     """NVRM Xid / SXid / fallen-off-the-bus lines from the kernel log, resuming where it stopped."""
     if sum((file is not None, kmsg, journal)) != 1:
         raise UsageError("give exactly one of --file PATH, --kmsg, --journal")
+    name = settings(node=node).slurm_node()  # as _node(node); refused before Kafka: not a Slurm node name
     _logging()
     with _probes(metrics_address):
-        _kernel(bootstrap, data_dir, node, file, kmsg, state_dir, lookback)
+        _kernel(bootstrap, data_dir, name, file, kmsg, state_dir, lookback)
 
 
 def _kernel(
     bootstrap: str | None,
     data_dir: Path,
-    node: str | None,
+    node: str,
     file: Path | None,
     kmsg: bool,
     state_dir: Path | None,
@@ -350,7 +352,7 @@ def _kernel(
         follower = KernelLogProducer(
             pub,
             file,
-            node=_node(node),
+            node=node,
             gpu_index_of=gpu_index_of,
             resume=store.file(key),
             lookback_bytes=FILE_LOOKBACK_BYTES,
@@ -368,9 +370,7 @@ def _kernel(
         liveness.stop()
         _finish(pub, {"published": follower.published}, checkpoint)
         return
-    stream = KernelStreamProducer(
-        pub, node=_node(node), gpu_index_of=gpu_index_of, reader="kmsg" if kmsg else "journald"
-    )
+    stream = KernelStreamProducer(pub, node=node, gpu_index_of=gpu_index_of, reader="kmsg" if kmsg else "journald")
     # The stream's position: the journal cursor, or the kmsg sequence number within this boot.
     last: dict[str, Any] = {}
     checkpoint = Checkpointer(store, lambda: dict(last), _flushed(pub))
@@ -416,7 +416,9 @@ def logs(
     data_dir: DataDirOpt = Path("var"),
     job: Annotated[Optional[str], typer.Option(help="Follow this job's files (with --path).")] = None,
     path: Annotated[Optional[list[Path]], typer.Option(help="Output file(s) of --job.")] = None,
-    nodes: Annotated[Optional[str], typer.Option(help="The job's nodes, comma-separated (rank -> node).")] = None,
+    nodes: Annotated[
+        Optional[str], typer.Option(help="The job's nodes, comma-separated or a Slurm hostlist (rank -> node).")
+    ] = None,
     ranks_per_node: Annotated[Optional[int], typer.Option(help="Ranks per node (block layout).")] = None,
     discover: Annotated[bool, typer.Option(help="Find running jobs' StdOut/StdErr from Slurm.")] = False,
     only_node: Annotated[
@@ -450,13 +452,14 @@ def logs(
         raise UsageError("--resync must be > 0")
     if not discover and not path:
         raise UsageError("--job needs at least one --path")
+    job_nodes = _job_nodes(nodes)
     _logging()
     with _probes(metrics_address):
         if discover:
             _discover_logs(bootstrap, data_dir, only_node, interval, placements, resync, state_dir)
         else:
             assert job and path
-            _job_logs(bootstrap, data_dir, job, path, nodes, ranks_per_node, state_dir)
+            _job_logs(bootstrap, data_dir, job, path, job_nodes, ranks_per_node, state_dir)
 
 
 def _discover_logs(
@@ -505,12 +508,23 @@ def _discover_logs(
         t.close()
 
 
+def _job_nodes(nodes: str | None) -> tuple[str, ...]:
+    """--nodes as node names: a hostlist (gpu[01-04] or gpu01,gpu02) whose every name is a Slurm
+    node name (slurmio.hostlist refuses any other, naming it)."""
+    from slurmio.hostlist import HostlistError, expand_hostlist
+
+    try:
+        return tuple(expand_hostlist(nodes))
+    except HostlistError as exc:
+        raise UsageError(f"--nodes: {exc}") from None
+
+
 def _job_logs(
     bootstrap: str | None,
     data_dir: Path,
     job: str,
     path: list[Path],
-    nodes: str | None,
+    nodes: tuple[str, ...],
     ranks_per_node: int | None,
     state_dir: Path | None,
 ) -> None:
@@ -520,7 +534,7 @@ def _job_logs(
 
     pub = _publisher(bootstrap, data_dir, "trainmedic-logs")
     stop = _stop_event()
-    layout = JobLayout(tuple(n for n in (nodes or "").split(",") if n), ranks_per_node)
+    layout = JobLayout(nodes, ranks_per_node)
     store = _positions(state_dir, data_dir, f"logs-job-{job}")
     resume = {p: pos for p in path if (pos := store.file(f"job:{job}:{p}")) is not None}
     tailer = JobLogProducer(pub, job, path, layout, resume=resume)

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from schemas.printable import printable
 from streams.policy import load_overlay, load_policy
 from trainmedic.cli.audit import ClickHouse, Database
 from trainmedic.cli.base import AsJson, DataDir, running_api, since_days
@@ -55,8 +56,9 @@ def readiness_cmd(
         det = "-" if r["detection_p50_s"] is None else f"{r['detection_p50_s']:.1f}s"
         act = "-" if r["action_p50_s"] is None else f"{r['action_p50_s']:.1f}s"
         why = f" ({'; '.join(r['missing'])})" if r["missing"] else ""
-        typer.echo(
+        line = (
             f"{r['category']:13} {r['partition'] or '*':10} {r['recommendations']:5} {r['approved']:5} "
             f"{r['rejected']:4} {r['confirmed']:5} {r['expired']:4} {prec:>5} {r['misses']:5} {det:>8} "
             f"{act:>8}  {r['verdict']}{why}"
         )
+        typer.echo(printable(line))

@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 import typer
 
 from schemas.errors import UsageError
+from schemas.printable import printable
 from schemas.vocab import REJECT_REASONS
 from trainmedic.cli.base import ApiOpt, AsJson, DataDir, OperatorOpt, api, expect, new_app, print_rows, whoami
 
@@ -54,7 +55,7 @@ def approve(
         f"/api/recommendations/{decision_id}/approve",
         {"operator": operator or whoami(), "comment": comment},
     )
-    typer.echo(f"approved {decision_id}: action {r['action_id']} sent to the executor")
+    typer.echo(printable(f"approved {decision_id}: action {r['action_id']} sent to the executor"))
 
 
 @recommendations_app.command()
@@ -75,7 +76,7 @@ def reject(
         f"/api/recommendations/{decision_id}/reject",
         {"operator": operator or whoami(), "reason": reason, "comment": comment},
     )
-    typer.echo(f"rejected {decision_id} ({reason})")
+    typer.echo(printable(f"rejected {decision_id} ({reason})"))
 
 
 @recommendations_app.command()
@@ -99,4 +100,4 @@ def label(
         f"/api/recommendations/{decision_id}/label",
         {"verdict": verdict, "reason": reason, "operator": operator or whoami(), "comment": comment},
     )
-    typer.echo(f"labelled {decision_id}: {verdict}")
+    typer.echo(printable(f"labelled {decision_id}: {verdict}"))

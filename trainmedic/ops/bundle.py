@@ -41,6 +41,7 @@ from schemas.codec import DecodeError, decode
 from schemas.errors import NotFound, Unavailable, UsageError
 from schemas.events import GpuSample
 from schemas.masking import mask
+from schemas.printable import printable
 from schemas.topics import GPU_SAMPLES
 from sinks.audit import AuditStore
 from sinks.audit_queries import CHILD_SKEW_S, jsonable
@@ -592,7 +593,9 @@ def readme(bundle: Bundle) -> str:
         "",
         f"counts: {', '.join(f'{k} {v}' for k, v in counts.items())}",
     ]
-    return "\n".join(lines) + "\n"
+    # Each line one line, on a terminal (`audit incident`) and in README.txt: a recorded value's
+    # newline or ANSI escape is shown escaped (schemas.printable), never forging a line.
+    return "\n".join(map(printable, lines)) + "\n"
 
 
 def bundle_files(bundle: Bundle) -> dict[str, bytes]:

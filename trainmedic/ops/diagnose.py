@@ -75,7 +75,9 @@ from trainmedic.ops.rankmap import RankMap, RankMapError, from_nodelist, load_ra
 
 OFFLINE_JOB = "offline"
 STDIN = "-"
-_NO_HOST = "-"
+# A line that names no host: a placeholder node for the kernel event (KernelEvent.node must be a node name,
+# schemas.ids), turned back into "no node" on the anomaly.
+_NO_HOST = "trainmedic-no-host"
 _KERNEL_NAMES = re.compile(r"(^|[_.-])(kern\.log|dmesg|syslog|messages)")  # also rotated: kern.log.2.gz
 # NCCL's own prefix "host:pid:tid [gpu] NCCL ..." names the node that wrote the line.
 _NCCL_HOST = re.compile(r"^(?P<host>[A-Za-z0-9][A-Za-z0-9._-]*):\d+:\d+ \[\d+\] NCCL")

@@ -24,12 +24,12 @@ from fastapi.responses import JSONResponse
 from prometheus_client import REGISTRY
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from bus.publish import NotDelivered, Publisher
 from schemas.errors import TrainmedicError
 from schemas.events import Action, Approval, Decision, ModeChange, incident_in_reason
-from schemas.ids import current_cluster, stable_id
+from schemas.ids import NodeNameError, check_node_name, current_cluster, stable_id
 from schemas.masking import remember
 from schemas.topics import ACTIONS, APPROVALS, MODE_CHANGES
 from schemas.vocab import DRAINS, Category, Mode, RejectReason
@@ -108,6 +108,18 @@ API_MESSAGE_TIMEOUT_MS = 8000
 
 
 def _decision_from_row(row: dict[str, Any]) -> Decision:
+    try:
+        return _decision(row)
+    except ValidationError as exc:
+        # A record written before its fields were checked (a forged node name): refused, not a 500.
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        raise HTTPException(
+            status_code=409, detail=f"{row['decision_id']}: its audit record cannot be acted on: {where}: {err['msg']}"
+        ) from None
+
+
+def _decision(row: dict[str, Any]) -> Decision:
     return Decision(
         event_id=row["decision_id"],
         event_time=row["event_time"].timestamp(),
@@ -473,6 +485,10 @@ def create_api(
 
     @api.post("/api/nodes/{node}/resume", dependencies=auth)
     def resume(node: str, body: ResumeBody) -> dict[str, Any]:
+        try:
+            check_node_name(node)  # before the scheduler or the audit sees it
+        except NodeNameError as exc:
+            raise HTTPException(status_code=422, detail=str(exc)) from None
         # The health check (minutes) runs outside the API's lock, so approvals and mode changes
         # (the brake) are never held up behind it; return_node allows one return per node at a time.
         try:
