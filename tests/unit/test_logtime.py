@@ -1,6 +1,6 @@
-"""Timestamps written in log lines, through the names streams.detectors.logtime still exports for
-trainmedic/diagnose.py (the reader is schemas.timestamps; tests/unit/test_timestamps.py covers
-every form). These ids are kept: tests/ids-before.txt lists them.
+"""Timestamps written in log lines as diagnose reads them (schemas.timestamps, the one reader the
+kernel producer shares; tests/unit/test_timestamps.py covers every form). These ids are kept:
+tests/ids-before.txt lists them.
 
 Every line is copied from the fixtures named beside it (sources in their SOURCES.md or label.yaml)
 or from the public thread cited inline; the New Year case uses stamps built directly.
@@ -12,14 +12,14 @@ from datetime import UTC, datetime
 
 import pytest
 
-from streams.detectors.logtime import (
+from schemas.timestamps import (
     PLACEHOLDER_YEAR,
     FileClock,
-    RawStamp,
     parse_stamp,
     reference_time,
     resolve_year,
 )
+from schemas.timestamps import Stamp as RawStamp
 
 
 def utc(year: int, month: int, day: int, hour: int, minute: int, second: int, us: int = 0) -> float:

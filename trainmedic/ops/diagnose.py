@@ -15,7 +15,7 @@ What runs, through the same functions as online:
 - one `Attributor` over all of it, and the policy's `decide` on its incident (the default
   policy unless another is given): the reported action is the policy's, as online.
 
-Time: each line's own timestamp where it has one (`streams.detectors.logtime`: ISO, Python
+Time: each line's own timestamp where it has one (`schemas.timestamps`: ISO, Python
 logging, syslog without a year, glog, epoch seconds), else the previous line's time plus a
 millisecond (line order). A file with no timestamp at all runs on line order after the others.
 
@@ -58,6 +58,7 @@ from producers.progress import ProgressParser
 from schemas.errors import UsageError
 from schemas.events import Anomaly, LogBatch, LogLine, ProgressBatch, ProgressSample
 from schemas.ids import stable_id
+from schemas.timestamps import FileClock, Stamp, parse_stamp, reference_time
 from schemas.vocab import SEVERITY_RANK
 from streams.attribution import Attributor
 from streams.catalog import Signature
@@ -66,7 +67,6 @@ from streams.detectors.divergence import DivergenceDetector, DivergenceSettings
 from streams.detectors.error_lines import ErrorLine, ErrorLineReader
 from streams.detectors.hang import MEANING_DUMP, HangDetector, parked_threads
 from streams.detectors.kernel_text import KernelTextDetector
-from streams.detectors.logtime import FileClock, RawStamp, parse_stamp, reference_time
 from streams.detectors.signatures import SignatureDetector
 from streams.detectors.throughput import ThroughputDetector, ThroughputSettings, with_evidence
 from streams.detectors.xid import XidDetector
@@ -209,10 +209,10 @@ def _line_host(r: RankedText) -> str | None:
     return m.group("host") if m else None
 
 
-def _stamps(inp: Input) -> list[tuple[RankedText, RawStamp | None]]:
+def _stamps(inp: Input) -> list[tuple[RankedText, Stamp | None]]:
     """Each line split as the job-log producer splits it (launcher prefixes, rank, host, GPU)
     and its own timestamp; kernel lines are kept whole."""
-    out: list[tuple[RankedText, RawStamp | None]] = []
+    out: list[tuple[RankedText, Stamp | None]] = []
     for raw in inp.lines:
         r = RankedText(None, raw) if inp.kernel else split_rank_prefix(raw)
         out.append((r, parse_stamp(r.text)))
