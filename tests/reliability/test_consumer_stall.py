@@ -12,9 +12,15 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 
+import pytest
+from prometheus_client import REGISTRY
+
+from bus import health
 from bus.admin import ensure_topics
 from bus.publish import Publisher
+from bus.watchdog import StallSettings, configure, settings
 from schemas.codec import decode
 from schemas.events import Action, ActionResult
 from schemas.topics import ACTION_RESULTS, ACTIONS
@@ -48,7 +54,28 @@ def _result(bootstrap: str, action_id: str) -> ActionResult | None:
     return next((r for r in results if r.action_id == action_id), None)
 
 
-def test_executor_acts_again_after_the_broker_is_killed_and_restarted(broker: EmbeddedBroker) -> None:
+@pytest.fixture
+def quick_watchdog() -> Iterator[StallSettings]:
+    """Thresholds of seconds, not the default half-minute: the test waits for the remedies."""
+    before = settings()
+    configure(StallSettings(stall_s=5.0, give_up_s=60.0))
+    yield settings()
+    configure(before)
+
+
+def _recoveries(consumer: str, reason: str, action: str) -> float:
+    labels = {"consumer": consumer, "reason": reason, "action": action}
+    return REGISTRY.get_sample_value("trainmedic_consumer_stall_recoveries_total", labels) or 0.0
+
+
+def test_executor_acts_again_after_the_broker_is_killed_and_restarted(
+    broker: EmbeddedBroker, quick_watchdog: StallSettings
+) -> None:
+    """Measured before the fix: the lease came back, the actions group never formed again (Tansu kept
+    the closed actions consumer as the group's leader, bus/watchdog.py), and the new action waited
+    for minutes while the executor said ready and acting. Now the watchdog finds the consumer with no
+    partition, re-subscribes, then resets the group, and the action is carried out."""
+    resets = _recoveries("executor-actions", "no_assignment", "reset_group")
     sched = SimulatedScheduler([f"gpu{i:02d}" for i in range(1, 9)], requeue_delay_s=0.0)
     jobs = [sched.submit(f"j{i}", 1) for i in range(2)]
     svc = ExecutorService(
@@ -75,6 +102,10 @@ def test_executor_acts_again_after_the_broker_is_killed_and_restarted(broker: Em
         result = wait_for("the new action's result", lambda: _result(broker.bootstrap, "act-st1"), timeout=45)
         assert result.status == "done"
         assert sched.job_state(jobs[1]).restart_count == 1
+        assert sched.calls.count(f"requeue {jobs[1]} exclude=") == 1
+        # It was the group's wedge, and the watchdog's reset that cleared it.
+        assert _recoveries("executor-actions", "no_assignment", "reset_group") == resets + 1
+        wait_for("the executor ready again", lambda: health.report()["loops"]["executor"]["ready"], timeout=10)
     finally:
         svc.stop_event.set()
         thread.join(30)
