@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, ConsumerGroupTopicPartitions, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 from prometheus_client import Counter, Gauge
 
@@ -384,33 +384,34 @@ class WatchedConsumer:
         self._consumer = self._subscribe()
         self._judge.forget_progress()
 
-    def _committed(self) -> list[TopicPartition]:
-        """The group's committed offsets on every partition of the topics (none when unreadable)."""
+    def _committed(self, admin: AdminClient) -> list[TopicPartition]:
+        """The group's committed offsets on the topics (none when unreadable). Asked of the admin
+        client: the stalled consumer's own coordinator connection may be held by a join or sync."""
         try:
-            wanted = [
-                TopicPartition(name, p)
-                for name, meta in self._consumer.list_topics(timeout=5.0).topics.items()
-                if name in self.topics
-                for p in meta.partitions
-            ]
-            return [tp for tp in self._consumer.committed(wanted, timeout=5.0) if tp.offset >= 0] if wanted else []
-        except KafkaException as exc:
+            listed = admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(self.group)])
+            found = listed[self.group].result(10).topic_partitions or []
+        except Exception as exc:  # confluent-kafka raises KafkaException, or the future times out
             log.warning(
-                "%s: committed offsets of %s unread (%s): the group is reset without them", self.name, self.group, exc
+                "%s: committed offsets of %s unread (%r): the group is reset without them", self.name, self.group, exc
             )
             return []
+        return [
+            TopicPartition(tp.topic, tp.partition, tp.offset)
+            for tp in found
+            if tp.topic in self.topics and tp.offset >= 0
+        ]
 
     def reset_group(self) -> None:
         """Delete the group and commit its offsets again, then join it with a new consumer: what
         clears a group the broker wedged. Where the group cannot be deleted (Kafka, while it has
         members), a re-subscription."""
-        saved = self._committed()
+        # Held while its requests run: a client dropped at once is destroyed and its requests with it.
+        admin = AdminClient(admin_config(self._bootstrap))
+        saved = self._committed(admin)
         try:
             self._consumer.close()
         except (KafkaException, RuntimeError) as exc:
             log.warning("%s: closing the stalled consumer: %s", self.name, exc)
-        # Held while the request runs: a client dropped at once is destroyed and its request with it.
-        admin = AdminClient(admin_config(self._bootstrap))
         try:
             admin.delete_consumer_groups([self.group], request_timeout=10)[self.group].result(15)
         except Exception as exc:  # Kafka refuses a group with members (GROUP_NOT_EMPTY): nothing was deleted

@@ -127,18 +127,6 @@ class FakeConsumer:
     def assignment(self) -> list[TopicPartition]:
         return []
 
-    def list_topics(self, timeout: float) -> Any:
-        class Meta:
-            partitions = {0: None, 1: None}
-
-        class Listing:
-            topics = {"actions": Meta()}
-
-        return Listing()
-
-    def committed(self, partitions: list[TopicPartition], timeout: float) -> list[TopicPartition]:
-        return [TopicPartition(tp.topic, tp.partition, 40 + tp.partition) for tp in partitions]
-
     def commit(self, offsets: list[TopicPartition], asynchronous: bool) -> None:
         self.commits.append(offsets)
 
@@ -155,14 +143,28 @@ class FakeAdmin:
     def __init__(self, config: dict[str, Any]) -> None:
         pass
 
+    def list_consumer_group_offsets(self, groups: list[Any]) -> dict[str, Any]:
+        class Listed:
+            topic_partitions = [
+                TopicPartition("actions", 0, 40),
+                TopicPartition("actions", 1, 41),
+                TopicPartition("actions", 2, -1001),  # nothing committed
+                TopicPartition("other", 0, 9),  # not a topic of this consumer
+            ]
+
+        return {g.group_id: Done(Listed()) for g in groups}
+
     def delete_consumer_groups(self, groups: list[str], request_timeout: float) -> dict[str, Any]:
         FakeAdmin.deleted.extend(groups)
+        return {g: Done(None) for g in groups}
 
-        class Done:
-            def result(self, timeout: float) -> None:
-                return None
 
-        return {g: Done() for g in groups}
+class Done:
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def result(self, timeout: float) -> Any:
+        return self.value
 
 
 class Clock:
