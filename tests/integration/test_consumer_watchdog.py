@@ -1,7 +1,7 @@
-"""The consumer watchdog on the real (embedded) broker: a consumer whose committed offset is past
-the end of the log, as after a memory-only broker lost it, reads the log again from its start; a
-follower (assigned, no group) reads the new log of a restarted broker; a reset of the group keeps
-its committed offsets."""
+"""The consumer watchdog on the real (embedded) broker: a group the broker wedged is reset and its
+consumer gets its partitions; a consumer whose committed offset is past the end of the log, as
+after a memory-only broker lost it, reads the log again from its start; a follower (assigned, no
+group) reads the new log of a restarted broker; a reset of the group keeps its committed offsets."""
 
 from __future__ import annotations
 
@@ -45,6 +45,34 @@ def _take(watch: WatchedConsumer, n: int, timeout: float = 45.0) -> list[str]:
 
     wait_for(f"{n} records", more, timeout=timeout, interval=0.0)
     return got
+
+
+def test_a_group_whose_leader_left_mid_join_is_reset_and_its_consumer_gets_its_partitions(
+    broker: EmbeddedBroker,
+) -> None:
+    """Tansu 0.6 keeps a member that left a forming group as its leader: no other member's
+    SyncGroup succeeds again (docs/environment.md). Made here on purpose: A holds the group, B's
+    join puts it back to forming with A as leader, and A leaves before it joins again (A is not
+    polled, so it cannot serve its revocation and rejoin). The broker restart of issue 40 made the
+    same state by chance."""
+    _produce(broker.bootstrap, ["w1", "w2"])
+    a = group_consumer(broker.bootstrap, "wedged", "leader")
+    a.subscribe([TOPIC], on_assign=lambda _c, _ps: None)
+    wait_for("A to hold the group", lambda: a.poll(0.2) is None and a.assignment(), timeout=30)
+    b = WatchedConsumer(broker.bootstrap, "wedged", "follower", [TOPIC], name="test-wedged", stall=QUICK)
+    try:
+
+        def joining() -> bool:
+            b.consumer.poll(0.1)
+            return bool(b.consumer.memberid())
+
+        wait_for("B's first JoinGroup", joining, timeout=30)
+        a.close()  # LeaveGroup while the group forms with A as its leader
+        assert sorted(_take(b, 2)) == ["w1", "w2"]
+        # A new member did not help; deleting the group did.
+        assert b.recoveries == [("no_assignment", "resubscribe"), ("no_assignment", "reset_group")]
+    finally:
+        b.close()
 
 
 def test_a_committed_offset_past_the_log_end_is_read_again_from_the_start(broker: EmbeddedBroker) -> None:
