@@ -150,6 +150,12 @@ class Follower:
         self._partitions = set(meta.partitions)
         self._at_end: set[int] = set()
         self._consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in meta.partitions])
+        # A memory-only broker restarted under it leaves its positions past the new log's end, where
+        # the broker answers with nothing: the watchdog reads the new log from its start. Imported
+        # here: bus.watchdog builds on this module.
+        from bus.watchdog import AssignedWatch
+
+        self._watch = AssignedWatch(f"follower-{client_id}")
 
     @property
     def caught_up(self) -> bool:
@@ -159,6 +165,7 @@ class Follower:
     def poll(self, max_records: int = 50_000, timeout_s: float = 0.05) -> list[bytes]:
         """The records that arrived since the last poll (values only, in partition order)."""
         out: list[bytes] = []
+        self._watch.check(self._consumer)
         while len(out) < max_records:
             msgs = self._consumer.consume(num_messages=min(5000, max_records - len(out)), timeout=timeout_s)
             if not msgs:

@@ -29,9 +29,10 @@ from dataclasses import dataclass, field
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from bus import health
-from bus.consume import group_consumer, read_records
+from bus.consume import read_records
 from bus.deadletter import make_dead_letter
 from bus.publish import NotDelivered, Publisher
+from bus.watchdog import WatchedConsumer
 from schemas import errors
 from schemas.codec import DecodeError, decode
 from schemas.errors import Unavailable
@@ -554,7 +555,7 @@ class ExecutorService:
         self._lease = ActingLease(
             bootstrap, f"{cluster_scoped(settings.group)}.lease", client_id, settings.max_poll_interval_s
         )
-        self._consumer: Consumer | None = None  # the actions consumer, only while holding the lease
+        self._consumer: WatchedConsumer | None = None  # the actions consumer, only while holding the lease
         self._publisher = Publisher(bootstrap, client_id)
         executor.publish_command = self._publish_command
         self._restored_epoch = 0  # the lease epoch whose attempts have been read back
@@ -636,20 +637,20 @@ class ExecutorService:
         )
         return True
 
-    def _subscribe_actions(self) -> Consumer:
+    def _subscribe_actions(self) -> WatchedConsumer:
         settings = self.executor.settings
-        consumer = group_consumer(
+        # Watched (bus/watchdog.py): a holder of the lease whose actions consumer gets no partition,
+        # or does not move with actions waiting, would otherwise be ready and acting and do nothing.
+        return WatchedConsumer(
             self._bootstrap,
             cluster_scoped(settings.group),
             self._client_id,
-            background=False,  # an action waits on this fetch
-            **{"max.poll.interval.ms": int(settings.max_poll_interval_s * 1000)},
-        )
-        consumer.subscribe(
             [ACTIONS.name],
+            name="executor-actions",
+            background=False,  # an action waits on this fetch
+            overrides={"max.poll.interval.ms": int(settings.max_poll_interval_s * 1000)},
             on_assign=lambda _c, ps: log.info("actions partitions assigned: %s", sorted(p.partition for p in ps)),
         )
-        return consumer
 
     def _stand_by(self) -> None:
         """Stop consuming actions, committing nothing more."""
@@ -807,10 +808,12 @@ class ExecutorService:
                 return
             self._restored_epoch = self._lease.epoch
             metrics.EXECUTOR_ACTING.set(1)
-        self._health.set_ready(True, "acting: holds the lease")
         if self._consumer is None:
             self._consumer = self._subscribe_actions()
-        consumer = self._consumer
+        # Raises ConsumerStalled when no remedy helped: the loop ends and its supervisor restarts it.
+        stalled = self._consumer.check()
+        self._health.set_ready(stalled is None, stalled or "acting: holds the lease")
+        consumer = self._consumer.consumer
         msg = consumer.poll(0.2)
         if msg is None:
             return

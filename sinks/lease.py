@@ -39,7 +39,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
-from bus.consume import group_consumer
+from bus.watchdog import WatchedConsumer
 from schemas.errors import Refused
 from schemas.topics import ACTION_ATTEMPTS, ATTEMPTS_PARTITION
 
@@ -60,7 +60,7 @@ class ActingLease:
         self._owned = False
         self.epoch = 0  # +1 each time the lease is gained: what was read back belongs to one epoch
         self._offset = 0  # committed by confirm(): the attempts this holder has seen written
-        self._consumer: Consumer | None = None
+        self._consumer: WatchedConsumer | None = None
         self._partitions: list[int] = []
         self._elsewhere = True  # until the group assigns the lease partition to this replica
         self.heard = False  # the group has assigned this replica something (or nothing) at least once
@@ -82,9 +82,18 @@ class ActingLease:
         return list(self._partitions)
 
     def join(self) -> None:
-        self._consumer = group_consumer(self._bootstrap, self.group, self._client_id, **self._overrides)
-        self._consumer.subscribe(
-            [ACTION_ATTEMPTS.name], on_assign=self._assigned, on_revoke=self._revoked, on_lost=self._lost
+        # Watched (bus/watchdog.py): a lease group that never completes a rebalance leaves every
+        # replica standing by for good; the watchdog re-joins, resets the group, or ends the loop.
+        self._consumer = WatchedConsumer(
+            self._bootstrap,
+            self.group,
+            self._client_id,
+            [ACTION_ATTEMPTS.name],
+            name="executor-lease",
+            overrides=self._overrides,
+            on_assign=self._assigned,
+            on_revoke=self._revoked,
+            on_lost=self._lost,
         )
 
     def _assigned(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -113,7 +122,8 @@ class ActingLease:
     def poll(self, timeout: float) -> None:
         """Serve the group's callbacks. Records of the topic are not this consumer's business."""
         assert self._consumer is not None, "join() first"
-        msg = self._consumer.poll(timeout)
+        self._consumer.check()  # raises ConsumerStalled when no remedy helped
+        msg = self._consumer.consumer.poll(timeout)
         if msg is not None and (err := msg.error()) is not None and err.code() != KafkaError._PARTITION_EOF:
             log.warning("lease group %s: %s", self.group, err)
 
@@ -128,7 +138,7 @@ class ActingLease:
         if offset is not None:
             self._offset = max(self._offset, offset)
         try:
-            self._consumer.commit(
+            self._consumer.consumer.commit(
                 offsets=[TopicPartition(ACTION_ATTEMPTS.name, ATTEMPTS_PARTITION, self._offset)], asynchronous=False
             )
         except KafkaException as exc:

@@ -51,9 +51,10 @@ import orjson
 from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
 
 from bus import health
-from bus.consume import group_consumer, read_records
+from bus.consume import read_records
 from bus.deadletter import make_dead_letter
 from bus.publish import NotDelivered, Publisher
+from bus.watchdog import WatchedConsumer
 from schemas.codec import DecodeError, decode, encode
 from schemas.errors import ConfigError, Unavailable
 from schemas.events import NodeCommand, NodeCommandResult, incident_in_reason
@@ -454,13 +455,9 @@ class NodeAgent:
         # A command may wait for the node to be idle and then for the reset: the group must not
         # give the partition away meanwhile.
         longest = settings.idle_timeout_s + settings.reset_timeout_s + settings.verify_timeout_s + 300
-        self._consumer = group_consumer(
-            bootstrap,
-            settings.consumer_group,
-            client_id,
-            background=True,
-            **{"max.poll.interval.ms": int(min(longest, 86_400) * 1000)},
-        )
+        self._client_id = client_id
+        self._poll_ms = int(min(longest, 86_400) * 1000)
+        self._watch: WatchedConsumer | None = None  # subscribed once the results are read back
         self._health = health.loop("node-agent", stale_after_s=max(180.0, settings.reset_timeout_s + 120))
 
     # -- start: what was done before --------------------------------------------------------------
@@ -638,8 +635,9 @@ class NodeAgent:
     # -- the loop ----------------------------------------------------------------------------------
 
     def _commit(self, msg: Message) -> None:
+        assert self._watch is not None
         try:
-            self._consumer.commit(message=msg, asynchronous=False)
+            self._watch.consumer.commit(message=msg, asynchronous=False)
         except KafkaException as exc:
             log.warning(
                 "commit after %s/%s failed (%s): the command is read again and recognised",
@@ -697,14 +695,28 @@ class NodeAgent:
                 self._health.set_ready(False, f"{NODE_COMMAND_RESULTS.name} cannot be read back")
                 if self.stop_event.wait(5.0):
                     return
-            self._consumer.subscribe(
+            # Watched (bus/watchdog.py): an agent that gets no partition, or does not move with
+            # commands waiting, says so (not ready) and recovers, or its loop ends to be restarted.
+            self._watch = watch = WatchedConsumer(
+                self._bootstrap,
+                self.settings.consumer_group,
+                self._client_id,
                 [NODE_COMMANDS.name],
+                name="node-agent",
+                background=True,
+                overrides={"max.poll.interval.ms": self._poll_ms},
                 on_assign=lambda _c, _ps: self._health.set_ready(True, f"consuming {NODE_COMMANDS.name}"),
             )
             self._health.set_ready(True, f"joining {self.settings.consumer_group}")
             while not self.stop_event.is_set():
                 self._health.beat()
-                msg = self._consumer.poll(0.5)
+                # Raises ConsumerStalled when no remedy helped: the agent ends, its supervisor restarts it.
+                stalled = watch.check()
+                if stalled is not None:
+                    self._health.set_ready(False, stalled)
+                elif not self._health.ready:
+                    self._health.set_ready(True, f"consuming {NODE_COMMANDS.name}")
+                msg = watch.consumer.poll(0.5)
                 if msg is None:
                     continue
                 if (err := msg.error()) is not None:
@@ -715,14 +727,15 @@ class NodeAgent:
                     if self.stop_event.is_set():
                         break
                     # Not finished (a result not delivered): the same record again, after a pause.
-                    self._consumer.seek(
+                    watch.consumer.seek(
                         TopicPartition(msg.topic() or NODE_COMMANDS.name, msg.partition() or 0, msg.offset() or 0)
                     )
                     self.stop_event.wait(2.0)
         finally:
             self._health.stop()
             with contextlib.suppress(KafkaException, RuntimeError):
-                self._consumer.close()
+                if self._watch is not None:
+                    self._watch.close()
             self._publisher.close(5)
 
 

@@ -45,9 +45,9 @@ from confluent_kafka import KafkaError, KafkaException, Message, TopicPartition
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from bus import health
-from bus.consume import group_consumer
 from bus.deadletter import make_dead_letter
 from bus.publish import Publisher
+from bus.watchdog import WatchedConsumer
 from schemas.codec import DecodeError, decode
 from schemas.errors import ConfigError
 from schemas.events import Decision, Event, GuardrailTrip, Incident
@@ -625,13 +625,8 @@ class Notifier:
         # librdkafka evicts a member that does not poll for max.poll.interval.ms: leave room for a
         # whole batch of events that all end up given up on.
         poll_ms = int(min(86_400_000, max(300_000, (worst * batch_max + 60) * 1000)))
-        self._consumer = group_consumer(
-            bootstrap,
-            cluster_scoped(group),
-            "trainmedic-notifier",
-            background=True,
-            **{"max.poll.interval.ms": poll_ms},
-        )
+        self._bootstrap, self._group, self._poll_ms = bootstrap, cluster_scoped(group), poll_ms
+        self._watch: WatchedConsumer | None = None  # subscribed at the first poll
         self._own_publisher = publisher is None and config.dead_letter
         self._publisher = (
             publisher
@@ -663,8 +658,17 @@ class Notifier:
         if self._health is None:
             loop = health.loop("notifier", stale_after_s=self._stale_after_s)
             self._health = loop
-            self._consumer.subscribe(
-                self.topics, on_assign=lambda _c, _ps: loop.set_ready(True, "consuming: partitions assigned")
+            # Watched (bus/watchdog.py): a notifier that gets no partition, or does not move with
+            # events waiting, says so (not ready) and recovers, or its loop ends to be restarted.
+            self._watch = WatchedConsumer(
+                self._bootstrap,
+                self._group,
+                "trainmedic-notifier",
+                self.topics,
+                name="notifier",
+                background=True,
+                overrides={"max.poll.interval.ms": self._poll_ms},
+                on_assign=lambda _c, _ps: loop.set_ready(True, "consuming: partitions assigned"),
             )
             log.info(
                 "notifier: %d endpoint(s) (%s) on %s",
@@ -678,7 +682,14 @@ class Notifier:
         """Consume up to batch_max records, handle them, commit what was handled; how many were."""
         loop = self._start()
         loop.beat()
-        msgs = self._consumer.consume(num_messages=self.batch_max, timeout=timeout_s)
+        assert self._watch is not None
+        # Raises ConsumerStalled when no remedy helped: run() ends, its supervisor restarts it.
+        stalled = self._watch.check()
+        if stalled is not None:
+            loop.set_ready(False, stalled)
+        elif not loop.ready and self._watch.settled:
+            loop.set_ready(True, "consuming: partitions assigned")
+        msgs = self._watch.consumer.consume(num_messages=self.batch_max, timeout=timeout_s)
         handled = 0
         for i, msg in enumerate(msgs):
             if (err := msg.error()) is not None:
@@ -717,7 +728,8 @@ class Notifier:
             if self._health is not None:
                 self._health.stop()
             try:
-                self._consumer.close()
+                if self._watch is not None:
+                    self._watch.close()
             except (KafkaException, RuntimeError) as exc:
                 log.warning("notifier: closing the consumer: %s", exc)
             if self._own_client:
@@ -731,9 +743,10 @@ class Notifier:
         for msg in rest:
             if msg.error() is None:
                 first.setdefault((msg.topic() or "", msg.partition() or 0), msg.offset() or 0)
+        assert self._watch is not None
         for (topic, partition), offset in first.items():
             try:
-                self._consumer.seek(TopicPartition(topic, partition, offset))
+                self._watch.consumer.seek(TopicPartition(topic, partition, offset))
             except KafkaException as exc:  # not assigned any more: its next owner starts there anyway
                 log.info("notifier: no seek back on %s/%d: %s", topic, partition, exc)
 
@@ -742,12 +755,12 @@ class Notifier:
             self._letters_unflushed = False
             if (left := self._publisher.flush(30)) != 0:
                 log.error("notifier: %d dead letter(s) not acknowledged yet (still queued)", left)
-        if not self._pending:
+        if not self._pending or self._watch is None:
             return
         offsets = [TopicPartition(t, p, o) for (t, p), o in self._pending.items()]
         self._pending = {}
         try:
-            self._consumer.commit(offsets=offsets, asynchronous=False)
+            self._watch.consumer.commit(offsets=offsets, asynchronous=False)
         except KafkaException as exc:
             log.warning(
                 "notifier: commit failed (%s): those records come again and are re-sent with the same Idempotency-Key",

@@ -27,6 +27,8 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from pydantic_settings import SettingsError as PydanticSettingsError
 
 from bus.config import KafkaSecurity, configure_security
+from bus.watchdog import StallSettings
+from bus.watchdog import configure as configure_watchdog
 from schemas.errors import ConfigError
 from schemas.ids import CLUSTER_RE, DEFAULT_CLUSTER, NodeNameError, check_node_name, set_cluster
 from schemas.masking import MASK, mask, remember
@@ -87,6 +89,19 @@ class Settings(BaseSettings):
     kafka_ssl_ca: Path | None = Field(default=None, description="CA bundle (PEM) that signed the brokers' certificates")
     kafka_ssl_certificate: Path | None = Field(default=None, description="client certificate (PEM), mutual TLS")
     kafka_ssl_key: Path | None = Field(default=None, description="client key (PEM), mutual TLS")
+    consumer_stall_s: float = Field(
+        default=20.0,
+        gt=0,
+        description="a consumer that acts (executor, notifier, node agent) and gets no partition, or does not move "
+        "with records waiting, or reads past the log's end this long is stalled: not ready, re-subscribed, then "
+        "its group reset at twice this (bus/watchdog.py)",
+    )
+    consumer_stall_give_up_s: float = Field(
+        default=180.0,
+        gt=0,
+        description="a stall that lasts this long ends the consumer's loop, so that its supervisor (up, Kubernetes, "
+        "systemd) restarts it; more than twice consumer_stall_s",
+    )
 
     # -- ClickHouse (audit) ---------------------------------------------------------------
     clickhouse_url: SecretStr | None = Field(
@@ -479,8 +494,9 @@ def clickhouse_dsn(settings: Settings) -> str | None:
 
 
 def apply(settings: Settings) -> None:
-    """Make `settings` the process's: its cluster name (ids, events), Kafka security (bus), and its
-    secrets masked in every log record and uncaught exception's traceback (schemas/masking.py)."""
+    """Make `settings` the process's: its cluster name (ids, events), Kafka security and the consumer
+    watchdog's thresholds (bus), and its secrets masked in every log record and uncaught exception's
+    traceback (schemas/masking.py)."""
     mask_process_output()
     remember(*(settings.secret(name) for name in secret_fields()))
     set_cluster(settings.cluster)
@@ -488,6 +504,10 @@ def apply(settings: Settings) -> None:
         configure_security(kafka_security(settings))
     except ValueError as exc:
         raise SettingsError(f"kafka_security_protocol {settings.kafka_security_protocol}: {exc}") from None
+    try:
+        configure_watchdog(StallSettings(settings.consumer_stall_s, settings.consumer_stall_give_up_s))
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
 
 
 def kafka_security(settings: Settings) -> KafkaSecurity:

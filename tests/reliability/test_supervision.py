@@ -23,10 +23,12 @@ import pytest
 
 from bus.publish import Publisher
 from producers.kernel import KernelLogProducer
-from schemas.topics import INCIDENTS
+from schemas.codec import decode
+from schemas.events import Action, ActionResult
+from schemas.topics import ACTION_RESULTS, ACTIONS, INCIDENTS
 from sinks.audit import AuditStore
 from sinks.backends.simulated import SimulatedScheduler
-from tests.conftest import wait_for
+from tests.conftest import read_topic, wait_for
 from tests.integration.scenario import xid79_line
 from tests.reliability.harness import incident, produce
 from trainmedic.stack.broker import EmbeddedBroker
@@ -68,13 +70,15 @@ def cmdline(pid: int) -> str:
 class Up:
     """`trainmedic up --backend simulated` as an operator starts it, output in a file."""
 
-    def __init__(self, data_dir: Path, *extra: str) -> None:
+    def __init__(self, data_dir: Path, *extra: str, env: dict[str, str] | None = None) -> None:
         self.data_dir = data_dir
         self.log = data_dir.parent / f"{data_dir.name}-up.out"
         self._fh = open(self.log, "w")  # noqa: SIM115 - closed in close()
         args = ["up", "--backend", "simulated", "--api-port", "0", "--metrics-port", "0"]
         args += ["--metrics-address", "127.0.0.1:0", "--data-dir", str(data_dir), *extra]
-        self.proc = subprocess.Popen([*TRAINMEDIC, *args], stdout=self._fh, stderr=subprocess.STDOUT, cwd=REPO)
+        self.proc = subprocess.Popen(
+            [*TRAINMEDIC, *args], stdout=self._fh, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, **(env or {})}
+        )
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -118,6 +122,25 @@ class Up:
                 self.proc.kill()
                 self.proc.wait()
         self._fh.close()
+
+
+def _requeue_action(action_id: str, job: str) -> Action:
+    now = time.time()
+    return Action(
+        event_id=action_id,
+        event_time=now,
+        action_id=action_id,
+        decision_id=f"dec-{action_id}",
+        incident_id=f"inc-{action_id}",
+        job_id=job,
+        node=None,
+        partition="gpu",
+        action="requeue",
+        reason=f"trainmedic inc-{action_id}: hang",
+        requested_by="policy",
+        incident_time=now,
+        first_signal_time=now - 1,
+    )
 
 
 @pytest.fixture
@@ -167,7 +190,21 @@ def test_killed_worker_is_restarted_unhealthy_in_between_and_the_gap_is_not_lost
     assert len(gpu07_incidents()) == 1
 
 
-def test_killed_broker_comes_back_on_its_port_with_its_topics_and_the_loop_works(up: Up, tmp_path: Path) -> None:
+@pytest.fixture
+def quick_watchdog_up(tmp_path: Path) -> Iterator[Up]:
+    """`up` whose consumer watchdog acts after seconds, not the default 20 s (bus/watchdog.py)."""
+    u = Up(
+        tmp_path / "var",
+        env={"TRAINMEDIC_CONSUMER_STALL_S": "5", "TRAINMEDIC_CONSUMER_STALL_GIVE_UP_S": "60"},
+    )
+    yield u
+    u.close()
+
+
+def test_killed_broker_comes_back_on_its_port_with_its_topics_and_the_loop_works(
+    quick_watchdog_up: Up, tmp_path: Path
+) -> None:
+    up = quick_watchdog_up
     from confluent_kafka.admin import AdminClient
 
     from bus.config import admin_config
@@ -194,12 +231,29 @@ def test_killed_broker_comes_back_on_its_port_with_its_topics_and_the_loop_works
     kern.write_text(xid79_line("gpu05") + "\n")
     pub = Publisher(info["bootstrap"], "test-producer")
     KernelLogProducer(pub, kern, node="gpu05", from_start=True).poll_once()
+    # The executor acts again (issue 40): an action published to the new broker gets its result. The
+    # simulated scheduler of `up` has no job, so the requeue fails, and says so: what counts is that
+    # the executor took the action from the topic and answered it.
+    pub.publish(ACTIONS, _requeue_action("act-after-restart", "4242"))
     assert pub.flush(10) == 0
     wait_for(
         "an incident from the new broker",
         lambda: [r for r in up.get(api, "/api/incidents?since=1h") if r.get("culprit_node") == "gpu05"],
         timeout=120,
     )
+    result = wait_for(
+        "the executor's result for an action published to the new broker",
+        lambda: next(
+            (
+                r
+                for v in read_topic(info["bootstrap"], ACTION_RESULTS.name, 1.0)
+                if (r := decode(ActionResult, v)).action_id == "act-after-restart"
+            ),
+            None,
+        ),
+        timeout=90,
+    )
+    assert result.status == "failed" and "4242" in (result.error or "")
 
 
 def test_sigkill_of_up_leaves_no_process_of_its_tree(up: Up) -> None:

@@ -27,6 +27,7 @@ ALERTS = REPO / "infra" / "helm" / "trainmedic" / "files" / "alerts.yaml"
 METRIC_MODULES = (
     "bus.health",
     "bus.metrics",
+    "bus.watchdog",
     "producers.metrics",
     "streams.metrics",
     "sinks.metrics",

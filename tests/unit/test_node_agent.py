@@ -296,7 +296,6 @@ class Scene:
             'echo "GPU 00000000:38:00.0 was successfully reset."\n',
         )
         monkeypatch.setattr(node_agent, "Publisher", lambda *a, **k: None)
-        monkeypatch.setattr(node_agent, "group_consumer", lambda *a, **k: None)
         monkeypatch.setattr(node_agent, "read_slurm", self._read_slurm)
         self.real_run_reset = node_agent.run_reset
         self.during_reset: Callable[[], None] = lambda: None
