@@ -1,7 +1,9 @@
 """Node-signed records through the real embedded broker and the real streams worker (issue 41,
 item 5): with `site_secret` set, a kernel record that names gpu02 but is signed with gpu01's key
 (gpu01's credentials speaking for gpu02) lands on `deadletter` as `node_signature_invalid` and
-never reaches the Xid detector; the same record signed with gpu02's own key yields the anomaly.
+never reaches the Xid detector (as port and GPU records so signed: detect_net, detect_gpu); the
+same record signed with gpu02's own key yields the anomaly. With `node_signing_required`, an
+unsigned record is refused as `node_signature_missing`.
 
 The records are written by the real kernel-log producer from a kernel log line
 (tests/fixtures/logs), published through the one publish path with each node's key
@@ -23,9 +25,9 @@ from bus.identity import NodeSigner, node_key
 from bus.publish import Publisher
 from producers.kernel import KernelLogProducer
 from schemas.codec import decode
-from schemas.events import Anomaly, DeadLetter
+from schemas.events import Anomaly, DeadLetter, GpuSample, NetPortSample
 from schemas.ids import DEFAULT_CLUSTER
-from schemas.topics import ANOMALIES, DEADLETTER, NODE_KERNEL
+from schemas.topics import ANOMALIES, DEADLETTER, GPU_SAMPLES, NET_PORTS, NODE_KERNEL
 from sinks.backends.simulated import SimulatedScheduler
 from tests.conftest import wait_for
 from tests.integration.scenario import running_stack, xid79_line
@@ -92,6 +94,29 @@ def test_a_record_signed_with_another_nodes_key_is_refused_and_its_own_nodes_key
         [letter] = wait_for("the forged record on deadletter", lambda: _kernel_letters(broker.bootstrap), timeout=60)
         assert letter.component == "streams.detect_kernel"
         assert letter.reason == "node_signature_invalid: record names node 'gpu02' but is signed by node 'gpu01'"
+        # gpu01's key speaking for gpu02 on the other node topics: refused by their agents too.
+        forger = Publisher(
+            broker.bootstrap,
+            "test-forger",
+            node_signer=NodeSigner("gpu01", node_key(SITE.encode(), DEFAULT_CLUSTER, "gpu01")),
+        )
+        forger.publish(
+            NET_PORTS, NetPortSample(event_id="ports-forged", event_time=time.time(), node="gpu02", ports=[])
+        )
+        forger.publish(GPU_SAMPLES, GpuSample(event_id="gpu-forged", event_time=time.time(), node="gpu02", gpus=[]))
+        assert forger.flush(10) == 0
+
+        def others() -> dict[str, DeadLetter] | None:
+            letters = [decode(DeadLetter, v) for v in _values(broker.bootstrap, DEADLETTER.name)]
+            got = {d.original_topic: d for d in letters if d.original_topic in (NET_PORTS.name, GPU_SAMPLES.name)}
+            return got if len(got) == 2 else None
+
+        by_topic = wait_for("the forged port and GPU records on deadletter", others, timeout=60)
+        assert {t: d.component for t, d in by_topic.items()} == {
+            NET_PORTS.name: "streams.detect_net",
+            GPU_SAMPLES.name: "streams.detect_gpu",
+        }
+        assert {d.reason for d in by_topic.values()} == {letter.reason}
 
         # The same line, signed by gpu02's own key: it reaches the detector. Both records share
         # gpu02's partition, so once this anomaly is out the forged one was judged before it.
