@@ -18,6 +18,7 @@ from bus import metrics
 from bus.config import admin_config, producer_config
 from bus.deadletter import make_dead_letter
 from bus.fit import fit_event
+from bus.identity import NodeSigner
 from schemas.errors import Unavailable
 from schemas.events import Event
 from schemas.topics import ALL_TOPICS, DEADLETTER, TOPIC_BY_NAME, Topic, fixed_partition, partition_key
@@ -103,6 +104,10 @@ class Publisher:
     With `bootstrap_file` (a local `trainmedic up`'s runtime.json), the
     publisher follows the broker when `up` restarts it on another address:
     what was still queued for the old broker is sent to the new one.
+
+    With `node_signer` (a node producer holding its node's key, bus.identity), every record
+    on a node topic carries the node's signature (header `tm-node-sig`), which the streams
+    worker checks against the node the record names.
     """
 
     def __init__(
@@ -112,10 +117,12 @@ class Publisher:
         config: dict[str, object] | None = None,
         bootstrap_file: Path | None = None,
         learn_limits: bool = True,
+        node_signer: NodeSigner | None = None,
     ) -> None:
         # `config`: librdkafka overrides, e.g. queue.buffering.max.messages (the buffer bound
         # while the broker is away) or message.timeout.ms (how long an event may wait for it).
         self._client_id = client_id
+        self._signer = node_signer
         self._overrides = dict(config or {})
         self.bootstrap = bootstrap
         self._producer = self._make_producer(bootstrap)
@@ -144,6 +151,12 @@ class Publisher:
 
     def _make_producer(self, bootstrap: str) -> Producer:
         return Producer({**producer_config(bootstrap, self._client_id), **self._overrides})
+
+    def _headers(self, topic: str, payload: bytes) -> list[tuple[str, str | bytes | None]] | None:
+        # Signed where it is sent, so a part of a split event and a record re-sent to a moved
+        # broker are signed as what they are.
+        headers = self._signer.header(topic, payload) if self._signer is not None else None
+        return None if headers is None else [(name, value) for name, value in headers]
 
     def limit(self, topic: str) -> int:
         return self._limits.get(topic, self._client_limit)
@@ -197,6 +210,7 @@ class Publisher:
                     key=key,
                     on_delivery=on_delivery,
                     partition=_partition(fixed_partition(topic)),
+                    headers=self._headers(topic.name, payload),
                 )
                 self.sent[topic.name] += 1
         except (BufferError, KafkaException) as exc:
@@ -221,6 +235,7 @@ class Publisher:
                         key=key,
                         on_delivery=self._delivery(event_id),
                         partition=_partition(partition),
+                        headers=self._headers(topic, payload),
                     )
                 break
             except BufferError:

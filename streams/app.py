@@ -24,6 +24,13 @@ from bus import health
 from bus.config import security
 from bus.deadletter import make_dead_letter
 from bus.fit import fits
+from bus.identity import (
+    NODE_SIGNATURE_HEADER,
+    NODE_SIGNED_TOPICS,
+    SIGNATURE_INVALID,
+    check_node_signature,
+    check_site_secret,
+)
 from bus.publish import CLIENT_DEFAULT_MAX_BYTES, prepare
 from schemas.codec import DecodeError, decode, decode_as_read, encode
 from schemas.events import (
@@ -98,6 +105,23 @@ E = TypeVar("E", bound=Event)
 SETTINGS = Settings.load()
 apply_settings(SETTINGS)
 BOOTSTRAP = SETTINGS.bootstrap or "127.0.0.1:9092"
+
+
+def _node_secret(secret: str | None) -> tuple[bytes | None, str | None]:
+    """The site secret the node records' signatures are checked with, or why it cannot be used."""
+    if not secret:
+        return None, None
+    try:
+        return check_site_secret(secret), None
+    except ValueError as exc:
+        log.error("setting site_secret: %s: every signed GPU, kernel and port record is refused", exc)
+        return None, str(exc)
+
+
+# With site_secret, node records (NODE_SIGNED_TOPICS) are checked against their node's key
+# (bus.identity.check_node_signature); without it, they are taken as they come.
+NODE_SECRET, NODE_SECRET_ERROR = _node_secret(SETTINGS.secret("site_secret"))
+NODE_SIGNING_REQUIRED = SETTINGS.node_signing_required
 # The topics' partition count (the setting topic_partitions, fixed at install): tables are made
 # with it and job ownership is computed with it.
 PARTITIONS = SETTINGS.topic_partitions
@@ -504,7 +528,24 @@ async def accept_as_read(event: Any, event_type: type[E], agent: str, component:
     except DecodeError as exc:
         await dead_letter(component, event, str(exc))
         return None
-    return (decoded, payload) if ours(decoded, agent) else None
+    if not ours(decoded, agent):
+        return None
+    if event.message.topic in NODE_SIGNED_TOPICS and (why := node_refusal(event, decoded)) is not None:
+        await dead_letter(component, event, why)
+        return None
+    return decoded, payload
+
+
+def node_refusal(event: Any, record: Event) -> str | None:
+    """Why a node record (gpu.samples, node.kernel, net.ports) is refused: a signature that is
+    not its own node's (another node's key, or the record changed), or none where one is required."""
+    headers = event.headers or {}
+    node = str(getattr(record, "node", "") or "")
+    if NODE_SECRET_ERROR is not None and (NODE_SIGNATURE_HEADER in headers or NODE_SIGNING_REQUIRED):
+        return f"{SIGNATURE_INVALID}: record of node {node[:64]!r}: the worker's site_secret is unusable"
+    return check_node_signature(
+        NODE_SECRET, current_cluster(), headers, event.value, node, required=NODE_SIGNING_REQUIRED
+    )
 
 
 async def accept_signal(event: Any) -> Event | None:

@@ -77,6 +77,11 @@ class Settings(BaseSettings):
         description="where `produce ib` reads the InfiniBand / RoCE ports (the kernel's sysfs class directory)",
     )
     ib_interval_s: float = Field(default=10.0, gt=0, le=3600, description="seconds between `produce ib` samples")
+    node_key: SecretStr | None = Field(
+        default=None,
+        description="this node's signing key (64 hex, from `trainmedic ingest node-key NODE`; usually node_key_file: "
+        "/etc/trainmedic/node-key, mode 0600): the node producers sign their records with it; unset: unsigned",
+    )
 
     # -- Kafka --------------------------------------------------------------------------
     bootstrap: str | None = Field(
@@ -127,6 +132,11 @@ class Settings(BaseSettings):
         le=1000,
         description="the streams worker sends at most one fetch per broker this often (0: as fast as records are "
         "taken); a record waits up to this much longer per hop, and a busy worker and broker handle far fewer requests",
+    )
+    node_signing_required: bool = Field(
+        default=False,
+        description="with site_secret: the streams worker refuses unsigned GPU, kernel and port records too "
+        "(signed ones that do not verify for their node are refused whenever site_secret is set)",
     )
     streams_data_dir: Path = Field(
         default=Path("trainmedic-streams-data"), description="the streams worker's local Faust data folder (writable)"

@@ -1,7 +1,7 @@
 """`trainmedic ingest ...`: the credentials of the ingest endpoint (docs/ingest.md, "Identity").
 
 `trainmedic ingest job-token JOBID` prints the job's ingest token for a Slurm prolog to hand to
-the job; `ingest_auth()` builds the ingest server's credential policy from the settings.
+the job; `trainmedic ingest node-key NODE` prints a node's signing key for its producers; `ingest_auth()` builds the ingest server's credential policy from the settings.
 """
 
 from __future__ import annotations
@@ -47,6 +47,32 @@ def job_token_cmd(
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     typer.echo(job_token(key, s.cluster, job_id))
+
+
+@ingest_app.command("node-key")
+def node_key_cmd(
+    node: Annotated[str, typer.Argument(help="The Slurm node name whose producers are to sign with the key.")],
+    cluster: Annotated[Optional[str], typer.Option(help="Cluster name (default: the setting cluster).")] = None,
+) -> None:
+    """Print the node's signing key (64 hex), derived from the setting site_secret.
+
+    Install it on that node only, root-only (e.g. /etc/trainmedic/node-key, mode 0600) and point
+    the node producers at it (TRAINMEDIC_NODE_KEY_FILE or node_key_file): they sign every GPU,
+    kernel and port record with it, and the streams worker (which holds site_secret) refuses a
+    signed record that names another node. The node never holds the site secret."""
+    from bus.identity import check_site_secret, node_key
+    from schemas.ids import check_node_name
+
+    s = settings(cluster=cluster)
+    secret = s.secret("site_secret")
+    if not secret:
+        raise UsageError("no site secret: set TRAINMEDIC_SITE_SECRET(_FILE) or site_secret in the config file")
+    name = check_node_name(node)  # NodeNameError is a UsageError
+    try:
+        key = check_site_secret(secret)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    typer.echo(node_key(key, s.cluster, name).hex())
 
 
 def _job_id_ok(job_id: str) -> bool:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 import typer
 
 from bus.admin import check_bootstrap
+from bus.identity import NodeSigner, parse_node_key
 from bus.publish import Publisher
 from schemas.errors import ConfigError, Unavailable, UsageError
 from trainmedic.cli.base import MetricsOpt, new_app, settings, start_probes
@@ -59,7 +60,20 @@ def _node(flag: str | None, host_default: bool = True) -> str | None:
     return None
 
 
-def _publisher(bootstrap: str | None, data_dir: Path, client_id: str) -> Publisher:
+def _signer(flag: str | None) -> NodeSigner | None:
+    """The node's signing (setting node_key, usually node_key_file): its records on the node topics
+    carry its signature, which the streams worker checks; None when the node has no key."""
+    s = settings(node=flag)
+    key = s.secret("node_key")
+    if not key:
+        return None
+    try:
+        return NodeSigner(s.slurm_node(), parse_node_key(key))
+    except ValueError as exc:
+        raise ConfigError(f"setting node_key (TRAINMEDIC_NODE_KEY_FILE or node_key_file): {exc}") from None
+
+
+def _publisher(bootstrap: str | None, data_dir: Path, client_id: str, signer: NodeSigner | None = None) -> Publisher:
     runtime_file: Path | None = None
     bootstrap = settings(bootstrap=bootstrap).bootstrap
     if not bootstrap:
@@ -74,7 +88,7 @@ def _publisher(bootstrap: str | None, data_dir: Path, client_id: str) -> Publish
     assert bootstrap
     check_bootstrap(bootstrap)
     # A local `up` may be restarted with its broker elsewhere: follow runtime.json then.
-    return Publisher(bootstrap, client_id, bootstrap_file=runtime_file)
+    return Publisher(bootstrap, client_id, bootstrap_file=runtime_file, node_signer=signer)
 
 
 StateDirOpt = Annotated[
@@ -198,6 +212,7 @@ def gpu(
                 "treats GPU readings older than 60 s as stale"
             )
     name = _node(node)  # a name that is not a Slurm node name is refused before anything starts
+    signer = _signer(node)
     _logging()
     # NVML first: a host without it is told so, not about Kafka.
     collector = _nvml_collector()
@@ -205,7 +220,7 @@ def gpu(
 
     try:
         with _probes(metrics_address):
-            pub = _publisher(bootstrap, data_dir, "trainmedic-gpu")
+            pub = _publisher(bootstrap, data_dir, "trainmedic-gpu", signer)
             producer = NvmlProducer(
                 pub, node=name, interval_s=interval, collector=collector, summary_every_s=summary_every
             )
@@ -237,9 +252,10 @@ def dcgm(
     from producers.gpu_dcgm import DcgmProducer
 
     name = _node(node, host_default=False)  # refused before Kafka: not a Slurm node name
+    signer = _signer(node)
     _logging()
     with _probes(metrics_address):
-        pub = _publisher(bootstrap, data_dir, "trainmedic-dcgm")
+        pub = _publisher(bootstrap, data_dir, "trainmedic-dcgm", signer)
         try:
             producer = DcgmProducer(pub, url, interval_s=interval, timeout_s=timeout, node=name)
         except ValueError as exc:
@@ -293,6 +309,7 @@ def ib(
         raise UsageError("--interval must be > 0")
     s = settings(ib_sysfs_root=sysfs_root, ib_interval_s=interval)
     name = _node(node)  # refused before anything starts: not a Slurm node name
+    signer = _signer(node)
     _logging()
     # The sysfs tree first: a host without RDMA devices is told so, not about Kafka.
     try:
@@ -300,7 +317,7 @@ def ib(
     except IbSysfsUnavailable as exc:
         raise Unavailable(f"InfiniBand / RoCE ports cannot be read on this host: {exc}") from None
     with _probes(metrics_address):
-        pub = _publisher(bootstrap, data_dir, "trainmedic-ib")
+        pub = _publisher(bootstrap, data_dir, "trainmedic-ib", signer)
         producer = IbSysfsProducer(pub, node=name, interval_s=s.ib_interval_s, collector=collector)
         typer.echo(f"producing InfiniBand / RoCE port samples from {s.ib_sysfs_root} every {s.ib_interval_s:g} s")
         _run_loop("ib", producer.run)
@@ -325,9 +342,10 @@ def kernel(
     if sum((file is not None, kmsg, journal)) != 1:
         raise UsageError("give exactly one of --file PATH, --kmsg, --journal")
     name = settings(node=node).slurm_node()  # as _node(node); refused before Kafka: not a Slurm node name
+    signer = _signer(node)
     _logging()
     with _probes(metrics_address):
-        _kernel(bootstrap, data_dir, name, file, kmsg, state_dir, lookback)
+        _kernel(bootstrap, data_dir, name, file, kmsg, state_dir, lookback, signer)
 
 
 def _kernel(
@@ -338,12 +356,13 @@ def _kernel(
     kmsg: bool,
     state_dir: Path | None,
     lookback: float,
+    signer: NodeSigner | None = None,
 ) -> None:
     from producers.kernel import KernelLogProducer, KernelStreamProducer, boot_id, read_journal, read_kmsg
     from producers.metrics import ProducerHealth
     from producers.position import Checkpointer
 
-    pub = _publisher(bootstrap, data_dir, "trainmedic-kernel")
+    pub = _publisher(bootstrap, data_dir, "trainmedic-kernel", signer)
     stop = _stop_event()
     gpu_index_of = _nvml_gpu_index()
     store = _positions(state_dir, data_dir, "kernel")
