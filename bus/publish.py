@@ -150,7 +150,13 @@ class Publisher:
         self._poller.start()
 
     def _make_producer(self, bootstrap: str) -> Producer:
-        return Producer({**producer_config(bootstrap, self._client_id), **self._overrides})
+        # Never let a metadata request create a topic: every topic is made with its partitions by
+        # ensure_topics. A restarted memory-only broker auto-created gpu.samples with 4 partitions
+        # before `up` (or a test) made it with 12, and every buffered event already assigned a
+        # higher partition failed with "Unknown partition" (62,502 lost in one CI run). Without
+        # auto-creation they wait, up to message.timeout.ms, for the topic to be made.
+        config = {**producer_config(bootstrap, self._client_id), "allow.auto.create.topics": False}
+        return Producer({**config, **self._overrides})
 
     def _headers(self, topic: str, payload: bytes) -> list[tuple[str, str | bytes | None]] | None:
         # Signed where it is sent, so a part of a split event and a record re-sent to a moved

@@ -151,7 +151,9 @@ def test_job_and_node_changes_restart_and_idempotent_ids(
     )
     assert cancelled.previous_state in ("RUNNING", "COMPLETING")
     assert cancelled.nodes == running.nodes
-    assert cancelled.reason is not None and "signal 15" in cancelled.reason
+    # scancel sends SIGTERM: Slurm records "signal 15", or "exit 143" (128 + 15) when the batch
+    # shell caught it and exited itself first - which of the two is a race (a loaded CI machine saw both).
+    assert cancelled.reason is not None and ("signal 15" in cancelled.reason or "exit 143" in cancelled.reason)
     _poll_until_quiet(producer, published)
     ids = [e.event_id for e in published]
     assert len(ids) == len(set(ids)), "an event id was used twice"
