@@ -69,7 +69,9 @@ ReasonName = Annotated[str, Field(pattern=r"^[a-z0-9_]+$", max_length=64)]
 # --- catalog -----------------------------------------------------------------------------
 
 
-class _Condition(BaseModel):
+class CatalogCondition(BaseModel):
+    """What every node-reading catalog entry says (GPU health here, port readings in net_ports)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     id: str = Field(pattern=r"^[a-z0-9_]+$", max_length=64)
@@ -82,12 +84,12 @@ class _Condition(BaseModel):
     meaning: str = Field(min_length=1, max_length=2000)
 
 
-class FlagCondition(_Condition):
+class FlagCondition(CatalogCondition):
     kind: Literal["flag"]
     field: FlagField
 
 
-class CounterCondition(_Condition):
+class CounterCondition(CatalogCondition):
     kind: Literal["counter"]
     fields: tuple[CounterField, ...] = Field(min_length=1)
     threshold: int = Field(ge=1)
@@ -100,7 +102,7 @@ class CounterCondition(_Condition):
         return self
 
 
-class ThrottleCondition(_Condition):
+class ThrottleCondition(CatalogCondition):
     kind: Literal["throttle"]
     reasons: tuple[ReasonName, ...] = Field(min_length=1)
     unless: tuple[ReasonName, ...] = ()
@@ -492,7 +494,7 @@ class GpuHealthDetector:
     # --- output ------------------------------------------------------------------------------
 
     def _finding(
-        self, cond: _Condition, state: _GpuState, gpu: GpuMetrics, what: str, line: str, facts: dict[str, str]
+        self, cond: CatalogCondition, state: _GpuState, gpu: GpuMetrics, what: str, line: str, facts: dict[str, str]
     ) -> _Finding:
         return _Finding(
             key=cond.id,

@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import Field, TypeAdapter, ValidationError, model_validator
 
 from schemas.events import Anomaly, NetPort, NetPortSample
 from schemas.ids import stable_id
-from schemas.vocab import Category, Role, Severity
 from schemas.yamlsafe import YamlError, load_yaml
 from streams.catalog import CATALOG_DIR, CatalogError
+from streams.detectors.gpu_health import CatalogCondition
 
 DEFAULT_PATH = CATALOG_DIR / "net_ports.yaml"
 # Readings kept per counter and port within a window: one a second for a 10-minute window.
@@ -45,17 +45,8 @@ LINK_UP = "LinkUp"
 ABSENT = "absent"
 
 
-class _Condition(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    id: str = Field(pattern=r"^[a-z0-9_]+$", max_length=64)
+class _Condition(CatalogCondition):
     signature: str = Field(pattern=r"^net_port_[a-z0-9_]+$", max_length=64)
-    title: str = Field(min_length=1, max_length=120)
-    category: Category
-    severity: Severity
-    role: Role
-    isolate: bool
-    meaning: str = Field(min_length=1, max_length=2000)
 
 
 class StateCondition(_Condition):
