@@ -510,6 +510,10 @@ class Action(Event):
     # the node itself). Otherwise the executor drains `node` for a job only if the scheduler
     # says the job runs there: a job's output may not take another job's node out of service.
     node_reported_fault: bool = False
+    # True when the incident's evidence is the scheduler reporting `node` DOWN or NOT_RESPONDING:
+    # the executor then drains a node Slurm failed itself (so it stays out when its slurmd answers
+    # again), and needs no placement: Slurm may already have requeued the job off the node.
+    node_failed: bool = False
 
 
 # Scheduler calls that may change the cluster, as recorded before they are made.

@@ -226,7 +226,7 @@ class Executor:
     def _check_culprit(self, a: Action) -> None:
         """Refuse to drain a node for a job's incident unless the scheduler places the job there
         or the node reported the fault itself. Fails closed: unreadable placement, no drain."""
-        if not a.job_id or a.node_reported_fault:
+        if not a.job_id or a.node_reported_fault or a.node_failed:
             return
         try:
             nodes = self.backend.job_state(a.job_id).nodes
@@ -259,7 +259,7 @@ class Executor:
         # action is not re-checked by the guardrails, and the job may have moved since.
         self._check_culprit(a)
         run.before_call(a, "drain")
-        self.backend.drain_node(a.node, a.reason)
+        self.backend.drain_node(a.node, a.reason, node_failed=a.node_failed)
 
         def drained() -> bool:
             s = self.backend.node_state(a.node or "")

@@ -22,7 +22,7 @@ from schemas.events import Anomaly, Evidence, Incident, SchedEvent
 from schemas.ids import stable_id
 from schemas.vocab import PROVENANCE_RANK, SEVERITY_RANK
 from streams.causal import judge, tier
-from streams.policy import isolation, job_evidence_only, node_evidence, strongest_provenance
+from streams.policy import SCHEDULER_NODE_DOWN, isolation, job_evidence_only, node_evidence, strongest_provenance
 
 MAX_EVIDENCE = 50
 # Jobs that finished are forgotten after this long, to bound memory.
@@ -164,7 +164,7 @@ def _scheduler_evidence(ev: SchedEvent) -> Evidence:
     return Evidence(
         source="scheduler",
         provenance="scheduler",
-        signature="slurm_node_down",
+        signature=SCHEDULER_NODE_DOWN,
         node=ev.node,
         time=ev.event_time,
         line=f"slurm: node {ev.node} {shown}{why}"[:4096],

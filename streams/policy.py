@@ -473,6 +473,26 @@ def node_reported_fault(incident: Incident, gate: ProvenancePolicy = DEFAULT_PRO
     )
 
 
+#: The signature of the scheduler's evidence that it reported a node DOWN or NOT_RESPONDING
+#: (streams/attribution.py adds it to an incident as corroboration).
+SCHEDULER_NODE_DOWN = "slurm_node_down"
+
+
+def node_failed_per_scheduler(incident: Incident, gate: ProvenancePolicy = DEFAULT_PROVENANCE) -> bool:
+    """The incident's evidence is the scheduler reporting its culprit node DOWN or NOT_RESPONDING
+    (and the policy takes the scheduler's word about a node): the executor may then drain a node
+    Slurm failed itself, and needs no placement, as Slurm may have requeued the job off it."""
+    node = incident.culprit_node
+    return (
+        node is not None
+        and "scheduler" in gate.node_evidence
+        and any(
+            e.node == node and e.provenance == "scheduler" and e.signature == SCHEDULER_NODE_DOWN
+            for e in incident.evidence
+        )
+    )
+
+
 def node_evidence(incident: Incident, gate: ProvenancePolicy = DEFAULT_PROVENANCE) -> list[Evidence]:
     """The incident's evidence about its culprit node that may isolate it (a provenance of
     `gate.node_evidence`: the node's kernel or GPUs, the scheduler, a service), strongest first."""
@@ -721,6 +741,7 @@ def decide(
         requested_by="policy",
         now=now,
         node_reported_fault=node_reported_fault(incident, policy.provenance),
+        node_failed=node_failed_per_scheduler(incident, policy.provenance),
     )
 
 
@@ -889,7 +910,12 @@ def _apply_job_settings(
 
 
 def make_action(
-    decision: Decision, incident_id: str, requested_by: str, now: float, node_reported_fault: bool = False
+    decision: Decision,
+    incident_id: str,
+    requested_by: str,
+    now: float,
+    node_reported_fault: bool = False,
+    node_failed: bool = False,
 ) -> Action:
     # Stable per incident and step, so a redelivered or re-approved action is recognised.
     action_id = stable_id("act", incident_id, decision.action)
@@ -914,6 +940,7 @@ def make_action(
         # The node's own kernel/GPU/health evidence: the executor need not find it in the job's
         # allocation. Operator approvals leave it False, so the executor checks (fails closed).
         node_reported_fault=node_reported_fault,
+        node_failed=node_failed,
     )
 
 

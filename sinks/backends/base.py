@@ -33,12 +33,30 @@ class NotPermitted(Refused, BackendError):
 
 # A node in one of these is out of service for a reason someone else owns: never acted on.
 _DOWN_STATES = frozenset({"DOWN", "ERROR", "FUTURE", "UNKNOWN"})
+# Base states of a node in service (NOT_RESPONDING may sit on one before Slurm sets it DOWN).
+_UP_STATES = frozenset({"IDLE", "ALLOCATED", "MIXED", "COMPLETING"})
 _HANDS_OFF_FLAGS = frozenset(
     {"NOT_RESPONDING", "FAIL", "MAINTENANCE", "REBOOT_ISSUED", "POWERED_DOWN", "POWERING_DOWN", "POWER_DOWN"}
 )
+# The reason slurmctld gives a node whose slurmd stopped answering (src/slurmctld/ping_nodes.c,
+# 22.05 and 24.11: set_node_down_ptr(node_ptr, "Not responding")): Slurm's own, no operator's.
+SLURM_NOT_RESPONDING_REASON = "Not responding"
 
 
-def refuse_node_action(action: str, state: NodeState, maint_reservation: str | None) -> None:
+def failed_by_slurm(state: NodeState) -> bool:
+    """Slurm itself took the node out because its slurmd stopped answering: NOT_RESPONDING, or
+    DOWN with slurmctld's own reason (none set by an operator), and nothing else owns it."""
+    others = _HANDS_OFF_FLAGS.difference({"NOT_RESPONDING"}).intersection(state.flags)
+    if others or state.drained or state.state not in ("DOWN", *_UP_STATES):
+        return False
+    if "NOT_RESPONDING" in state.flags:
+        return True
+    return state.state == "DOWN" and (state.reason or "").strip() == SLURM_NOT_RESPONDING_REASON
+
+
+def refuse_node_action(
+    action: str, state: NodeState, maint_reservation: str | None, *, node_failed: bool = False
+) -> None:
     """Raise ActionRefused unless trainmedic may `action` (drain) the node.
 
     Never acted on: a node in an active MAINT reservation (planned maintenance),
@@ -46,7 +64,15 @@ def refuse_node_action(action: str, state: NodeState, maint_reservation: str | N
     would overwrite it), and one down, failing or rebooting. Every backend calls
     this before the scheduler call, with the node's state and reservation read
     just before.
+
+    `node_failed`: the incident's own evidence is Slurm reporting this node DOWN or
+    NOT_RESPONDING. A node Slurm failed itself (failed_by_slurm) is then drained after all:
+    with ReturnToService, Slurm puts it back in service as soon as its slurmd answers again,
+    while the drain keeps it out until a person or its health check clears it. A node an
+    operator set DOWN keeps its operator's reason.
     """
+    if node_failed and not maint_reservation and failed_by_slurm(state):
+        return
     node = state.name
     by = f" by {state.reason_user}" if state.reason_user else ""
     why = f" (reason {state.reason!r}{by})" if state.reason else ""
@@ -101,7 +127,10 @@ def refuse_relabel(node: str, state: NodeState) -> None:
 class SchedulerBackend(Protocol):
     name: str
 
-    def drain_node(self, node: str, reason: str) -> None: ...
+    def drain_node(self, node: str, reason: str, *, node_failed: bool = False) -> None:
+        """Drain the node (ActionRefused, nothing changed, per refuse_node_action; `node_failed`:
+        the incident's evidence is Slurm reporting the node failed)."""
+        ...
 
     def resume_node(self, node: str) -> None: ...
 

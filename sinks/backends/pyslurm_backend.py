@@ -174,11 +174,11 @@ class PyslurmBackend:
         return self._ps.Job(int(job_id))
 
     # ---- nodes
-    def drain_node(self, node: str, reason: str) -> None:
+    def drain_node(self, node: str, reason: str, *, node_failed: bool = False) -> None:
         validate_node_name(node)
         validate_reason(reason)
         # The same refusals as every backend; reservations are not read through pyslurm yet.
-        refuse_node_action("drain", self.node_state(node), None)
+        refuse_node_action("drain", self.node_state(node), None, node_failed=node_failed)
         changes = self._ps.Node(state="DRAIN", reason=reason)
         self._call(f"drain node {node} (reason {reason!r})", lambda: self._ps.Node(node).modify(changes))
 

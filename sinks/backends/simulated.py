@@ -126,7 +126,7 @@ class SimulatedScheduler:
         except KeyError:
             raise BackendError(f"simulated: no such job {job_id!r}") from None
 
-    def drain_node(self, node: str, reason: str) -> None:
+    def drain_node(self, node: str, reason: str, *, node_failed: bool = False) -> None:
         self._slow()
         with self._lock:
             n = self._node(node)

@@ -111,11 +111,12 @@ class SlurmCliBackend:
             _raise_backend_error(exc)
 
     # ---- nodes
-    def drain_node(self, node: str, reason: str) -> None:
+    def drain_node(self, node: str, reason: str, *, node_failed: bool = False) -> None:
         """Drain the node; ActionRefused (nothing run) for a node in maintenance, drained or down."""
         validate_node_name(node)
         validate_reason(reason)
-        refuse_node_action("drain", self.node_state(node), self.maintenance_reservation(node))
+        state = self.node_state(node)
+        refuse_node_action("drain", state, self.maintenance_reservation(node), node_failed=node_failed)
         self._run(
             [
                 "scontrol",

@@ -268,11 +268,12 @@ class SlurmRestBackend:
         return f"/slurm/{self.version}/" + template.format(**names)
 
     # ---- nodes
-    def drain_node(self, node: str, reason: str) -> None:
+    def drain_node(self, node: str, reason: str, *, node_failed: bool = False) -> None:
         """Drain the node; ActionRefused (nothing sent) for a node in maintenance, drained or down."""
         validate_node_name(node)
         validate_reason(reason)
-        refuse_node_action("drain", self.node_state(node), self.maintenance_reservation(node))
+        state = self.node_state(node)
+        refuse_node_action("drain", state, self.maintenance_reservation(node), node_failed=node_failed)
         self._call("POST", self._path("node/{n}", n=node), {"state": ["DRAIN"], "reason": reason})
 
     def resume_node(self, node: str) -> None:

@@ -7,12 +7,20 @@ a line decides what it may trigger.
     stay unspent), and the real Xid 79 in a third job's node's kernel log right after is acted on.
 (2) A job names a node outside it (no action); the real Xid 79 on its own node seconds later is not
     absorbed into that no-action incident: an incident of its own drains the node.
+(3) On both Slurm versions: the node's slurmd stops answering, Slurm reports the node
+    NOT_RESPONDING (then DOWN), and the job's srun line about it is corroborated: the node is
+    drained, so it stays out of service when its slurmd answers again (Slurm would put it back).
 
 The jobs' placements travel the real path (squeue -> the Slurm producer -> sched.events).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,6 +35,8 @@ from tests.integration.scenario import incidents_of, publish_log_file, running_s
 from trainmedic.stack.broker import EmbeddedBroker
 
 pytestmark = pytest.mark.slurm
+
+NODES = ("gpu01", "gpu02", "gpu03", "gpu04")
 
 
 def _jobs_running(cluster: Cluster, backend: SlurmCliBackend, bootstrap: str, state: Path, n: int) -> list[str]:
@@ -62,6 +72,10 @@ def _jobs_running(cluster: Cluster, backend: SlurmCliBackend, bootstrap: str, st
     finally:
         publisher.close()
     return jobs
+
+
+def _decisions(store: AuditStore, job: str) -> list[dict[str, object]]:
+    return store.query("SELECT * FROM {db}.decisions FINAL WHERE job_id = {j:String} ORDER BY event_time", {"j": job})
 
 
 def _decision(store: AuditStore, job: str, n: int = 1) -> list[dict[str, object]]:
@@ -164,3 +178,104 @@ def test_a_no_action_incident_does_not_absorb_a_later_kernel_xid_on_the_jobs_nod
         assert (second["action"], second["kind"], second["culprit_node"]) == ("drain_and_requeue", "action", own)
         assert len(incidents_of(store, job)) == 2
         wait_for(f"{own} drained", lambda: slurm.node_state(own).drained, timeout=40)
+
+
+def _slurmd_pids(cluster: Cluster) -> dict[str, int]:
+    """Each emulated node's slurmd, by the pid files the start scripts keep (24.11's in its data dir)."""
+    run = cluster.state_dir / ("data/run" if cluster.version == "24.11" else "run")
+    return {n: int((run / f"slurmd-{n}.pid").read_text().strip()) for n in NODES}
+
+
+def _reset(cluster: Cluster, backend: SlurmCliBackend) -> None:
+    """No jobs; every node answering, undrained and idle."""
+    for pid in _slurmd_pids(cluster).values():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    slurm_cmd(cluster, "scancel", "--user", "root")
+    for node in NODES:
+        s = backend.node_state(node)
+        if s.drained or s.state == "DOWN":
+            backend.resume_node(node)
+    wait_for(
+        "all nodes idle and unflagged",
+        lambda: all((s := backend.node_state(n)).state == "IDLE" and not s.flags for n in NODES),
+        timeout=90,
+    )
+
+
+@pytest.fixture
+def any_slurm(slurm_any: Cluster) -> Iterator[tuple[Cluster, SlurmCliBackend]]:
+    backend = SlurmCliBackend(slurm_any.runner())
+    _reset(slurm_any, backend)
+    try:
+        yield slurm_any, backend
+    finally:
+        _reset(slurm_any, backend)
+
+
+@contextlib.contextmanager
+def _slurm_producer(cluster: Cluster, bootstrap: str, state: Path) -> Iterator[None]:
+    """The Slurm producer polling as deployed, so node state changes travel the real path."""
+    publisher = Publisher(bootstrap, "test-slurm-producer")
+    producer = SlurmProducer(publisher, runner=cluster.runner(), interval_s=1.0, state_path=state)
+    stop = threading.Event()
+    thread = threading.Thread(target=producer.run, args=(stop,), name="slurm-producer", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(30)
+        publisher.close()
+
+
+def test_a_jobs_node_failure_line_drains_the_node_slurm_reports_not_responding(
+    broker: EmbeddedBroker, any_slurm: tuple[Cluster, SlurmCliBackend], chdb_url: str, database: str, tmp_path: Path
+) -> None:
+    cluster, backend = any_slurm
+    state = tmp_path / "producer.json"
+    (job,) = _jobs_running(cluster, backend, broker.bootstrap, state, 1)
+    node = backend.job_state(job).nodes[0]
+    stack_dir = tmp_path / "stack"
+    with (
+        running_stack(broker.bootstrap, chdb_url, database, backend, "autonomous", stack_dir) as stack,
+        _slurm_producer(cluster, broker.bootstrap, state),
+    ):
+        store = stack.store
+        assert store is not None
+        wait_placed(broker.bootstrap, (job,))
+        # The node fails: its slurmd stops answering (frozen, so it can answer again afterwards).
+        os.kill(_slurmd_pids(cluster)[node], signal.SIGSTOP)
+        wait_for(
+            f"Slurm reporting {node} NOT_RESPONDING",
+            lambda: "NOT_RESPONDING" in backend.node_state(node).flags,
+            timeout=60,
+        )
+        # srun prints this once slurmctld has told it the node failed.
+        _log(broker.bootstrap, tmp_path, job, node, f"srun: error: Node failure on {node}")
+        # Either the scheduler's report reached attribution first (one incident, corroborated at
+        # once) or the line did (its incident recommends the drain, then one corroborated by the
+        # report drains): in both the drain is decided on the scheduler's word, within the hold.
+        decided = wait_for(
+            f"a drain of {node} decided for job {job}",
+            lambda: [d for d in _decisions(store, job) if str(d["action"]).startswith("drain")] or None,
+            timeout=90,
+        )
+        (d,) = decided
+        assert (d["kind"], d["culprit_node"]) == ("action", node), d
+        s = wait_for(
+            f"{node} drained for {d['incident_id']}",
+            lambda: (n := backend.node_state(node)).drained and str(d["incident_id"]) in (n.reason or "") and n,
+            timeout=60,
+        )
+        assert s
+        (inc,) = [i for i in incidents_of(store, job) if i["incident_id"] == d["incident_id"]]
+        assert f"slurm: node {node} " in str(inc["evidence"]) and '"provenance":"scheduler"' in str(inc["evidence"])
+        # The node answers again: Slurm would return it to service; the drain keeps it out.
+        os.kill(_slurmd_pids(cluster)[node], signal.SIGCONT)
+        wait_for(
+            f"{node} answering again",
+            lambda: "NOT_RESPONDING" not in (n := backend.node_state(node)).flags and n,
+            timeout=60,
+        )
+        assert backend.node_state(node).drained

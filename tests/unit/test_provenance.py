@@ -333,6 +333,12 @@ def test_slurm_reporting_the_node_down_first_corroborates_the_job_line() -> None
     }
     d, act = decide(AUTONOMOUS, inc, 102.0)
     assert act is not None and (act.action, act.node) == ("drain_and_requeue", "gpu02")
+    # The executor may drain the node Slurm failed, and need not find the job there (Slurm requeues it).
+    assert act.node_failed and not act.node_reported_fault
+    # A site that does not take the scheduler's word about a node: no drain, no such permission.
+    strict = parse_policy("mode: autonomous\nprovenance:\n  node_evidence: [kernel, gpu, service]\n" + ACTIONS)
+    d, act = decide(strict, inc, 102.0)
+    assert act is not None and act.action == "requeue" and not act.node_failed
 
 
 def test_slurm_reporting_the_node_down_later_reissues_the_judgement() -> None:
@@ -342,7 +348,7 @@ def test_slurm_reporting_the_node_down_later_reissues_the_judgement() -> None:
     (first,) = a.flush(101.5)
     assert first.isolate and not first.isolatable and first.provenance == "job"
     d, act = decide(AUTONOMOUS, first, 102.0)
-    assert act is not None and act.action == "requeue"
+    assert act is not None and act.action == "requeue" and not act.node_failed
     a.observe_sched(node_down("gpu03", 120.0), 120.0)  # another node: nothing
     assert a.flush(121.0) == []
     a.observe_sched(node_down("gpu02", 127.0, state="IDLE"), 127.0)  # IDLE* not responding

@@ -80,6 +80,42 @@ def test_a_node_in_service_may_be_drained() -> None:
     refuse_node_action("drain", NodeState("gpu02", "ALLOCATED"), None)
 
 
+# States read from the real clusters with a node's slurmd stopped (SIGSTOP): 22.05 and 24.11 both
+# show ALLOCATED+NOT_RESPONDING after ~15 s, then DOWN+NOT_RESPONDING, reason "Not responding".
+@pytest.mark.parametrize(
+    "state",
+    [
+        NodeState("gpu03", "ALLOCATED", ("NOT_RESPONDING",)),
+        NodeState("gpu03", "IDLE", ("NOT_RESPONDING",)),
+        NodeState("gpu03", "DOWN", ("NOT_RESPONDING",), reason="Not responding", reason_user="root"),
+        NodeState("gpu03", "DOWN", (), reason="Not responding", reason_user="slurm"),
+    ],
+)
+def test_a_node_slurm_failed_itself_is_drained_when_the_incident_rests_on_that_report(state: NodeState) -> None:
+    with pytest.raises(ActionRefused, match="out of service is left alone"):
+        refuse_node_action("drain", state, None)
+    refuse_node_action("drain", state, None, node_failed=True)
+
+
+@pytest.mark.parametrize(
+    ("state", "resv"),
+    [
+        (NodeState("gpu03", "DOWN", (), reason="PSU swap", reason_user="admin"), None),  # an operator's DOWN
+        (NodeState("gpu03", "DOWN", ("NOT_RESPONDING", "DRAIN"), reason="NHC: bad fan"), None),  # drained
+        (NodeState("gpu03", "DOWN", ("NOT_RESPONDING", "REBOOT_ISSUED")), None),  # rebooting
+        (NodeState("gpu03", "DOWN", ("NOT_RESPONDING", "POWERED_DOWN")), None),  # powered down by Slurm
+        (NodeState("gpu03", "ALLOCATED", ("NOT_RESPONDING", "MAINTENANCE")), None),
+        (NodeState("gpu03", "IDLE", ("NOT_RESPONDING",)), "maint_gpu03"),  # planned maintenance
+        (NodeState("gpu03", "ERROR", ("NOT_RESPONDING",)), None),
+    ],
+)
+def test_a_node_someone_else_owns_stays_alone_even_when_slurm_reported_it_failed(
+    state: NodeState, resv: str | None
+) -> None:
+    with pytest.raises(ActionRefused):
+        refuse_node_action("drain", state, resv, node_failed=True)
+
+
 def test_whose_drain_it_is() -> None:
     assert incident_in_reason("trainmedic inc-0123456789abcdef0123: gpu_hardware") == "inc-0123456789abcdef0123"
     assert incident_in_reason("NHC: ECC errors") is None
