@@ -514,6 +514,9 @@ class Action(Event):
     # the executor then drains a node Slurm failed itself (so it stays out when its slurmd answers
     # again), and needs no placement: Slurm may already have requeued the job off the node.
     node_failed: bool = False
+    # A requeue that keeps the job off `node`: the job's own evidence blamed it, which may restart
+    # the job but not isolate the node (streams/policy.py, "job evidence only").
+    exclude_node: bool = False
 
 
 # Scheduler calls that may change the cluster, as recorded before they are made.

@@ -193,7 +193,7 @@ class Executor:
             elif action.action == "requeue":
                 if not action.job_id:
                     raise BackendError("requeue needs a job id")
-                self._requeue(run, exclude=[])
+                self._requeue(run, exclude=[action.node] if action.exclude_node and action.node else [])
             elif action.action == "stop":
                 if not action.job_id:
                     raise BackendError("stop needs a job id")

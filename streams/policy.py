@@ -623,6 +623,7 @@ def decide(
         rule += f" ({incident.category} never acts: none)"
         action = "none"
     isolatable, note = isolation(incident, policy.provenance)
+    exclude_culprit = False
     if action in DRAINS and not isolatable:
         if incident.culprit_node is not None and incident.culprit_in_job is False:
             # A job's output named a node the scheduler did not give it: draining it would let one
@@ -634,7 +635,13 @@ def decide(
             # The job's own evidence about one of its nodes: it may restart or stop the job that wrote
             # it, not take the node out of service. The isolation is a recommendation for a person.
             action = _JOB_ONLY[action]
-            rule += f" (job evidence only: {action} of the job; isolating {incident.culprit_node} is for a person)"
+            # The job may at least keep itself off the node its own output blamed: that touches no
+            # one else, and a real fault would otherwise fail the restart on the same node.
+            exclude_culprit = True
+            rule += (
+                f" (job evidence only: {action} of the job, without {incident.culprit_node} if restarted; "
+                f"isolating {incident.culprit_node} is for a person)"
+            )
             reasons.append(f"{note}; isolating {incident.culprit_node} recommended")
         else:
             # Never a silent plain restart: it may land on the same bad GPU. Recommend the
@@ -742,6 +749,7 @@ def decide(
         now=now,
         node_reported_fault=node_reported_fault(incident, policy.provenance),
         node_failed=node_failed_per_scheduler(incident, policy.provenance),
+        exclude_node=exclude_culprit and action == "requeue",
     )
 
 
@@ -916,6 +924,7 @@ def make_action(
     now: float,
     node_reported_fault: bool = False,
     node_failed: bool = False,
+    exclude_node: bool = False,
 ) -> Action:
     # Stable per incident and step, so a redelivered or re-approved action is recognised.
     action_id = stable_id("act", incident_id, decision.action)
@@ -941,6 +950,7 @@ def make_action(
         # allocation. Operator approvals leave it False, so the executor checks (fails closed).
         node_reported_fault=node_reported_fault,
         node_failed=node_failed,
+        exclude_node=exclude_node,
     )
 
 

@@ -286,6 +286,10 @@ def test_a_node_is_isolated_only_on_evidence_the_job_could_not_write(extra: list
     assert a.action == ("drain_and_requeue" if isolates else "requeue"), d.rule
     if not isolates:
         assert "job evidence only" in d.rule and "isolating gpu02 recommended" in d.reason
+        # The restart keeps the job off the node its own output blamed; nothing else is touched.
+        assert a.exclude_node and a.node == "gpu02"
+    else:
+        assert not a.exclude_node
 
 
 def test_a_relaxed_partition_lets_job_evidence_isolate_its_own_nodes_only() -> None:
