@@ -21,7 +21,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import orjson
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    REGISTRY,
+    CollectorRegistry,
+    generate_latest,
+)
 from prometheus_client.registry import Collector
 
 from bus import health
@@ -113,13 +121,14 @@ def role_families(role: str) -> tuple[Collector, ...]:
 
 
 def role_registry(roles: Iterable[str]) -> CollectorRegistry:
-    """A registry of only what a process of these roles exports: every process's families (its
-    build, its loops) and each role's. The families stay in prometheus_client's default
+    """A registry of only what a process of these roles exports: every process's families (the
+    standard process_* and python_* ones, its build, its loops) and each role's. The families stay in prometheus_client's default
     registry too (where modules define them); this one is what /metrics serves."""
     # Not auto-described: the API's collector would query the audit to say its names.
     registry = CollectorRegistry(auto_describe=False)
     seen: set[int] = set()
-    for family in (BUILD_INFO, *health.FAMILIES, *(f for role in roles for f in role_families(role))):
+    common = (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR, BUILD_INFO, *health.FAMILIES)
+    for family in (*common, *(f for role in roles for f in role_families(role))):
         if id(family) not in seen:  # a family two roles share (a publisher's) is registered once
             seen.add(id(family))
             registry.register(family)
