@@ -28,6 +28,8 @@ LAST_PROCESSED = Gauge(
 READY = Gauge(
     "trainmedic_loop_ready", "1 while the loop can do its work (connected, assigned, schema current)", ["loop"]
 )
+#: What every process exports (trainmedic/stack/metrics_server.py).
+FAMILIES = (LAST_BEAT, LAST_PROCESSED, READY)
 
 #: A loop that has not beaten for this long is taken for stuck (its probe fails, it is restarted).
 DEFAULT_STALE_S = 60.0

@@ -6,14 +6,21 @@ make them visible to Prometheus, labelled by the publisher's client id less its 
 producers' own metrics, producers/metrics.py) and the topic.
 Alert on `dropped` (an event lost: the buffer was full or the broker away past
 message.timeout.ms) and `dead_lettered` (an event that could not fit any record).
+
+`expect_publisher` makes a publisher's series exist at 0 from its process's start: a labelled
+series that first appears with its first increment has no earlier sample, so `increase()` over
+the alert's window misses that first burst.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import Counter as PromCounter
+
+from schemas.topics import DEADLETTER
 
 _LABELS = ["producer", "topic"]
 
@@ -32,6 +39,22 @@ DEAD_LETTERED = PromCounter(
 SPLIT = PromCounter(
     "trainmedic_producer_events_split_total", "Events over the size limit sent in several parts", _LABELS
 )
+
+#: What a process with a publisher exports (trainmedic/stack/metrics_server.py, by role).
+FAMILIES = (SENT, DELIVERED, DROPPED, DEAD_LETTERED, SPLIT)
+
+
+def expect_publisher(producer: str, topics: Iterable[str]) -> None:
+    """The series of a publisher (`producer`: its client id less `trainmedic-`) for the topics it
+    publishes to, at 0 until it counts. Its dead letters are records on `deadletter` too: they
+    are sent, delivered or dropped there."""
+    topics = tuple(topics)
+    for topic in (*topics, DEADLETTER.name):
+        for metric in (SENT, DELIVERED, DROPPED):
+            metric.labels(producer, topic)
+    for topic in topics:
+        for metric in (DEAD_LETTERED, SPLIT):
+            metric.labels(producer, topic)
 
 
 class MirroredCounter(Counter[str]):

@@ -74,6 +74,8 @@ STALLED = Gauge(
     "past the log's end); 0: none",
     ["consumer"],
 )
+#: What a process with a watched consumer or a follower exports (trainmedic/stack/metrics_server.py).
+FAMILIES = (RECOVERIES, STALLED)
 
 
 class ConsumerStalled(Unavailable, RuntimeError):

@@ -6,11 +6,15 @@ published, is ready after its first good poll and not ready again once polls kee
 (`FAIL_AFTER` in a row): the probe listener answers /healthz and /readyz from that, and the
 counters below say what failed. What each producer published, dropped or dead-lettered is
 counted by its publisher (bus/metrics.py, `producer` = the publisher's client id).
+
+`families(producer)` is what that producer's process exports, the failure counters' known
+series created at 0 (an alert's `increase()` needs a sample before the first failure).
 """
 
 from __future__ import annotations
 
 from prometheus_client import Counter as PromCounter
+from prometheus_client.registry import Collector
 
 from bus import health
 
@@ -31,6 +35,43 @@ INGEST_ACCEPTED = PromCounter(
 INGEST_REJECTED = PromCounter(
     "trainmedic_producer_ingest_rejected_total", "Ingest requests refused", ["producer", "reason"]
 )
+
+#: The reasons each producer counts failed polls by (the `reason` of POLL_FAILURES at each call
+#: site; tests/unit/test_metric_roles.py holds this against the code).
+POLL_FAILURE_REASONS: dict[str, tuple[str, ...]] = {
+    "gpu": ("sample",),
+    "ib": ("sample",),
+    "logs": ("list", "describe", "tailer"),
+    "slurm": ("command", "parse", "diff", "flush", "state_save", "unexpected"),
+    "ingest": ("kafka",),
+}
+#: Producers that scrape an exporter, and those that read lines.
+SCRAPERS = ("dcgm",)
+LINE_READERS = ("kernel", "logs")
+#: Where ingested events come from.
+INGEST_ORIGINS = ("nvsentinel", "nvrx")
+
+
+def families(producer: str) -> tuple[Collector, ...]:
+    """The producer metrics `producer`'s process exports, each known series at 0."""
+    found: list[Collector] = []
+    if producer in POLL_FAILURE_REASONS:
+        for reason in POLL_FAILURE_REASONS[producer]:
+            POLL_FAILURES.labels(producer, reason)
+        found.append(POLL_FAILURES)
+    if producer in SCRAPERS:
+        SCRAPE_FAILURES.labels(producer)
+        found.append(SCRAPE_FAILURES)
+    if producer in LINE_READERS:
+        LINES_READ.labels(producer)
+        found.append(LINES_READ)
+    if producer == "ingest":
+        for origin in INGEST_ORIGINS:
+            INGEST_ACCEPTED.labels(producer, origin)
+        # Refusals are not alerted on and their reasons are many: series come with the first.
+        found += [INGEST_ACCEPTED, INGEST_REJECTED]
+    return tuple(found)
+
 
 #: Consecutive failed polls after which a producer that was ready says it is not.
 FAIL_AFTER = 3

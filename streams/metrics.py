@@ -1,10 +1,14 @@
-"""Prometheus metrics of the streams worker (served when TRAINMEDIC_METRICS_PORT is set)."""
+"""Prometheus metrics of the streams worker (served when TRAINMEDIC_METRICS_PORT is set).
+
+`families()` is what the worker's process exports, the dead-letter counter's known series
+created at 0 (an alert's `increase()` needs a sample before the first letter)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, cast
 
 from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.registry import Collector
 
 from schemas.vocab import CATEGORIES, MODES, Category
 
@@ -52,6 +56,37 @@ AUTONOMOUS_CATEGORIES = Gauge(
     ["partition"],
 )
 DEFAULT_PARTITION = "*"
+#: The `component` of DEAD_LETTERS: "streams" (a record it made that fits no message) and each
+#: agent's (streams/app.py `accept`; tests/unit/test_metric_roles.py holds this against the code).
+DEAD_LETTER_COMPONENTS = (
+    "streams",
+    "streams.attribute",
+    "streams.detect_external",
+    "streams.detect_gpu",
+    "streams.detect_kernel",
+    "streams.detect_logs",
+    "streams.detect_net",
+    "streams.detect_signals",
+    "streams.fleet",
+    "streams.placements",
+    "streams.policy",
+    "streams.route",
+)
+_FAMILIES = (
+    EVENTS_IN,
+    PUBLISHED,
+    DEAD_LETTERS,
+    RECORD_AGE,
+    INCIDENTS,
+    DECISIONS,
+    DETECTION_LATENCY,
+    SIGNALS_BEHIND,
+    PENDING_GROUPS,
+    FOREIGN,
+    MODES_IN_DOUBT,
+    MODE,
+    AUTONOMOUS_CATEGORIES,
+)
 _shown: set[str] = set()
 
 
@@ -68,3 +103,10 @@ def show_modes(policy: Policy) -> None:
             MODE.labels(name, m).set(1 if m == mode else 0)
         autonomous = [c for c in CATEGORIES if policy.mode_for(partition, cast("Category", c)) == "autonomous"]
         AUTONOMOUS_CATEGORIES.labels(name).set(len(autonomous))
+
+
+def families() -> tuple[Collector, ...]:
+    """What the streams worker exports, each dead-letter component's series at 0."""
+    for component in DEAD_LETTER_COMPONENTS:
+        DEAD_LETTERS.labels(component)
+    return _FAMILIES

@@ -3,13 +3,13 @@ and every metric its expressions read is one trainmedic exports.
 
 Each expression is parsed by promql-parser (the Rust PromQL parser, as Prometheus's grammar);
 the metric names are taken from its syntax tree, not by pattern, and looked up among the
-names the metric-defining modules register with prometheus_client (as /metrics would serve
-them: a counter `x` is scraped as `x_total`).
+names some process serves on /metrics: the registries of the processes' roles
+(trainmedic/stack/metrics_server.py; a counter `x` is scraped as `x_total`). What each alert
+does with real series is tests/unit/test_alert_rules_promtool.py's.
 """
 
 from __future__ import annotations
 
-import importlib
 import re
 from pathlib import Path
 from typing import Any
@@ -17,22 +17,14 @@ from typing import Any
 import promql_parser
 import pytest
 import yaml
-from prometheus_client import REGISTRY
 from prometheus_client.metrics_core import Metric
 
 from tests.conftest import REPO
+from trainmedic.stack.metrics_server import ROLES, role_registry
 
 ALERTS = REPO / "infra" / "helm" / "trainmedic" / "files" / "alerts.yaml"
-# Every module that defines trainmedic metrics: importing them registers their metrics.
-METRIC_MODULES = (
-    "bus.health",
-    "bus.metrics",
-    "bus.watchdog",
-    "producers.metrics",
-    "streams.metrics",
-    "sinks.metrics",
-    "trainmedic.build",
-)
+# Where the runbooks are read: the chart's home (Chart.yaml), on its main branch.
+RUNBOOKS = "https://github.com/trainmedic/trainmedic/blob/main/docs/metrics.md#"
 # Series Prometheus makes itself, not the targets.
 PROMETHEUS_OWN = {"up"}
 # Collectors that produce their family only when they can count (a custom collector asked at
@@ -56,9 +48,8 @@ def scraped_names(family: Metric) -> set[str]:
 
 
 def exported_metrics() -> set[str]:
-    for module in METRIC_MODULES:
-        importlib.import_module(module)
-    return {name for family in REGISTRY.collect() for name in scraped_names(family)}
+    """Every name some process serves: the union of the roles' registries."""
+    return {name for role in ROLES for family in role_registry([role]).collect() for name in scraped_names(family)}
 
 
 def metric_names(expr: str) -> set[str]:
@@ -98,11 +89,13 @@ def test_every_alert_has_severity_summary_description_and_runbook(rule: dict[str
     assert re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", rule["alert"])
     assert rule["labels"]["severity"] in SEVERITIES
     notes = rule["annotations"]
-    for key in ("summary", "description", "runbook"):
+    for key in ("summary", "description", "runbook_url", "remedy"):
         assert isinstance(notes.get(key), str) and notes[key].strip(), f"{rule['alert']}: no {key}"
-    # The runbook hint points at the section of docs/metrics.md that exists.
-    anchor = re.match(r"docs/metrics\.md#([a-z0-9-]+)", notes["runbook"])
-    assert anchor, f"{rule['alert']}: the runbook hint does not start with docs/metrics.md#SECTION"
+    # runbook_url (what Alertmanager's and Grafana's templates link) is a URL of the section of
+    # docs/metrics.md that exists, in the repository the chart names as its home.
+    assert f"home: {RUNBOOKS.split('/blob/')[0]}\n" in (ALERTS.parents[1] / "Chart.yaml").read_text()
+    anchor = re.fullmatch(re.escape(RUNBOOKS) + r"([a-z0-9-]+)", notes["runbook_url"])
+    assert anchor, f"{rule['alert']}: runbook_url is not {RUNBOOKS}SECTION: {notes['runbook_url']!r}"
     headings = re.findall(r"^#+ (.+)$", (REPO / "docs" / "metrics.md").read_text(), re.M)
     slugs = {re.sub(r"[^a-z0-9 -]", "", h.lower()).strip().replace(" ", "-") for h in headings}
     assert anchor.group(1) in slugs, f"{rule['alert']}: docs/metrics.md has no section #{anchor.group(1)}"

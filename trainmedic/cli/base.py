@@ -250,10 +250,11 @@ MetricsOpt = Annotated[
 ]
 
 
-def start_probes(flag: str | None) -> MetricsServer | None:
-    """A long-running command's probe listener (/metrics, /healthz, /readyz), started; None when off."""
+def start_probes(flag: str | None, role: str) -> MetricsServer | None:
+    """A long-running command's probe listener (/metrics, /healthz, /readyz), started; None when off.
+    Its /metrics has `role`'s families only (trainmedic/stack/metrics_server.py ROLES)."""
     at = parse_address(flag) if flag is not None else None
     if flag is None:
         s = settings()
         at = (s.metrics_host, s.metrics_port) if s.metrics_port else None
-    return MetricsServer(*at).start() if at is not None else None
+    return MetricsServer(*at, roles=(role,)).start() if at is not None else None

@@ -39,9 +39,10 @@ NodeOpt = Annotated[
 
 
 @contextlib.contextmanager
-def _probes(flag: str | None) -> Iterator[MetricsServer | None]:
-    """The probe listener for the body (its loops' /healthz and /readyz, /metrics); None when off."""
-    server = start_probes(flag)
+def _probes(flag: str | None, producer: str) -> Iterator[MetricsServer | None]:
+    """The probe listener for the body (its loops' /healthz and /readyz, /metrics of `producer`'s
+    families); None when off."""
+    server = start_probes(flag, producer)
     if server is not None:
         typer.echo(f"probes on {server.url} (/healthz, /readyz)")
     try:
@@ -219,7 +220,7 @@ def gpu(
     from producers.gpu_nvml import NvmlProducer
 
     try:
-        with _probes(metrics_address):
+        with _probes(metrics_address, "gpu"):
             pub = _publisher(bootstrap, data_dir, "trainmedic-gpu", signer)
             producer = NvmlProducer(
                 pub, node=name, interval_s=interval, collector=collector, summary_every_s=summary_every
@@ -254,7 +255,7 @@ def dcgm(
     name = _node(node, host_default=False)  # refused before Kafka: not a Slurm node name
     signer = _signer(node)
     _logging()
-    with _probes(metrics_address):
+    with _probes(metrics_address, "dcgm"):
         pub = _publisher(bootstrap, data_dir, "trainmedic-dcgm", signer)
         try:
             producer = DcgmProducer(pub, url, interval_s=interval, timeout_s=timeout, node=name)
@@ -316,7 +317,7 @@ def ib(
         collector = IbSysfsCollector(s.ib_sysfs_root)
     except IbSysfsUnavailable as exc:
         raise Unavailable(f"InfiniBand / RoCE ports cannot be read on this host: {exc}") from None
-    with _probes(metrics_address):
+    with _probes(metrics_address, "ib"):
         pub = _publisher(bootstrap, data_dir, "trainmedic-ib", signer)
         producer = IbSysfsProducer(pub, node=name, interval_s=s.ib_interval_s, collector=collector)
         typer.echo(f"producing InfiniBand / RoCE port samples from {s.ib_sysfs_root} every {s.ib_interval_s:g} s")
@@ -344,7 +345,7 @@ def kernel(
     name = settings(node=node).slurm_node()  # as _node(node); refused before Kafka: not a Slurm node name
     signer = _signer(node)
     _logging()
-    with _probes(metrics_address):
+    with _probes(metrics_address, "kernel"):
         _kernel(bootstrap, data_dir, name, file, kmsg, state_dir, lookback, signer)
 
 
@@ -473,7 +474,7 @@ def logs(
         raise UsageError("--job needs at least one --path")
     job_nodes = _job_nodes(nodes)
     _logging()
-    with _probes(metrics_address):
+    with _probes(metrics_address, "logs"):
         if discover:
             _discover_logs(bootstrap, data_dir, only_node, interval, placements, resync, state_dir)
         else:
@@ -599,7 +600,7 @@ def slurm(
         if slurm_conf is not None:
             raise UsageError("--slurm-conf is for local access; over SSH the setting slurm_ssh_slurm_conf names it")
         runner = scheduler_backend("slurm-ssh").runner
-    with _probes(metrics_address):
+    with _probes(metrics_address, "slurm"):
         pub = _publisher(bootstrap, data_dir, "trainmedic-slurm")
         producer = SlurmProducer(
             pub,

@@ -215,7 +215,7 @@ def executor(
     sched = scheduler_backend(
         backend, ssh, ssh_key, known_hosts, remote_slurm_conf, (rest_url, rest_user, rest_token_file)
     )
-    probes = start_probes(metrics_address)
+    probes = start_probes(metrics_address, "executor")
     service = ExecutorService(
         address,
         Executor(sched, ExecutorSettings(verify_timeout_s=verify_timeout, group=group)),
@@ -281,7 +281,7 @@ def audit_sink(
     _logging()
     address = _bootstrap(bootstrap, "the audit sink")
     store = _store(clickhouse, database, "the audit sink")
-    probes = start_probes(metrics_address)
+    probes = start_probes(metrics_address, "audit-sink")
     stop = threading.Event()
     _on_term(stop.set)
     try:
@@ -351,7 +351,7 @@ def api(
     address = _bootstrap(bootstrap, "the API")
     sched = scheduler_backend(backend)
     store = _store(clickhouse, database, "the API")
-    probes = start_probes(metrics_address)
+    probes = start_probes(metrics_address, "api")
     stop = threading.Event()
     _on_term(stop.set)
     server: ApiServer | None = None
@@ -432,7 +432,7 @@ def ingest(
         raise UsageError(str(exc)) from None
     address = _bootstrap(bootstrap, "the ingest endpoint")
     pub = Publisher(address, "trainmedic-ingest")
-    probes = start_probes(metrics_address)
+    probes = start_probes(metrics_address, "ingest")
     stop = threading.Event()
     _on_term(stop.set)
     try:
@@ -467,7 +467,7 @@ def notifier(
     _logging()
     config = load_config(webhooks)  # a bad file exits 2 naming the line and field
     address = _bootstrap(bootstrap, "the notifier")
-    probes = start_probes(metrics_address)
+    probes = start_probes(metrics_address, "notifier")
     service = Notifier(address, config, group)
     _on_term(service.stop)
     typer.echo(
@@ -535,7 +535,7 @@ def node_agent(
         state_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"--state-dir {state_dir}: {exc.strerror or exc} (it must be writable)") from None
-    probes = start_probes(metrics_address)
+    probes = start_probes(metrics_address, "node-agent")
     agent = NodeAgent(address, config, probe, LocalRunner())
     _on_term(agent.stop_event.set)
     typer.echo(

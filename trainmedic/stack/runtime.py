@@ -142,7 +142,12 @@ class Stack:
             self._start_executor()
             self._start_auto_return()
             if cfg.metrics_port is not None:
-                self.metrics = MetricsServer(cfg.metrics_host, cfg.metrics_port).start()
+                # This process runs the executor (and auto-return), the audit sink, the API and
+                # the embedded broker's watch; the streams workers serve their own.
+                roles = ["executor", "audit-sink"]
+                roles += ["api"] if cfg.api_port is not None else []
+                roles += ["embedded-broker"] if self.broker is not None else []
+                self.metrics = MetricsServer(cfg.metrics_host, cfg.metrics_port, roles=roles).start()
             if cfg.api_port is not None:
                 self._start_api()
             self._wait_workers_ready()

@@ -12,7 +12,11 @@ from trainmedic.stack.metrics_server import MetricsServer
 
 def main(argv: list[str] | None = None) -> None:
     settings = Settings.load()
-    probes = MetricsServer(settings.metrics_host, settings.metrics_port).start() if settings.metrics_port else None
+    probes = (
+        MetricsServer(settings.metrics_host, settings.metrics_port, roles=("streams",)).start()
+        if settings.metrics_port
+        else None
+    )
     # Imported after the listener is up: the import builds the Faust app from the same settings.
     from streams.app import app
 
