@@ -60,7 +60,7 @@ def test_the_embedded_broker_takes_no_acl_and_no_sasl_and_lets_anyone_write_acti
     assert "SASL" in sasl.stderr + sasl.stdout
 
     # An unauthenticated client - what a GPU node's producer is to this broker - writes `actions`.
-    assert broker.alive
+    assert broker.alive()
     p = Producer(producer_config(broker.bootstrap, "not-the-executor"))
     p.produce("actions", b"forged", key=b"1001")
     assert p.flush(10) == 0
