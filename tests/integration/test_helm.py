@@ -24,6 +24,7 @@ import jsonschema
 import pytest
 import yaml
 
+from bus import acls
 from schemas.topics import DEFAULT_PARTITIONS
 from sinks.guardrails import parse_guardrails
 from sinks.notifier import NotifierConfigError, load_config
@@ -56,7 +57,10 @@ KAFKA_SASL_MTLS: dict[str, Any] = {
     "kafka": {
         "bootstrap": "b1.example.org:9093,b2.example.org:9093",
         "securityProtocol": "sasl_ssl",
-        "sasl": {"mechanism": "SCRAM-SHA-512", "username": "trainmedic", "existingSecret": "tm-kafka-user"},
+        "sasl": {
+            "mechanism": "SCRAM-SHA-512",
+            "credentials": {"streams": {"username": "tm-streams-west", "existingSecret": "tm-kafka-streams"}},
+        },
         "tls": {"existingSecret": "tm-kafka-tls", "certificateKey": "tls.crt", "keyKey": "tls.key"},
         "ports": [9093],
     }
@@ -427,6 +431,7 @@ def test_everything_renders_every_kind(chart: Any) -> None:
         "Ingress",
         "Job",
         "NetworkPolicy",
+        "Pod",
         "PodDisruptionBudget",
         "PodMonitor",
         "PrometheusRule",
@@ -838,21 +843,158 @@ def test_secrets_come_from_existing_secrets_never_from_values(chart: Any) -> Non
 
 
 def test_kafka_security_maps_onto_the_client_settings(chart: Any) -> None:
-    for _w, c in containers(render(chart, KAFKA_SASL_MTLS)):
+    docs = render(chart, KAFKA_SASL_MTLS)
+    for w, c in containers(docs):
         env = env_of(c)
+        if w["metadata"]["name"].endswith("-audit-migrate"):
+            # The migration has no Kafka client (bus/acls.py: migrate): no Kafka security to load.
+            assert not [k for k in env if k.startswith("TRAINMEDIC_KAFKA_")]
+            assert not [m for m in c["volumeMounts"] if m["mountPath"].startswith("/etc/trainmedic/kafka")]
+            continue
         assert env["TRAINMEDIC_KAFKA_SECURITY_PROTOCOL"] == "sasl_ssl"
-        assert env["TRAINMEDIC_KAFKA_SASL_MECHANISM"] == "SCRAM-SHA-512"
-        assert env["TRAINMEDIC_KAFKA_SASL_USERNAME"] == "trainmedic"
-        assert env["TRAINMEDIC_KAFKA_SASL_PASSWORD_FILE"] == "/etc/trainmedic/kafka-sasl/password"
         files = {
             env[k] for k in ("TRAINMEDIC_KAFKA_SSL_CA", "TRAINMEDIC_KAFKA_SSL_CERTIFICATE", "TRAINMEDIC_KAFKA_SSL_KEY")
         }
         assert files == {"/etc/trainmedic/kafka-tls/" + f for f in ("ca.crt", "client.crt", "client.key")}
         mounts = {m["mountPath"] for m in c["volumeMounts"]}
-        assert {"/etc/trainmedic/kafka-sasl", "/etc/trainmedic/kafka-tls"} <= mounts, c["name"]
+        assert "/etc/trainmedic/kafka-tls" in mounts, c["name"]
+        assert env["TRAINMEDIC_KAFKA_SASL_MECHANISM"] == "SCRAM-SHA-512"
+        assert env["TRAINMEDIC_KAFKA_SASL_USERNAME"].startswith(("trainmedic-", "tm-streams-west")), c["name"]
+        assert env["TRAINMEDIC_KAFKA_SASL_PASSWORD_FILE"] == "/etc/trainmedic/kafka-sasl/password"
+        assert "/etc/trainmedic/kafka-sasl" in mounts, c["name"]
+    streams = container(find(docs, "Deployment", "-streams"), "streams")
+    assert env_of(streams)["TRAINMEDIC_KAFKA_SASL_USERNAME"] == "tm-streams-west"
     plain = [env_of(c) for _, c in containers(render(chart))]
-    assert all(e["TRAINMEDIC_KAFKA_SECURITY_PROTOCOL"] == "plaintext" for e in plain)
+    assert all(e.get("TRAINMEDIC_KAFKA_SECURITY_PROTOCOL", "plaintext") == "plaintext" for e in plain)
     assert not [k for e in plain for k in e if k.startswith(("TRAINMEDIC_KAFKA_SASL", "TRAINMEDIC_KAFKA_SSL"))]
+
+
+# Container name (or Deployment/Job suffix) -> the bus/acls.py component it runs as.
+ACL_COMPONENT = {
+    "gpu": "gpu",
+    "ib": "ib",
+    "kernel": "kernel",
+    "logs": "logs",
+    "agent": "node-agent",
+    "streams": "streams",
+    "executor": "executor",
+    "audit-sink": "audit-sink",
+    "api": "api",
+    "ingest": "ingest",
+    "notifier": "notifier",
+    "slurm-producer": "slurm-producer",
+    "topics": "topics",
+}
+
+
+def test_every_component_connects_as_its_own_principal_with_only_its_own_password(chart: Any) -> None:
+    values = copy.deepcopy(EVERYTHING)
+    values["nodeProducers"]["agent"] = {"enabled": True}
+    del values["kafka"]["sasl"]["credentials"]  # the chart's default credential per component
+    docs = render(chart, values)
+    seen: dict[str, str] = {}
+    for w, c in containers(docs):
+        env = env_of(c)
+        if "TRAINMEDIC_KAFKA_SASL_USERNAME" not in env:
+            assert w["metadata"]["name"].endswith("-audit-migrate"), c["name"]
+            continue
+        user = env["TRAINMEDIC_KAFKA_SASL_USERNAME"]
+        # Every credential of the defaults is the ACL matrix's default principal for that component.
+        assert acls.principal(acls.DEFAULT_PRINCIPAL, ACL_COMPONENT[c["name"]]) == f"User:{user}", c["name"]
+        (sasl_mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == "/etc/trainmedic/kafka-sasl"]
+        (volume,) = [v for v in pod_spec(w)["volumes"] if v["name"] == sasl_mount["name"]]
+        assert volume["secret"]["secretName"] == f"trainmedic-kafka-{ACL_COMPONENT[c['name']]}", c["name"]
+        seen[c["name"]] = user
+    assert len(set(seen.values())) == len(seen), f"a principal is shared: {seen}"
+    assert set(seen) == set(ACL_COMPONENT), set(ACL_COMPONENT) ^ set(seen)
+    # The chart's credentials are exactly the matrix's components with Kafka access.
+    creds = yaml.safe_load((CHART / "values.yaml").read_text())["kafka"]["sasl"]["credentials"]
+    usernames = {f"User:{c['username']}" for c in creds.values()}
+    assert usernames == {acls.principal(acls.DEFAULT_PRINCIPAL, c.name) for c in acls.components()}
+
+
+def test_sasl_without_a_components_credential_is_refused(chart: Any) -> None:
+    values = copy.deepcopy(KAFKA_SASL_MTLS)
+    values["kafka"]["sasl"]["credentials"]["gpu"] = {"username": "", "existingSecret": ""}
+    with pytest.raises(Exception, match="gpu"):
+        render(chart, values)
+
+
+def test_the_site_secret_reaches_the_streams_and_ingest_only(chart: Any) -> None:
+    values = {**copy.deepcopy(EVERYTHING), "siteSecret": {"existingSecret": "tm-site", "nodeSigningRequired": True}}
+    docs = render(chart, values)
+    holders = set()
+    for w, c in containers(docs):
+        env = env_of(c)
+        if "TRAINMEDIC_SITE_SECRET_FILE" in env:
+            holders.add(c["name"])
+            (vol,) = [v for v in pod_spec(w)["volumes"] if v["name"] == "site-secret"]
+            assert vol["secret"]["secretName"] == "tm-site"
+            assert "/etc/trainmedic/site-secret" in {m["mountPath"] for m in c["volumeMounts"]}
+        assert not any(v.get("name") == "site-secret" for v in pod_spec(w)["volumes"]) or c["name"] in holders
+    assert holders == {"streams", "ingest"}
+    streams = env_of(container(find(docs, "Deployment", "-streams"), "streams"))
+    assert streams["TRAINMEDIC_NODE_SIGNING_REQUIRED"] == "true"
+    assert Settings.model_fields["node_signing_required"] and Settings.model_fields["site_secret"]
+    assert not [c for _, c in containers(render(chart)) if "TRAINMEDIC_SITE_SECRET_FILE" in env_of(c)]
+
+
+def test_each_node_signs_with_its_own_key_from_the_node_never_the_site_secret(chart: Any) -> None:
+    values = copy.deepcopy(EVERYTHING)
+    values["nodeProducers"]["nodeKey"] = {"hostPath": "/etc/trainmedic/node-key"}
+    values["siteSecret"] = {"existingSecret": "tm-site"}
+    ds = find(render(chart, values), "DaemonSet", "-node-producers")
+    (vol,) = [v for v in pod_spec(ds)["volumes"] if v["name"] == "node-key"]
+    assert vol == {"name": "node-key", "hostPath": {"path": "/etc/trainmedic/node-key", "type": "File"}}
+    for c in pod_spec(ds)["containers"]:
+        env = env_of(c)
+        assert "TRAINMEDIC_SITE_SECRET_FILE" not in env
+        signs = c["name"] in ("gpu", "ib", "kernel")  # the records streams check (bus/identity.py)
+        assert ("TRAINMEDIC_NODE_KEY_FILE" in env) == signs, c["name"]
+        if signs:
+            (m,) = [m for m in c["volumeMounts"] if m["name"] == "node-key"]
+            assert m["readOnly"] and m["mountPath"] == env["TRAINMEDIC_NODE_KEY_FILE"]
+    assert not any(v.get("secret", {}).get("secretName") == "tm-site" for v in pod_spec(ds)["volumes"])
+    unsigned = find(render(chart, EVERYTHING), "DaemonSet", "-node-producers")
+    assert not [c for c in pod_spec(unsigned)["containers"] if "TRAINMEDIC_NODE_KEY_FILE" in env_of(c)]
+
+
+def test_helm_test_pod_probes_readyz_of_every_component(chart: Any) -> None:
+    values = copy.deepcopy(EVERYTHING)
+    values["nodeProducers"]["agent"] = {"enabled": True}
+    docs = render(chart, values)
+    (pod,) = [d for d in docs if d["kind"] == "Pod"]
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    (c,) = pod["spec"]["containers"]
+    assert c["image"] == f"ghcr.io/trainmedic/trainmedic:{APP_VERSION}"  # the server image the chart runs
+    assert pod["spec"]["restartPolicy"] == "Never"
+    targets = [a.split(" ", 1) for a in c["args"][2:]]
+    probed: dict[str, set[str]] = {}
+    for component, url in targets:
+        m = re.fullmatch(r"http://([a-z0-9-]+):(\d+)/readyz", url)
+        assert m, url
+        svc = find(docs, "Service", m.group(1))
+        (port,) = [p for p in svc["spec"]["ports"] if p["port"] == int(m.group(2))]
+        selected = [
+            w
+            for w in workloads(docs)
+            if w["kind"] != "Job"
+            and all(w["spec"]["template"]["metadata"]["labels"].get(k) == v for k, v in svc["spec"]["selector"].items())
+        ]
+        assert len(selected) == 1, (url, [w["metadata"]["name"] for w in selected])
+        (w,) = selected
+        assert w["metadata"]["labels"]["app.kubernetes.io/component"] == component
+        # The Service's target is a named container port whose readiness probe is /readyz.
+        (serving,) = [
+            ct for ct in pod_spec(w)["containers"] if port["targetPort"] in {p["name"] for p in ct.get("ports", [])}
+        ]
+        assert serving["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": port["targetPort"]}
+        probed.setdefault(w["metadata"]["name"], set()).add(serving["name"])
+    long_running = {w["metadata"]["name"]: {ct["name"] for ct in pod_spec(w)["containers"]} for w in workloads(docs)}
+    long_running = {k: v for k, v in long_running.items() if not k.endswith(("-topics", "-audit-migrate"))}
+    assert probed == long_running
+    off = render(chart, {**values, "helmTest": {"enabled": False}})
+    assert not [d for d in off if d["kind"] == "Pod" or d["metadata"]["name"].endswith("-probes")]
 
 
 def test_api_serves_tls_from_the_secret_or_insecure_only_when_asked(chart: Any) -> None:

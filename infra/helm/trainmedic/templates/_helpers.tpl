@@ -118,64 +118,90 @@ Callers wrap it in a with, so that nothing is written when it is empty.
 {{- end }}
 
 {{/*
-Environment every process gets: Kafka (bootstrap and client security), the cluster's name.
+Environment every process gets: Kafka (bootstrap and client security, the SASL user of its own
+credential), the cluster's name. Call with (dict "root" $ "as" "streams"): `as` names the
+component's entry of kafka.sasl.credentials; "" for a process without Kafka access (migrate),
+which gets no Kafka security at all (its settings then need none).
 */}}
 {{- define "trainmedic.commonEnv" -}}
+{{- $v := .root.Values -}}
 - name: TRAINMEDIC_BOOTSTRAP
-  value: {{ .Values.kafka.bootstrap | quote }}
+  value: {{ $v.kafka.bootstrap | quote }}
 - name: TRAINMEDIC_TOPIC_PARTITIONS
-  value: {{ .Values.topics.partitions | quote }}
+  value: {{ $v.topics.partitions | quote }}
 - name: TRAINMEDIC_CLUSTER
-  value: {{ .Values.cluster | quote }}
+  value: {{ $v.cluster | quote }}
+{{- if .as }}
 - name: TRAINMEDIC_KAFKA_SECURITY_PROTOCOL
-  value: {{ .Values.kafka.securityProtocol | quote }}
-{{- if hasPrefix "sasl_" .Values.kafka.securityProtocol }}
+  value: {{ $v.kafka.securityProtocol | quote }}
+{{- if hasPrefix "sasl_" $v.kafka.securityProtocol }}
+{{- $cred := include "trainmedic.kafkaCredential" . | fromYaml }}
 - name: TRAINMEDIC_KAFKA_SASL_MECHANISM
-  value: {{ .Values.kafka.sasl.mechanism | quote }}
+  value: {{ $v.kafka.sasl.mechanism | quote }}
 - name: TRAINMEDIC_KAFKA_SASL_USERNAME
-  value: {{ .Values.kafka.sasl.username | quote }}
+  value: {{ $cred.username | quote }}
 - name: TRAINMEDIC_KAFKA_SASL_PASSWORD_FILE
   value: /etc/trainmedic/kafka-sasl/password
 {{- end }}
-{{- if and (hasSuffix "ssl" .Values.kafka.securityProtocol) .Values.kafka.tls.existingSecret }}
+{{- if and (hasSuffix "ssl" $v.kafka.securityProtocol) $v.kafka.tls.existingSecret }}
 - name: TRAINMEDIC_KAFKA_SSL_CA
   value: /etc/trainmedic/kafka-tls/ca.crt
-{{- if .Values.kafka.tls.certificateKey }}
+{{- if $v.kafka.tls.certificateKey }}
 - name: TRAINMEDIC_KAFKA_SSL_CERTIFICATE
   value: /etc/trainmedic/kafka-tls/client.crt
 - name: TRAINMEDIC_KAFKA_SSL_KEY
   value: /etc/trainmedic/kafka-tls/client.key
 {{- end }}
 {{- end }}
+{{- end }}
 - name: PYTHONUNBUFFERED
   value: "1"
 {{- end }}
 
+{{/* One component's Kafka credential (dict "root" $ "as" "gpu"), as YAML; fails when missing. */}}
+{{- define "trainmedic.kafkaCredential" -}}
+{{- $cred := index .root.Values.kafka.sasl.credentials .as | default dict -}}
+{{- if not (and $cred.username $cred.existingSecret) -}}
+{{- fail (printf "kafka.sasl.credentials.%s: username and existingSecret are required with securityProtocol %s (one principal per component: docs/security.md)" .as .root.Values.kafka.securityProtocol) -}}
+{{- end -}}
+{{- toYaml $cred }}
+{{- end }}
+
+{{/* The Kafka mounts of one container (dict "root" $ "as" "streams"): its own SASL password, the TLS files. */}}
 {{- define "trainmedic.kafkaMounts" -}}
-{{- if hasPrefix "sasl_" .Values.kafka.securityProtocol }}
-- name: kafka-sasl
+{{- $v := .root.Values -}}
+{{- if and (hasPrefix "sasl_" $v.kafka.securityProtocol) .as }}
+- name: kafka-sasl-{{ .as | kebabcase }}
   mountPath: /etc/trainmedic/kafka-sasl
   readOnly: true
 {{- end }}
-{{- if and (hasSuffix "ssl" .Values.kafka.securityProtocol) .Values.kafka.tls.existingSecret }}
+{{- if and .as (hasSuffix "ssl" $v.kafka.securityProtocol) $v.kafka.tls.existingSecret }}
 - name: kafka-tls
   mountPath: /etc/trainmedic/kafka-tls
   readOnly: true
 {{- end }}
 {{- end }}
 
+{{/*
+The Kafka volumes of one pod (dict "root" $ "as" (list "gpu" "kernel")): a Secret volume per
+component credential its containers use (each container mounts only its own), and the TLS files.
+*/}}
 {{- define "trainmedic.kafkaVolumes" -}}
-{{- if hasPrefix "sasl_" .Values.kafka.securityProtocol }}
-- name: kafka-sasl
+{{- $v := .root.Values -}}
+{{- if hasPrefix "sasl_" $v.kafka.securityProtocol }}
+{{- range $as := .as }}
+{{- $cred := include "trainmedic.kafkaCredential" (dict "root" $.root "as" $as) | fromYaml }}
+- name: kafka-sasl-{{ $as | kebabcase }}
   secret:
-    secretName: {{ .Values.kafka.sasl.existingSecret }}
+    secretName: {{ $cred.existingSecret }}
     defaultMode: 0440
     items:
-      - key: {{ .Values.kafka.sasl.passwordKey }}
+      - key: {{ $cred.passwordKey | default $v.kafka.sasl.passwordKey }}
         path: password
 {{- end }}
-{{- with .Values.kafka.tls }}
-{{- if and (hasSuffix "ssl" $.Values.kafka.securityProtocol) .existingSecret }}
+{{- end }}
+{{- with $v.kafka.tls }}
+{{- if and $.as (hasSuffix "ssl" $v.kafka.securityProtocol) .existingSecret }}
 - name: kafka-tls
   secret:
     secretName: {{ .existingSecret }}
@@ -190,6 +216,52 @@ Environment every process gets: Kafka (bootstrap and client security), the clust
         path: client.key
       {{- end }}
 {{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+The site secret (streams, ingest): env, mount, volume; nothing when siteSecret.existingSecret is empty.
+*/}}
+{{- define "trainmedic.siteSecretEnv" -}}
+{{- if .Values.siteSecret.existingSecret }}
+- name: TRAINMEDIC_SITE_SECRET_FILE
+  value: /etc/trainmedic/site-secret/site-secret
+{{- end }}
+{{- end }}
+
+{{- define "trainmedic.siteSecretMount" -}}
+{{- if .Values.siteSecret.existingSecret }}
+- name: site-secret
+  mountPath: /etc/trainmedic/site-secret
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "trainmedic.siteSecretVolume" -}}
+{{- if .Values.siteSecret.existingSecret }}
+- name: site-secret
+  secret:
+    secretName: {{ .Values.siteSecret.existingSecret }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.siteSecret.key }}
+        path: site-secret
+{{- end }}
+{{- end }}
+
+{{/* This node's signing key (gpu, ib, kernel containers): env and mount; nothing without nodeKey.hostPath. */}}
+{{- define "trainmedic.nodeKeyEnv" -}}
+{{- if .Values.nodeProducers.nodeKey.hostPath }}
+- name: TRAINMEDIC_NODE_KEY_FILE
+  value: /etc/trainmedic/node-key/node-key
+{{- end }}
+{{- end }}
+
+{{- define "trainmedic.nodeKeyMount" -}}
+{{- if .Values.nodeProducers.nodeKey.hostPath }}
+- name: node-key
+  mountPath: /etc/trainmedic/node-key/node-key
+  readOnly: true
 {{- end }}
 {{- end }}
 
@@ -477,6 +549,44 @@ node-producers:
   {{- end }}
   {{- if .agent.enabled }}
   - metrics-agent
+  {{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+What `helm test` probes: every enabled long-running component and its probe ports, as YAML
+(component: {port name: port}). The node producers' DaemonSet answers through one Service, so a
+test reaches one node's pod, not every node's.
+*/}}
+{{- define "trainmedic.probeTargets" -}}
+{{- $v := .Values -}}
+streams: {metrics: {{ $v.streams.metricsPort }}}
+executor: {metrics: {{ $v.executor.metricsPort }}}
+{{- if $v.auditSink.enabled }}
+audit-sink: {metrics: {{ $v.auditSink.metricsPort }}}
+{{- end }}
+{{- if $v.api.enabled }}
+api: {metrics: {{ $v.api.metricsPort }}}
+{{- end }}
+{{- if $v.ingest.enabled }}
+ingest: {metrics: {{ $v.ingest.metricsPort }}}
+{{- end }}
+{{- if $v.notifier.enabled }}
+notifier: {metrics: {{ $v.notifier.metricsPort }}}
+{{- end }}
+{{- if $v.slurmProducer.enabled }}
+slurm-producer: {metrics: {{ $v.slurmProducer.metricsPort }}}
+{{- end }}
+{{- with $v.nodeProducers }}
+{{- if and .enabled (or .gpu.enabled .ib.enabled .kernel.enabled .logs.enabled .agent.enabled) }}
+node-producers:
+  {{- range $name := list "gpu" "ib" "kernel" "logs" "agent" }}
+  {{- with index $.Values.nodeProducers $name }}
+  {{- if .enabled }}
+  metrics-{{ $name }}: {{ .metricsPort }}
+  {{- end }}
+  {{- end }}
   {{- end }}
 {{- end }}
 {{- end }}
