@@ -13,7 +13,12 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 # apt-get download writes into the current folder (as root it warns that the _apt user cannot
 # write there and downloads as root instead: harmless).
-(cd "$work" && apt-get download prometheus)
+# A fresh machine may have no package lists yet: read them once, then try again.
+if ! (cd "$work" && apt-get download prometheus); then
+  [ "$(id -u)" = 0 ] || { echo "promtool: apt-get download failed and not root to run apt-get update" >&2; exit 1; }
+  apt-get update -qq
+  (cd "$work" && apt-get download prometheus)
+fi
 mkdir -p "$dest"
 dpkg -x "$work"/prometheus_*.deb "$work/x"
 mkdir -p "$dest/usr/bin"
