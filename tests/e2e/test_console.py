@@ -490,8 +490,19 @@ def test_console_shows_attempts_goodput_and_downloads_the_bundle(
 def test_console_link_with_the_token_signs_in_and_leaves_the_address_bar(goodput_console: dict[str, Any]) -> None:
     from playwright.sync_api import expect, sync_playwright
 
+    from schemas.events import Decision
+    from tests.integration.test_audit import incident_events, insert_events
+    from tests.integration.test_goodput import T0
+
     expect.set_options(timeout=60_000)
     url, token = goodput_console["url"], goodput_console["token"]
+    # One recommendation awaiting an answer, so that an approval asks for the name the link did not give.
+    anomaly, incident, decision = incident_events(0, T0 + 100, job="9009", node="gpu41")[:3]
+    assert isinstance(decision, Decision)
+    insert_events(
+        goodput_console["store"],
+        [anomaly, incident, decision.model_copy(update={"executed": False, "mode": "monitor"})],
+    )
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
         try:
@@ -504,13 +515,22 @@ def test_console_link_with_the_token_signs_in_and_leaves_the_address_bar(goodput
             expect(page.get_by_role("main")).to_be_visible()
             expect(page.locator("#login")).to_be_hidden()
             expect(page.locator("#who-name")).to_have_text("(name asked at the first approval)")
-            expect(page.locator("#goodput-summary")).to_contain_text("4 incident(s)")
+            expect(page.locator("#goodput-summary")).to_contain_text("5 incident(s)")  # the audit's 4 and 9009's
             # The token left the address bar (history, bookmarks, screenshots) and is kept as the form keeps it.
             assert "token" not in page.url and page.url == f"{url}/"
             assert page.evaluate("sessionStorage.getItem('trainmedic.token')") == token
             page.reload()
             expect(page.locator("#conn")).to_have_text("Live")
             expect(page.get_by_role("main")).to_be_visible()
+            # An approval needs a name: the form asks for it alone, the token still filled in.
+            page.get_by_role("button", name=re.compile(r"^Approve drain_and_requeue gpu41 for job 9009 ")).click()
+            expect(page.locator("#login-error")).to_have_text("Enter your name: it is recorded with the approval.")
+            expect(page.get_by_label("Your name")).to_be_focused()
+            expect(page.get_by_label("Operator token")).to_have_value(token)
+            page.get_by_label("Your name").fill("carol")
+            page.get_by_role("button", name="Sign in").click()
+            expect(page.locator("#who-name")).to_have_text("carol")
+            expect(page.locator("#conn")).to_have_text("Live")
 
             # In a fresh tab: a link may name the operator too.
             named = browser.new_page()
