@@ -88,6 +88,10 @@ class UnknownTopic(UsageError, LookupError):
     """The topic is not on the broker: reading it would have a broker create it (the embedded one does)."""
 
 
+class TopicsReadError(Unavailable, RuntimeError):
+    """The Kafka client gave up reading a topic (a fatal client error)."""
+
+
 def _find_bootstrap(flag: str | None, data_dir: Path) -> str:
     """The setting first (a site's Kafka), else the embedded broker of a local `up`, which picks its port at
     start and writes it to runtime.json: a first look at the topics needs no address."""
@@ -187,8 +191,8 @@ def list_topics(
 ) -> None:
     """Every topic on the broker, its partition count and end offsets.
 
-    An end offset is the next offset its partition will write; offsets start at 0, so their total is the
-    records written, less any that retention removed."""
+    An end offset is the next offset its partition will write; offsets start at 0.
+    Their total is the records written, less any that retention removed."""
     address = _find_bootstrap(bootstrap, data_dir)
     topics = _topic_partitions(address)
     ends = _end_offsets(address, topics)
@@ -227,9 +231,9 @@ def tail(
 ) -> None:
     """Print a topic's records as they come, one JSON object a line.
 
-    Each line holds topic, partition, offset, key, timestamp (the broker's, ISO 8601 in UTC), headers and
-    value. It joins no consumer group and commits nothing, so it takes nothing from trainmedic's own
-    consumers. What it is doing goes to stderr, the records to stdout."""
+    Fields: topic, partition, offset, key, timestamp (the broker's, ISO 8601 in UTC), headers, value.
+    It joins no consumer group and commits nothing: trainmedic's own consumers miss no record.
+    What it is doing goes to stderr, the records to stdout."""
     from confluent_kafka import OFFSET_BEGINNING, KafkaError, TopicPartition
 
     from bus.consume import group_consumer
@@ -294,7 +298,3 @@ def tail(
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     finally:
         consumer.close()
-
-
-class TopicsReadError(Unavailable, RuntimeError):
-    """The Kafka client gave up reading a topic (a fatal client error)."""
