@@ -1005,7 +1005,22 @@
     // never reaches a server (nor its log, nor a Referer). It leaves the address bar before anything else
     // runs, so the token stays out of the history, bookmarks and screenshots; signIn keeps it where the
     // form does. The name is asked when it is needed (approve, reject): a read-only token never needs it.
-    const link = new URLSearchParams(location.hash.slice(1));
+    // Split by hand, not URLSearchParams: that reads "+" as a space, and a token may hold one.
+    // A token may end in "=" too (base64 padding): each part splits at its first "=" only.
+    const decode = (v) => {
+      try {
+        return decodeURIComponent(v);
+      } catch (_) {
+        return v; // a stray "%": taken as it is, and the server judges the token
+      }
+    };
+    const link = new Map(
+      location.hash
+        .slice(1)
+        .split("&")
+        .filter((part) => part.includes("="))
+        .map((part) => [part.slice(0, part.indexOf("=")), decode(part.slice(part.indexOf("=") + 1))]),
+    );
     const linkToken = (link.get("token") || "").trim();
     if (location.hash) history.replaceState(null, "", location.pathname + location.search);
     if (linkToken) signIn(linkToken, (link.get("operator") || operator).trim());
