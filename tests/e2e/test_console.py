@@ -481,3 +481,112 @@ def test_console_shows_attempts_goodput_and_downloads_the_bundle(
             assert console_errors == []
         finally:
             browser.close()
+
+
+# --- first contact: the sign-in link and the times shown -------------------------------------------------
+
+
+@pytest.mark.skipif(_browser_missing() is not None, reason=_browser_missing() or "")
+def test_console_link_with_the_token_signs_in_and_leaves_the_address_bar(goodput_console: dict[str, Any]) -> None:
+    from playwright.sync_api import expect, sync_playwright
+
+    from schemas.events import Decision
+    from tests.integration.test_audit import incident_events, insert_events
+    from tests.integration.test_goodput import T0
+
+    expect.set_options(timeout=60_000)
+    url, token = goodput_console["url"], goodput_console["token"]
+    # One recommendation awaiting an answer, so that an approval asks for the name the link did not give.
+    anomaly, incident, decision = incident_events(0, T0 + 100, job="9009", node="gpu41")[:3]
+    assert isinstance(decision, Decision)
+    insert_events(
+        goodput_console["store"],
+        [anomaly, incident, decision.model_copy(update={"executed": False, "mode": "monitor"})],
+    )
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 800})
+            console_errors: list[str] = []
+            page.on("pageerror", lambda e: console_errors.append(str(e)))
+            page.goto(f"{url}/#token={token}")
+            # Signed in without typing: the live view, no form; the name is asked when an approval needs it.
+            expect(page.locator("#conn")).to_have_text("Live")
+            expect(page.get_by_role("main")).to_be_visible()
+            expect(page.locator("#login")).to_be_hidden()
+            expect(page.locator("#who-name")).to_have_text("(name asked at the first approval)")
+            expect(page.locator("#goodput-summary")).to_contain_text("5 incident(s)")  # the audit's 4 and 9009's
+            # The token left the address bar (history, bookmarks, screenshots) and is kept as the form keeps it.
+            assert "token" not in page.url and page.url == f"{url}/"
+            assert page.evaluate("sessionStorage.getItem('trainmedic.token')") == token
+            page.reload()
+            expect(page.locator("#conn")).to_have_text("Live")
+            expect(page.get_by_role("main")).to_be_visible()
+            # An approval needs a name: the form asks for it alone, the token still filled in.
+            page.get_by_role("button", name=re.compile(r"^Approve drain_and_requeue gpu41 for job 9009 ")).click()
+            expect(page.locator("#login-error")).to_have_text("Enter your name: it is recorded with the approval.")
+            expect(page.get_by_label("Your name")).to_be_focused()
+            expect(page.get_by_label("Operator token")).to_have_value(token)
+            page.get_by_label("Your name").fill("carol")
+            page.get_by_role("button", name="Sign in").click()
+            expect(page.locator("#who-name")).to_have_text("carol")
+            expect(page.locator("#conn")).to_have_text("Live")
+
+            # In a fresh tab: a link may name the operator too.
+            named = browser.new_page()
+            named.goto(f"{url}/#token={token}&operator=bob")
+            expect(named.locator("#who-name")).to_have_text("bob")
+            expect(named.locator("#conn")).to_have_text("Live")
+            assert named.url == f"{url}/"
+
+            # A link with a wrong token signs nobody in, says so, and leaves no token behind.
+            wrong = browser.new_page()
+            wrong.goto(f"{url}/#token=wrong-token-1234567890")
+            expect(wrong.get_by_role("alert").filter(has_text="token was refused")).to_be_visible()
+            expect(wrong.get_by_role("main")).to_be_hidden()
+            assert wrong.url == f"{url}/"
+            assert wrong.evaluate("sessionStorage.getItem('trainmedic.token')") is None
+            assert console_errors == []
+        finally:
+            browser.close()
+
+
+@pytest.mark.skipif(_browser_missing() is not None, reason=_browser_missing() or "")
+def test_console_times_carry_date_and_zone(goodput_console: dict[str, Any], tmp_path: Path) -> None:
+    from datetime import UTC, datetime
+
+    from playwright.sync_api import expect, sync_playwright
+
+    from tests.integration.test_goodput import INCIDENTS, T0
+
+    expect.set_options(timeout=60_000)
+    shown = re.compile(r"^\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2} UTC$")
+    detected = datetime.fromtimestamp(T0 + INCIDENTS["inc-9001-0"][3], UTC)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+        try:
+            # A browser far from UTC, at a half-hour offset: what it shows must not depend on it.
+            context = browser.new_context(viewport={"width": 1280, "height": 800}, timezone_id="Asia/Kolkata")
+            page = context.new_page()
+            page.goto(f"{goodput_console['url']}/#token={goodput_console['token']}&operator=alice")
+            expect(page.locator("#conn")).to_have_text("Live")
+            page.get_by_role("checkbox", name="Open only").uncheck()
+            bundle = page.get_by_role("button", name="Download the evidence bundle of incident inc-9001-0")
+            cell = page.locator("#incidents tbody tr", has=bundle).locator("td").first.locator("time")
+            expect(cell).to_have_text(detected.strftime("%Y-%m-%d %H:%M:%S UTC"))
+            # The tooltip: the same instant in the browser's zone, its offset said (IST, +05:30, no DST).
+            local = detected.astimezone(UTC).timestamp() + 5.5 * 3600
+            expected_title = datetime.fromtimestamp(local, UTC).strftime("%Y-%m-%d %H:%M:%S +05:30")
+            expect(cell).to_have_attribute("title", f"{expected_title} in this browser's time zone")
+            expect(cell).to_have_attribute("datetime", re.compile(r"Z$"))
+
+            page.get_by_role("button", name="Show the timeline and attempts of job 9001").click()
+            expect(page.locator("#attempts tbody tr")).to_have_count(3)
+            expect(page.locator("#timeline tbody tr").first).to_be_visible()
+            texts = page.locator("main time").all_inner_texts()
+            # Incidents, results, attempts (start and end) and the timeline: every one with date and zone.
+            assert len(texts) >= 4 + 3 + 3 + 5, texts
+            assert [t for t in texts if not shown.match(t)] == []
+            page.screenshot(path=str(_artifacts(tmp_path) / "console-times-ist.png"), full_page=True)
+        finally:
+            browser.close()

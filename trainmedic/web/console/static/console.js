@@ -61,6 +61,25 @@
     return Number.isNaN(t) ? null : t / 1000;
   }
 
+  const pad = (n) => String(n).padStart(2, "0");
+
+  // Every time is shown in UTC with its date and the zone said: operators hold it against logs, the
+  // `trainmedic audit` CLI and attribution's explanations (UTC), and against colleagues elsewhere.
+  // A browser's locale and zone would give each of them another text for the same instant.
+  function utcText(d) {
+    const day = `${d.getUTCFullYear()}-${pad(d.getUTCMonth() + 1)}-${pad(d.getUTCDate())}`;
+    return `${day} ${pad(d.getUTCHours())}:${pad(d.getUTCMinutes())}:${pad(d.getUTCSeconds())} UTC`;
+  }
+
+  // The same instant in this browser's zone, with its offset (as ISO 8601 writes one), for the tooltip.
+  function localText(d) {
+    const offset = -d.getTimezoneOffset();
+    const abs = Math.abs(offset);
+    const zone = `${offset < 0 ? "-" : "+"}${pad(Math.floor(abs / 60))}:${pad(abs % 60)}`;
+    const day = `${d.getFullYear()}-${pad(d.getMonth() + 1)}-${pad(d.getDate())}`;
+    return `${day} ${pad(d.getHours())}:${pad(d.getMinutes())}:${pad(d.getSeconds())} ${zone}`;
+  }
+
   function timeEl(seconds) {
     const el = document.createElement("time");
     if (seconds === null) {
@@ -69,9 +88,8 @@
     }
     const d = new Date(seconds * 1000);
     el.dateTime = d.toISOString();
-    const today = new Date().toDateString() === d.toDateString();
-    el.textContent = today ? d.toLocaleTimeString([], { hour12: false }) : d.toLocaleString([], { hour12: false });
-    el.title = d.toISOString();
+    el.textContent = utcText(d);
+    el.title = `${localText(d)} in this browser's time zone`;
     return el;
   }
 
@@ -162,6 +180,13 @@
     $("login-token").focus();
   }
 
+  // Signed in by a link without a name: ask for the name alone, the token kept in the form.
+  function askName(msg) {
+    showLogin(msg);
+    $("login-token").value = token;
+    $("login-operator").focus();
+  }
+
   function signOut(msg) {
     token = "";
     sessionStorage.removeItem(TOKEN_KEY);
@@ -177,7 +202,10 @@
     operator = newOperator;
     const probe = await api("/api/console/status");
     if (probe.status !== 200) {
-      if (probe.status !== 401) showLogin(`Cannot sign in: ${detail(probe)}`);
+      if (probe.status !== 401) {
+        showLogin(`Cannot sign in: ${detail(probe)}`);
+        $("login-token").value = newToken; // a link's token is off the address bar now: keep it for a retry
+      }
       return;
     }
     sessionStorage.setItem(TOKEN_KEY, token);
@@ -185,7 +213,7 @@
     $("login").hidden = true;
     $("main").hidden = false;
     $("who").hidden = false;
-    $("who-name").textContent = operator;
+    $("who-name").textContent = operator || "(name asked at the first approval)";
     snapshotLoaded = false;
     connect();
     pollStack();
@@ -582,7 +610,7 @@
   }
 
   async function approve(rec, wrap) {
-    if (!operator) return signOut("Enter your name: it is recorded with the approval.");
+    if (!operator) return askName("Enter your name: it is recorded with the approval.");
     setBusy(wrap, true);
     notice(`Approving ${rec.decision_action} for job ${rec.job_id}\u2026`);
     const r = await decide(rec, "approve", { operator, comment: "approved in the console" });
@@ -624,7 +652,7 @@
       $("reject-reason").focus();
       return;
     }
-    if (!operator) return signOut("Enter your name: it is recorded with the rejection.");
+    if (!operator) return askName("Enter your name: it is recorded with the rejection.");
     const { rec, wrap } = rejecting;
     const comment = $("reject-comment").value;
     closeReject();
@@ -973,13 +1001,30 @@
     $("reject-dialog").addEventListener("cancel", () => {
       rejecting = null;
     });
-    // A link like http://127.0.0.1:PORT/#token=... signs in without typing; the fragment never reaches a server.
-    const m = /(?:^#|&)token=([^&]+)/.exec(location.hash);
-    if (m) {
-      token = decodeURIComponent(m[1]);
-      history.replaceState(null, "", location.pathname + location.search);
-    }
-    if (token && operator) signIn(token, operator);
+    // A link like http://127.0.0.1:PORT/#token=TOKEN[&operator=NAME] signs in without typing: a fragment
+    // never reaches a server (nor its log, nor a Referer). It leaves the address bar before anything else
+    // runs, so the token stays out of the history, bookmarks and screenshots; signIn keeps it where the
+    // form does. The name is asked when it is needed (approve, reject): a read-only token never needs it.
+    // Split by hand, not URLSearchParams: that reads "+" as a space, and a token may hold one.
+    // A token may end in "=" too (base64 padding): each part splits at its first "=" only.
+    const decode = (v) => {
+      try {
+        return decodeURIComponent(v);
+      } catch (_) {
+        return v; // a stray "%": taken as it is, and the server judges the token
+      }
+    };
+    const link = new Map(
+      location.hash
+        .slice(1)
+        .split("&")
+        .filter((part) => part.includes("="))
+        .map((part) => [part.slice(0, part.indexOf("=")), decode(part.slice(part.indexOf("=") + 1))]),
+    );
+    const linkToken = (link.get("token") || "").trim();
+    if (location.hash) history.replaceState(null, "", location.pathname + location.search);
+    if (linkToken) signIn(linkToken, (link.get("operator") || operator).trim());
+    else if (token) signIn(token, operator);
     else showLogin("");
   });
 })();
