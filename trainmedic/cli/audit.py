@@ -97,15 +97,18 @@ def audit_behind(data_dir: Path, timeout_s: float = 5.0) -> str | None:
         url = str(info["api_url"]).rstrip("/") + "/api/health"
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
+    from trainmedic.cli.client import ClientError, tls_context
+
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        context = tls_context(settings().ca_bundle) if url.startswith("https:") else None
+        with urllib.request.urlopen(url, timeout=timeout_s, context=context) as resp:
             report = json.loads(resp.read())
     except urllib.error.HTTPError as exc:  # 503: a part is down; the body is the same report
         try:
             report = json.loads(exc.read())
         except ValueError:
             return None
-    except (OSError, ValueError):
+    except (OSError, ValueError, ClientError):
         return None
     problem = report.get("degraded", {}).get("audit") if isinstance(report, dict) else None
     return str(problem) if problem else None
