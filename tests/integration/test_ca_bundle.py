@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from pydantic import SecretStr
 
 from sinks.audit import AuditStore, AuditStoreError
 from tests.launch import running, self_signed_certificate
@@ -110,13 +111,13 @@ def test_the_clickhouse_client_verifies_an_https_server_against_the_ca_bundle(tl
     port, cert = tls_listener
     # Not 8443: clickhouse-connect picks TLS by port unless told, so the scheme must be what tells it.
     url = f"https://reader:pw@127.0.0.1:{port}/"
-    without = clickhouse_dsn(Settings(clickhouse_url=url))
+    without = clickhouse_dsn(Settings(clickhouse_url=SecretStr(url)))
     assert without is not None and "ca_cert" not in without
     with pytest.raises(AuditStoreError, match="CERTIFICATE_VERIFY_FAILED"):
         AuditStore(without)
     assert _Recorder.requests == []  # the handshake failed: nothing was sent
 
-    dsn = clickhouse_dsn(Settings(clickhouse_url=url, ca_bundle=cert))
+    dsn = clickhouse_dsn(Settings(clickhouse_url=SecretStr(url), ca_bundle=cert))
     assert dsn is not None and "ca_cert=" in dsn
     with pytest.raises(AuditStoreError) as answered:
         AuditStore(dsn)
@@ -128,11 +129,11 @@ def test_the_clickhouse_client_verifies_an_https_server_against_the_ca_bundle(tl
 
 def test_the_ca_bundle_goes_only_into_https_urls() -> None:
     bundle = Path("/etc/trainmedic/ch-ca.pem")
-    plain = clickhouse_dsn(Settings(clickhouse_url="http://h:8123/", ca_bundle=bundle))
+    plain = clickhouse_dsn(Settings(clickhouse_url=SecretStr("http://h:8123/"), ca_bundle=bundle))
     assert plain == "http://h:8123/"
-    named = clickhouse_dsn(Settings(clickhouse_url="https://h:8443/?ca_cert=/own.pem", ca_bundle=bundle))
+    named = clickhouse_dsn(Settings(clickhouse_url=SecretStr("https://h:8443/?ca_cert=/own.pem"), ca_bundle=bundle))
     assert named == "https://h:8443/?ca_cert=/own.pem"  # the URL's own choice stands
     added = clickhouse_dsn(
-        Settings(clickhouse_url="https://h:8443/?compress=lz4", clickhouse_user="ro", ca_bundle=bundle)
+        Settings(clickhouse_url=SecretStr("https://h:8443/?compress=lz4"), clickhouse_user="ro", ca_bundle=bundle)
     )
     assert added == "https://ro@h:8443/?compress=lz4&ca_cert=%2Fetc%2Ftrainmedic%2Fch-ca.pem"

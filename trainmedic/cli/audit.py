@@ -23,7 +23,7 @@ from rich.table import Table
 from rich.text import Text
 
 from schemas.errors import ConfigError, NotFound, Unavailable
-from schemas.ids import check_node_name
+from schemas.ids import CLUSTER_RE, check_node_name
 from schemas.printable import printable
 from schemas.vocab import CATEGORIES
 from sinks import audit_queries as q
@@ -63,6 +63,29 @@ Since = Annotated[
     Optional[timedelta],
     typer.Option("--since", parser=_parse_since, metavar="DURATION", help="Only the last DURATION: 30m, 24h, 7d."),
 ]
+ClusterOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--cluster",
+        metavar="NAME",
+        help="Only this cluster's rows, where clusters share the database (default: the cluster setting).",
+    ),
+]
+AllClusters = Annotated[bool, typer.Option("--all-clusters", help="Rows of every cluster in the database.")]
+
+
+def _cluster(cluster: str | None, all_clusters: bool) -> str | None:
+    """The cluster a query reads (None: every one): job ids and node names repeat across clusters."""
+    if all_clusters:
+        if cluster is not None:
+            raise typer.BadParameter("give --cluster or --all-clusters, not both", param_hint="'--cluster'")
+        return None
+    name = cluster if cluster is not None else settings().cluster
+    if not CLUSTER_RE.match(name):
+        raise typer.BadParameter(
+            f"{printable(name)!r}: a cluster name is lowercase letters, digits and -", param_hint="'--cluster'"
+        )
+    return name
 
 
 def open_store(data_dir: Path, clickhouse: str | None, database: str) -> AuditStore:
@@ -204,6 +227,8 @@ def incidents(
     since: Since = timedelta(hours=24),
     category: Annotated[Optional[str], typer.Option(help=f"Only this category: {', '.join(CATEGORIES)}.")] = None,
     limit: Annotated[int, typer.Option(min=1, help="At most this many, newest first.")] = 100,
+    cluster: ClusterOpt = None,
+    all_clusters: AllClusters = False,
     data_dir: DataDir = Path("var"),
     clickhouse: ClickHouse = None,
     database: Database = "trainmedic",
@@ -212,8 +237,9 @@ def incidents(
     """Incidents of the last --since (24h), newest first."""
     if category is not None and category not in CATEGORIES:
         raise typer.BadParameter(f"{category!r}: expected one of {', '.join(CATEGORIES)}", param_hint="'--category'")
+    scope = _cluster(cluster, all_clusters)
     with _store(data_dir, clickhouse, database) as store:
-        rows = q.incidents(store, since=since, category=category, limit=limit)
+        rows = q.incidents(store, since=since, category=category, limit=limit, cluster=scope)
     if as_json:
         _print_json(rows)
         return
@@ -295,14 +321,17 @@ def _attempt_rows(attempts: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 @audit_app.command()
 def job(
     job_id: Annotated[str, typer.Argument(metavar="JOBID", help="Scheduler job id.")],
+    cluster: ClusterOpt = None,
+    all_clusters: AllClusters = False,
     data_dir: DataDir = Path("var"),
     clickhouse: ClickHouse = None,
     database: Database = "trainmedic",
     as_json: AsJson = False,
 ) -> None:
     """A job's full timeline: anomalies, incident, decision, approvals, action, result, in time order."""
+    scope = _cluster(cluster, all_clusters)
     with _store(data_dir, clickhouse, database) as store:
-        data = q.job_timeline(store, job_id)
+        data = q.job_timeline(store, job_id, cluster=scope)
     if not data["timeline"]:
         raise NotFound(f"job {job_id}: nothing in the audit database {database!r}")
     if as_json:
@@ -330,6 +359,8 @@ def job(
 @audit_app.command()
 def node(
     name: Annotated[str, typer.Argument(metavar="NODE", help="Node name.")],
+    cluster: ClusterOpt = None,
+    all_clusters: AllClusters = False,
     data_dir: DataDir = Path("var"),
     clickhouse: ClickHouse = None,
     database: Database = "trainmedic",
@@ -337,8 +368,9 @@ def node(
 ) -> None:
     """A node's history: incidents it was blamed for, actions taken on it, anomalies seen on it, returns to service."""
     check_node_name(name)  # exit 2 naming it, escaped: no node is called that
+    scope = _cluster(cluster, all_clusters)
     with _store(data_dir, clickhouse, database) as store:
-        data = q.node_history(store, name)
+        data = q.node_history(store, name, cluster=scope)
     if not (data["incidents"] or data["events"] or data["anomalies"] or data["returns"]):
         raise NotFound(f"node {name}: nothing in the audit database {database!r}")
     if as_json:
@@ -382,14 +414,17 @@ def node(
 
 @audit_app.command()
 def latency(
+    cluster: ClusterOpt = None,
+    all_clusters: AllClusters = False,
     data_dir: DataDir = Path("var"),
     clickhouse: ClickHouse = None,
     database: Database = "trainmedic",
     as_json: AsJson = False,
 ) -> None:
     """p50/p95/p99 of detection latency (first signal -> incident) and action latency (incident -> verified)."""
+    scope = _cluster(cluster, all_clusters)
     with _store(data_dir, clickhouse, database) as store:
-        data = q.latency(store)
+        data = q.latency(store, cluster=scope)
     if as_json:
         _print_json(data)
         return
@@ -478,6 +513,8 @@ def goodput(
     since: Since = timedelta(days=7),
     job: Annotated[Optional[str], typer.Option("--job", metavar="JOBID", help="Only this job.")] = None,
     limit: Annotated[int, typer.Option(min=1, help="At most this many jobs and incidents listed.")] = 20,
+    cluster: ClusterOpt = None,
+    all_clusters: AllClusters = False,
     data_dir: DataDir = Path("var"),
     clickhouse: ClickHouse = None,
     database: Database = "trainmedic",
@@ -486,8 +523,9 @@ def goodput(
     """GPU-hours lost per outage (fault -> running again, each outage once, only incidents that stopped
     their job), time to detect / act / recover, and each job's effective training time across its
     restarts (docs/audit.md, "Goodput")."""
+    scope = _cluster(cluster, all_clusters)
     with _store(data_dir, clickhouse, database) as store:
-        data = q.goodput(store, since=since, job=job, limit=limit)
+        data = q.goodput(store, since=since, job=job, limit=limit, cluster=scope)
     if as_json:
         _print_json(data)
         return
