@@ -360,6 +360,15 @@ def test_provisioning_points_at_the_plugin_and_the_dashboards() -> None:
     (source,) = ds["datasources"]
     assert (source["type"], source["uid"]) == (PLUGIN, DATASOURCE_UID)
     assert {"host", "port", "protocol", "username", "defaultDatabase"} <= set(source["jsonData"])
+    # TLS to ClickHouse's HTTPS port, the server's certificate verified against the provisioned CA.
+    tls = {k: source["jsonData"][k] for k in ("port", "protocol", "secure", "tlsSkipVerify", "tlsAuthWithCACert")}
+    assert tls == {"port": 8443, "protocol": "http", "secure": True, "tlsSkipVerify": False, "tlsAuthWithCACert": True}
+    assert source["secureJsonData"]["tlsCACert"] == "${TRAINMEDIC_CH_CA_CERT}"
+    # Every value Grafana takes from its environment, and the plain-HTTP alternative, are documented.
+    text = (GRAFANA / "provisioning" / "datasources" / "clickhouse.yaml").read_text()
+    comments = "\n".join(line for line in text.splitlines() if line.startswith("#"))
+    assert "set all five" in comments and len(set(re.findall(r"\$\{(TRAINMEDIC_\w+)\}", text))) == 5
+    assert "Plain HTTP instead" in comments and "port 8123, secure false" in comments
     prov = yaml.safe_load((GRAFANA / "provisioning" / "dashboards" / "trainmedic.yaml").read_text())
     (provider,) = prov["providers"]
     assert provider["type"] == "file" and provider["options"]["path"]
