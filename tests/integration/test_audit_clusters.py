@@ -103,6 +103,11 @@ def test_cli_cluster_option_defaults_to_the_cluster_setting(
     assert ids() == set()  # the default cluster wrote nothing here
     assert current_cluster() == DEFAULT_CLUSTER
 
+    # A job only the other cluster has: not found, saying which cluster was read.
+    job = CliRunner().invoke(
+        audit_app, ["job", "2", "--clickhouse", chdb_url, "--database", database, "--cluster", WEST]
+    )
+    assert job.exit_code != 0 and "for cluster gpu-west" in job.output
     both = CliRunner().invoke(audit_app, [*base, "--cluster", WEST, "--all-clusters"])
     assert both.exit_code == 2 and "not both" in both.output
     bad = CliRunner().invoke(audit_app, [*base, "--cluster", "West Coast"])

@@ -88,6 +88,11 @@ def _cluster(cluster: str | None, all_clusters: bool) -> str | None:
     return name
 
 
+def _for_cluster(scope: str | None) -> str:
+    # An empty answer may be the wrong cluster (the default is this installation's own): say which was read.
+    return "" if scope is None else f" for cluster {scope} (--cluster NAME, or --all-clusters)"
+
+
 def open_store(data_dir: Path, clickhouse: str | None, database: str) -> AuditStore:
     """The audit store the options name; raises, saying what is wrong."""
     s = settings(clickhouse_url=clickhouse)
@@ -333,7 +338,7 @@ def job(
     with _store(data_dir, clickhouse, database) as store:
         data = q.job_timeline(store, job_id, cluster=scope)
     if not data["timeline"]:
-        raise NotFound(f"job {job_id}: nothing in the audit database {database!r}")
+        raise NotFound(f"job {job_id}: nothing in the audit database {database!r}{_for_cluster(scope)}")
     if as_json:
         _print_json(data)
         return
@@ -372,7 +377,7 @@ def node(
     with _store(data_dir, clickhouse, database) as store:
         data = q.node_history(store, name, cluster=scope)
     if not (data["incidents"] or data["events"] or data["anomalies"] or data["returns"]):
-        raise NotFound(f"node {name}: nothing in the audit database {database!r}")
+        raise NotFound(f"node {name}: nothing in the audit database {database!r}{_for_cluster(scope)}")
     if as_json:
         _print_json(data)
         return
