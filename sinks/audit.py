@@ -25,6 +25,7 @@ from datetime import UTC, datetime
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
+from urllib.parse import urlsplit
 
 from confluent_kafka import KafkaError, Message
 
@@ -237,7 +238,10 @@ class AuditStore:
                 f"cannot open {self.where}: clickhouse-connect is not installed (pip install 'trainmedic[server]')"
             ) from None
         try:
-            self.client: Client = clickhouse_connect.get_client(dsn=url)
+            # clickhouse-connect picks TLS by port (443, 8443) or `secure`, not by the DSN's scheme: an
+            # https URL on another port would otherwise be spoken to in plain HTTP.
+            secure = urlsplit(url).scheme == "https"
+            self.client: Client = clickhouse_connect.get_client(dsn=url, secure=secure)
         except Exception as exc:
             if "already initialized" in str(exc):
                 raise AuditStoreError(

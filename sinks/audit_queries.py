@@ -7,7 +7,10 @@ tables, filtered on their partition and sort keys or bloom-filter indexes
 (sinks/audit_schema.py), so a query for one job, one node or the last day reads
 that, not the whole history. Every read deduplicates with FINAL (docs/audit.md,
 "Deduplication", has the measurement against LIMIT 1 BY), so counts are exact
-under redelivery. Times come back as
+under redelivery. Several clusters may share one audit database: every query that reads
+more than one job or node takes `cluster` (None: all of them) and filters each table it reads
+on its `cluster` column (migration 010), so a job id or node name of another cluster never
+joins in. Times come back as
 timezone-aware UTC datetimes; `jsonable` turns a result into JSON-ready data.
 """
 
@@ -185,11 +188,27 @@ LEFT JOIN (
 
 
 SINCE = "toDateTime64({since:Float64}, 3, 'UTC')"
+# Every audit table's last column (sinks/audit_schema.py CLUSTER_COLUMN): the cluster a row is about.
+CLUSTER = "cluster = {cluster:String}"
+
+
+def _in_cluster(where: str, cluster: str | None, params: dict[str, Any]) -> str:
+    """`where`, and the rows of `cluster` only when one is given (its value bound as a parameter)."""
+    if cluster is None:
+        return where
+    params["cluster"] = cluster
+    return f"({where}) AND {CLUSTER}"
+
+
 CHILD_SINCE = f"event_time >= toDateTime64({{since:Float64}} - {CHILD_SKEW_S}, 3, 'UTC')"
 
 
 def incidents(
-    store: AuditStore, since: timedelta | None = None, category: str | None = None, limit: int = 1000
+    store: AuditStore,
+    since: timedelta | None = None,
+    category: str | None = None,
+    limit: int = 1000,
+    cluster: str | None = None,
 ) -> list[dict[str, Any]]:
     """Incidents, newest first, with their decision, verdict and outcome."""
     if category is not None and category not in CATEGORIES:
@@ -203,7 +222,7 @@ def incidents(
     if category is not None:
         where.append("category = {category:String}")
         params["category"] = category
-    sql = summary_sql(" AND ".join(where), child)
+    sql = summary_sql(_in_cluster(" AND ".join(where), cluster, params), _in_cluster(child, cluster, params))
     return _rows(
         store,
         f"SELECT {_INCIDENT_COLUMNS} FROM ({sql}) ORDER BY detected_at DESC, incident_id LIMIT {{limit:UInt32}}",
@@ -325,46 +344,51 @@ def _named(part: str) -> str:
     return "SELECT " + ", ".join(f"{e} AS t_{c}" for e, c in zip(exprs, TIMELINE_COLUMNS, strict=True)) + sep + rest
 
 
-def job_timeline(store: AuditStore, job_id: str) -> dict[str, Any]:
+def job_timeline(store: AuditStore, job_id: str, cluster: str | None = None) -> dict[str, Any]:
     """Everything that happened to a job: its incidents, and one list of events in order.
 
     Each timeline item has a `kind`: anomaly, incident, decision, approval,
     guardrail_trip, action, action_result. Ties in time keep pipeline order.
     """
-    job = "job_id = {j:String}"
+    params: dict[str, Any] = {"j": job_id}
+    job = _in_cluster("job_id = {j:String}", cluster, params)
     # Kernel anomalies carry no job: those its incidents list, found by node (the sort key's first column).
     # ifNull: the same query serves a table still in the old layout (NULL for no job) mid-migration.
-    kernel = (
-        "ifNull(job_id, '') = '' AND node IN (SELECT arrayJoin(job_nodes) FROM {db}.incidents FINAL WHERE job_id = {j:String}) "
-        "AND event_id IN (SELECT arrayJoin(anomaly_ids) FROM {db}.incidents FINAL WHERE job_id = {j:String})"
+    kernel = _in_cluster(
+        f"ifNull(job_id, '') = '' AND node IN (SELECT arrayJoin(job_nodes) FROM {{db}}.incidents FINAL WHERE {job}) "
+        f"AND event_id IN (SELECT arrayJoin(anomaly_ids) FROM {{db}}.incidents FINAL WHERE {job})",
+        cluster,
+        params,
     )
     kinds = ("incident", "decision", "approval", "guardrail_trip", "action", "action_result")
     # Two reads, not one with OR: each uses its own index (bloom filter on job, sort key on node).
     own = timeline_sql({"anomaly": job, **dict.fromkeys(kinds, job)}, job)
     sql = f"{own}\nUNION ALL\n{timeline_sql({'anomaly': kernel}, job)}"
-    timeline = _rows(store, f"SELECT * FROM ({sql}) ORDER BY time, stage, id", {"j": job_id})
+    timeline = _rows(store, f"SELECT * FROM ({sql}) ORDER BY time, stage, id", params)
     incs = _rows(
         store,
         f"SELECT {_INCIDENT_COLUMNS} FROM ({summary_sql(job, job)}) ORDER BY detected_at",
-        {"j": job_id},
+        params,
     )
     restarts = _rows(
         store,
         "SELECT countIf(status = 'done' AND action IN ('requeue', 'drain_and_requeue')) AS restarts "
-        "FROM {db}.action_results FINAL WHERE job_id = {j:String}",
-        {"j": job_id},
+        f"FROM {{db}}.action_results FINAL WHERE {job}",
+        params,
     )
     return {
         "job_id": job_id,
         "incidents": incs,
         "restarts": restarts[0]["restarts"] if restarts else 0,
-        "attempts": job_attempts(store, job_id),
+        "attempts": job_attempts(store, job_id, cluster),
         "timeline": timeline,
     }
 
 
-def job_attempts(store: AuditStore, job_id: str) -> list[dict[str, Any]]:
+def job_attempts(store: AuditStore, job_id: str, cluster: str | None = None) -> list[dict[str, Any]]:
     """The job's attempts (streams/lineage.py), lineage by lineage, each as its latest record says."""
+    params: dict[str, Any] = {"j": job_id}
+    job = _in_cluster("job_id = {j:String}", cluster, params)
     return _rows(
         store,
         "SELECT lineage_id, first_seen, argMax(job_name, event_time) AS job_name, argMax(user, event_time) AS user, "
@@ -375,31 +399,34 @@ def job_attempts(store: AuditStore, job_id: str) -> list[dict[str, Any]]:
         "argMax(excluded_nodes, event_time) AS excluded_nodes, argMax(start_step, event_time) AS start_step, "
         "argMax(start_checkpoint, event_time) AS start_checkpoint, argMax(max_step, event_time) AS max_step, "
         "argMax(new_checkpoint, event_time) AS new_checkpoint, argMax(progressed, event_time) AS progressed "
-        "FROM {db}.job_attempts FINAL WHERE job_id = {j:String} "
+        f"FROM {{db}}.job_attempts FINAL WHERE {job} "
         "GROUP BY lineage_id, first_seen, attempt ORDER BY first_seen, attempt",
-        {"j": job_id},
+        params,
     )
 
 
-def node_history(store: AuditStore, node: str, limit: int = 1000) -> dict[str, Any]:
+def node_history(store: AuditStore, node: str, limit: int = 1000, cluster: str | None = None) -> dict[str, Any]:
     """A node's record: incidents it was blamed for, actions on it, the anomalies seen on it."""
-    blamed = "culprit_node = {n:String}"
+    params: dict[str, Any] = {"n": node, "limit": limit}
+    blamed = _in_cluster("culprit_node = {n:String}", cluster, params)
     incs = _rows(
         store,
         f"SELECT {_INCIDENT_COLUMNS} FROM ({summary_sql(blamed)}) ORDER BY detected_at DESC LIMIT {{limit:UInt32}}",
-        {"n": node, "limit": limit},
+        params,
     )
     summary = _rows(
         store,
         "SELECT count() AS incidents, min(event_time) AS first_seen, max(event_time) AS last_seen "
         f"FROM {{db}}.incidents FINAL WHERE {blamed}",
-        {"n": node},
+        params,
     )
-    on_node = "node = {n:String}"
+    on_node = _in_cluster("node = {n:String}", cluster, params)
     wheres = {
         "incident": blamed,
         "decision": blamed,
-        "approval": "decision_id IN (SELECT decision_id FROM {db}.decisions FINAL WHERE culprit_node = {n:String})",
+        "approval": _in_cluster(
+            f"decision_id IN (SELECT decision_id FROM {{db}}.decisions FINAL WHERE {blamed})", cluster, params
+        ),
         "guardrail_trip": on_node,
         "action": on_node,
         "action_result": on_node,
@@ -407,20 +434,20 @@ def node_history(store: AuditStore, node: str, limit: int = 1000) -> dict[str, A
     events = _rows(
         store,
         f"SELECT * FROM ({timeline_sql(wheres, blamed)}) ORDER BY time DESC, stage DESC LIMIT {{limit:UInt32}}",
-        {"n": node, "limit": limit},
+        params,
     )
     anomalies = _rows(
         store,
         "SELECT signature, role, count() AS anomalies, max(event_time) AS last_seen "
-        "FROM {db}.anomalies FINAL WHERE node = {n:String} GROUP BY signature, role ORDER BY anomalies DESC",
-        {"n": node},
+        f"FROM {{db}}.anomalies FINAL WHERE {on_node} GROUP BY signature, role ORDER BY anomalies DESC",
+        params,
     )
     # Every verdict on returning it: by an operator (`nodes resume`) or the automatic path (trainmedic-auto).
     returns = _rows(
         store,
         "SELECT event_time AS time, outcome, operator, incident_id, check_passed, detail FROM {db}.node_returns FINAL "
-        "WHERE node = {n:String} ORDER BY event_time DESC LIMIT {limit:UInt32}",
-        {"n": node, "limit": limit},
+        f"WHERE {on_node} ORDER BY event_time DESC LIMIT {{limit:UInt32}}",
+        params,
     )
     n_blamed = int(summary[0]["incidents"]) if summary else 0
     return {
@@ -456,7 +483,7 @@ _QUANTILES = ", ".join(
 )
 
 
-def latency(store: AuditStore, since: timedelta | None = None) -> dict[str, Any]:
+def latency(store: AuditStore, since: timedelta | None = None, cluster: str | None = None) -> dict[str, Any]:
     """p50/p95/p99 of detection, action and recovery latency, overall and per category.
 
     The latency_percentiles view's numbers, from the two tables they need
@@ -467,6 +494,7 @@ def latency(store: AuditStore, since: timedelta | None = None) -> dict[str, Any]
     if (cut := _cutoff(since)) is not None:
         where_i, where_r = f"event_time >= {SINCE}", CHILD_SINCE
         params["since"] = cut
+    where_i, where_r = _in_cluster(where_i, cluster, params), _in_cluster(where_r, cluster, params)
     inner = _LATENCY_INNER.replace("WHERE_I", where_i).replace("WHERE_R", where_r)
     stats = f"count() AS incidents, count(action_latency_s) AS actions_verified, {_QUANTILES}"
     rows = _rows(
@@ -832,7 +860,11 @@ _GOODPUT_STATS = ", ".join(
 
 
 def goodput(
-    store: AuditStore, since: timedelta | None = None, job: str | None = None, limit: int = 20
+    store: AuditStore,
+    since: timedelta | None = None,
+    job: str | None = None,
+    limit: int = 20,
+    cluster: str | None = None,
 ) -> dict[str, Any]:
     """Goodput of the last `since` (everything: None), for one job or the fleet.
 
@@ -857,7 +889,9 @@ def goodput(
     if job is not None:
         where_i.append("job_id = {job:String}")
         params["job"] = job
-    wi = " AND ".join(where_i)
+    # The cluster bounds every read, the children's too: a job id of another cluster is another job.
+    wi = _in_cluster(" AND ".join(where_i), cluster, params)
+    child = _in_cluster(child, cluster, params)
     ids = f"SELECT incident_id FROM {{db}}.incidents FINAL WHERE {wi}"
     inc_jobs = f"SELECT job_id FROM {{db}}.incidents FINAL WHERE {wi}"
     # The next attempt started after the fault, so its records are no older than the window's children.
@@ -871,8 +905,11 @@ def goodput(
     att_where = [f"event_time >= {SINCE}"] if cut is not None else ["1"]
     if job is not None:
         att_where.append("job_id = {job:String}")
-    att_jobs = f"SELECT job_id FROM {{db}}.job_attempts FINAL WHERE {' AND '.join(att_where)}"
-    jobs_sql = job_goodput_sql(where_a=f"job_id IN ({inc_jobs}) OR job_id IN ({att_jobs})", incidents=f"({inc})")
+    att_jobs = (
+        f"SELECT job_id FROM {{db}}.job_attempts FINAL WHERE {_in_cluster(' AND '.join(att_where), cluster, params)}"
+    )
+    where_a = _in_cluster(f"job_id IN ({inc_jobs}) OR job_id IN ({att_jobs})", cluster, params)
+    jobs_sql = job_goodput_sql(where_a=where_a, incidents=f"({inc})")
 
     totals = _rows(
         store,
@@ -912,6 +949,7 @@ def goodput(
     return {
         "since_s": None if since is None else since.total_seconds(),
         "job": job,
+        "cluster": cluster,
         "fleet": fleet,
         "jobs": job_rows,
         "incidents": incidents_rows,

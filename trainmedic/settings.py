@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from contextvars import ContextVar
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
-from urllib.parse import quote, urlsplit, urlunsplit
+from urllib.parse import quote, urlencode, urlsplit, urlunsplit
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic.fields import FieldInfo
@@ -114,6 +114,11 @@ class Settings(BaseSettings):
     )
     clickhouse_user: str | None = None
     clickhouse_password: SecretStr | None = None
+    ca_bundle: Path | None = Field(
+        default=None,
+        description="CA bundle (PEM) that verifies the TLS certificates of the operator API (for the CLI) and of an "
+        "https ClickHouse; unset: the system's trust store",
+    )
 
     # -- streams worker -------------------------------------------------------------------
     streams_id: str = Field(default="trainmedic-streams", description="Faust app id = its consumer group")
@@ -490,11 +495,18 @@ def audit_layout(settings: Settings) -> LayoutSettings:
 
 
 def clickhouse_dsn(settings: Settings) -> str | None:
-    """The ClickHouse URL with the user and password settings in it when the URL has none."""
+    """The ClickHouse URL with the user and password settings in it when the URL has none, and for an
+    https URL the ca_bundle setting as its `ca_cert` (unless the URL names one)."""
     url = settings.secret("clickhouse_url")
     if not url or url.startswith("chdb://"):
         return url
     parts = urlsplit(url)
+    if parts.scheme == "https" and settings.ca_bundle is not None and "ca_cert=" not in parts.query:
+        # clickhouse-connect turns a DSN's query parameters into client arguments: every process that
+        # opens the audit from this URL verifies the server against the bundle.
+        query = "&".join(q for q in (parts.query, urlencode({"ca_cert": str(settings.ca_bundle)})) if q)
+        parts = parts._replace(query=query)
+        url = urlunsplit(parts)
     if parts.username or not (settings.clickhouse_user or settings.clickhouse_password):
         return url
     user = quote(settings.clickhouse_user or "default", safe="")

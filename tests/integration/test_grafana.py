@@ -1,15 +1,18 @@
 """The dashboards: every ClickHouse panel query runs on chDB against the migrated audit schema,
-no URL parameter can reach its SQL, and every metric the Prometheus dashboard reads is one
-trainmedic exports.
+shows the chosen cluster's rows only, no URL parameter can break out of its SQL, and every
+metric the Prometheus dashboard reads is one trainmedic exports, filtered by cluster and instance.
 
 Grafana does not run here; its two rewriting steps are reproduced instead:
 
 1. Grafana (frontend) interpolates the dashboard's declared variables: `$name`, `${name}`,
    `${name:format}` and `[[name]]` become the variable's value, which a textbox, custom or
-   query variable takes from the URL (`?var-name=...`). The ClickHouse plugin formats a
-   single value as it is (no quoting: CHDatasource.format), so a variable in SQL is an
-   injection. The audit dashboard therefore declares only its data source variable
-   (`DS_CLICKHOUSE`) and names no database in its SQL: the plugin's connection uses the data
+   query variable takes from the URL (`?var-name=...`, any value: scenes keeps one that is not
+   among the options). The ClickHouse plugin formats a single value as it is (no quoting:
+   CHDatasource.format), and Grafana's `singlequote` and `sqlstring` formats escape the quote
+   but not the backslash, which ClickHouse's string literals honour: `\'` closes the literal.
+   The audit dashboard's one value variable, `cluster`, therefore lands in SQL only as
+   `${cluster:percentencode}` (RFC 3986 unreserved characters and %XX, nothing else) inside
+   `decodeURLComponent('...')`. The SQL names no database: the plugin's connection uses the data
    source's default database (provisioned, TRAINMEDIC_CH_DATABASE), as `USE db` does here.
 2. The plugin (backend, pkg/macros/macros.go of grafana/clickhouse-datasource)
    expands its macros with the panel's time range and interval:
@@ -29,6 +32,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import urllib.parse
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -39,6 +43,7 @@ import pytest
 import yaml
 
 from schemas.events import Event, JobAttempt, SchedEvent
+from schemas.ids import DEFAULT_CLUSTER
 from sinks import audit_queries as q
 from sinks.audit import AuditStore
 from tests.conftest import REPO
@@ -55,6 +60,12 @@ CH_DATASOURCE = {"type": PLUGIN, "uid": "${" + CH_VARIABLE + "}"}
 PROM_DATASOURCE = {"type": "prometheus", "uid": "${" + PROM_VARIABLE + "}"}
 SERVICE_DASHBOARD = GRAFANA / "dashboards" / "trainmedic-service.json"
 HOSTILE = "trainmedic.incidents WHERE 1=0 UNION ALL SELECT name FROM system.users --"
+# Breaks out of a singlequote- or sqlstring-formatted literal in ClickHouse (the backslash escapes the quote).
+BACKSLASH_HOSTILE = "\\') OR 1=1 --"
+CLUSTER_VARIABLE = "cluster"
+# The audit panels' cluster filter: every table read's WHERE starts with it.
+CLUSTER_FILTER = "has(splitByChar(',', trim(BOTH '{}' FROM decodeURLComponent('${cluster:percentencode}'))), cluster)"
+WEST = "gpu-west"
 
 
 def _variables(path: Path) -> dict[str, dict[str, Any]]:
@@ -131,25 +142,29 @@ GOODPUT_PANELS = {
     "Worst jobs by GPU-hours lost": "jobs",
     "Lowest effective training time": "jobs",
 }
-_IN_RANGE = "SELECT {col} FROM {table} FINAL WHERE $__timeFilter(event_time)"
+
+
+def _in_range(col: str, table: str) -> str:
+    return f"SELECT {col} FROM {table} FINAL WHERE {CLUSTER_FILTER} AND $__timeFilter(event_time)"
 
 
 def goodput_incidents_sql() -> str:
-    child = "event_time >= $__fromTime"
-    jobs = _IN_RANGE.format(col="job_id", table="incidents")
+    child = f"{CLUSTER_FILTER} AND event_time >= $__fromTime"
+    jobs = _in_range("job_id", "incidents")
     return q.incident_goodput_sql(
-        where_i="$__timeFilter(event_time)",
-        where_r=f"{child} AND incident_id IN ({_IN_RANGE.format(col='incident_id', table='incidents')})",
+        where_i=f"{CLUSTER_FILTER} AND $__timeFilter(event_time)",
+        where_r=f"{child} AND incident_id IN ({_in_range('incident_id', 'incidents')})",
         where_a=f"{child} AND job_id IN ({jobs})",
         where_s=f"{child} AND job_id IN ({jobs})",
     ).replace("{db}.", "")
 
 
 def goodput_jobs_sql() -> str:
-    jobs = _IN_RANGE.format(col="job_id", table="incidents")
-    attempted = _IN_RANGE.format(col="job_id", table="job_attempts")
+    jobs = _in_range("job_id", "incidents")
+    attempted = _in_range("job_id", "job_attempts")
     return q.job_goodput_sql(
-        where_a=f"job_id IN ({jobs}) OR job_id IN ({attempted})", incidents=f"({goodput_incidents_sql()})"
+        where_a=f"{CLUSTER_FILTER} AND (job_id IN ({jobs}) OR job_id IN ({attempted}))",
+        incidents=f"({goodput_incidents_sql()})",
     ).replace("{db}.", "")
 
 
@@ -188,22 +203,58 @@ def expand_grafana(sql: str, variables: dict[str, str], frm: float, to: float, i
     return _MACRO.sub(macro, sql)
 
 
-_VARIABLE_REF = re.compile(r"\$\{(\w+)(?::\w+)?\}|\[\[(\w+)\]\]|\$(\w+)")
+_VARIABLE_REF = re.compile(r"\$\{(?P<braced>\w+)(?::(?P<format>\w+))?\}|\[\[(?P<old>\w+)\]\]|\$(?P<bare>\w+)")
 
 
-def interpolate(sql: str, declared: dict[str, dict[str, Any]], url: dict[str, str]) -> str:
+def _ref_name(m: re.Match[str]) -> str:
+    return m.group("braced") or m.group("old") or m.group("bare")
+
+
+def _format(values: list[str], multi: bool, fmt: str | None) -> str:
+    """Grafana's formatters (grafana/scenes, variables/interpolation/formatRegistry.ts) for the
+    formats a panel may use; no format: the ClickHouse plugin's own (CHDatasource.format)."""
+    if fmt == "percentencode":
+        # encodeURIComponentStrict: everything but RFC 3986's unreserved characters as %XX.
+        text = "{" + ",".join(values) + "}" if multi else values[0]
+        return urllib.parse.quote(text, safe="")
+    if fmt == "singlequote":
+        return ",".join("'" + v.replace("'", "\\'") + "'" for v in values)
+    if fmt == "sqlstring":
+        return ",".join("'" + v.replace("'", "''").replace('"', '\\"') + "'" for v in values)
+    assert fmt is None, f"a variable format this emulation does not know: {fmt}"
+    return "'" + "','".join(values) + "'" if multi else values[0]
+
+
+def interpolate(
+    sql: str,
+    declared: dict[str, dict[str, Any]],
+    url: dict[str, str | list[str]],
+    options: dict[str, list[str]] | None = None,
+) -> str:
     """What Grafana's frontend makes of a panel's SQL: each reference to a declared variable
-    becomes its value, a URL `var-NAME` value first (a datasource variable is resolved to a data
-    source, not text, and never lands in SQL). Undeclared names and `$__` macros are left alone."""
+    becomes its formatted value, a URL `var-NAME` value (or values) first, else the saved current
+    one; All (`$__all`) is every option a query variable found (`options`). A datasource variable
+    is resolved to a data source, not text, and never lands in SQL. Undeclared names and `$__`
+    macros are left alone."""
 
     def value(m: re.Match[str]) -> str:
-        name = next(g for g in m.groups() if g)
+        name = _ref_name(m)
         var = declared.get(name)
         if name.startswith("__") or var is None or var["type"] == "datasource":
             return m.group(0)
-        return url.get(f"var-{name}", str(var.get("current", {}).get("value", "")))
+        given = url.get(f"var-{name}", var.get("current", {}).get("value", ""))
+        values = given if isinstance(given, list) else [given]
+        if values == ["$__all"]:
+            values = (options or {}).get(name, [])
+        multi = bool(var.get("multi")) or len(values) != 1
+        return _format([str(v) for v in values], multi, m.group("format"))
 
     return _VARIABLE_REF.sub(value, sql)
+
+
+def panel_sql(sql: str, path: Path, clusters: list[str], frm: float, to: float, interval_s: int = 60) -> str:
+    """A panel's SQL as the plugin sends it with `clusters` chosen in the Cluster variable."""
+    return expand_grafana(interpolate(sql, _variables(path), {"var-cluster": clusters}), {}, frm, to, interval_s)
 
 
 def panels(dashboards: list[Path] = CH_DASHBOARDS) -> list[tuple[str, dict[str, Any]]]:
@@ -236,28 +287,72 @@ def test_dashboards_use_the_clickhouse_plugin_in_its_query_shape() -> None:
     assert sorted(titles) == sorted(EXPECTED_COLUMNS)
     for path in CH_DASHBOARDS:
         # The data source variable offers the plugin's data sources, the provisioned one first.
-        (variable,) = _variables(path).values()
+        variables = _variables(path)
+        assert list(variables) == [CH_VARIABLE, CLUSTER_VARIABLE]
+        variable = variables[CH_VARIABLE]
         assert (variable["name"], variable["type"], variable["query"]) == (CH_VARIABLE, "datasource", PLUGIN)
         assert variable["current"]["value"] == DATASOURCE_UID
+        # The cluster variable lists the audit's clusters through the same data source; All by default.
+        cluster = variables[CLUSTER_VARIABLE]
+        assert (cluster["type"], cluster["datasource"]) == ("query", CH_DATASOURCE)
+        assert cluster["multi"] and cluster["includeAll"] and cluster["current"]["value"] == ["$__all"]
+        assert "allValue" not in cluster  # All is the options themselves, never a raw text in SQL
 
 
-def test_no_url_parameter_reaches_a_panels_sql() -> None:
+def test_no_url_parameter_reaches_a_panels_sql(audited: AuditStore) -> None:
+    """No URL value reaches a panel's SQL as SQL: the one value variable arrives percent-encoded
+    inside a string literal, and the hostile values, run in chDB, select nothing."""
     # The old shape (a textbox `database` pasted into FROM) let `?var-database=` rewrite the
     # query; the interpolation below is the one that shows it.
     textbox = {"database": {"name": "database", "type": "textbox", "current": {"value": "trainmedic"}}}
     assert HOSTILE in interpolate("SELECT 1 FROM ${database}.x", textbox, {"var-database": HOSTILE})
+    now = time.time()
+    audited.client.command(f"USE {audited.database}")
     for path in CH_DASHBOARDS:
         declared = _variables(path)
-        # Every variable a URL could set, and the old one, set to a hostile value.
-        url = {f"var-{name}": HOSTILE for name in [*declared, "database"]}
-        assert [v["type"] for v in declared.values()] == ["datasource"], "a variable whose value lands in SQL"
+        assert {n: v["type"] for n, v in declared.items()} == {CH_VARIABLE: "datasource", CLUSTER_VARIABLE: "query"}
         for _, p in panels([path]):
             for t in p["targets"]:
                 sql = t["rawSql"]
-                assert interpolate(sql, declared, url) == sql, p["title"]
-                # No variable reference at all (only the plugin's $__ macros): nothing to inject into.
-                refs = {next(g for g in m.groups() if g) for m in _VARIABLE_REF.finditer(sql)}
-                assert {r for r in refs if not r.startswith("__")} == set(), (p["title"], refs)
+                # The only reference: the cluster, percent-encoded, inside decodeURLComponent's literal.
+                refs = {(_ref_name(m), m.group(0)) for m in _VARIABLE_REF.finditer(sql)}
+                assert {r for r in refs if not r[0].startswith("__")} == {
+                    (CLUSTER_VARIABLE, "${cluster:percentencode}")
+                }, p["title"]
+                assert sql.count("${cluster:percentencode}") == sql.count(
+                    "decodeURLComponent('${cluster:percentencode}')"
+                )
+                for hostile in (HOSTILE, BACKSLASH_HOSTILE, "'", "\\"):
+                    # Every variable a URL could set, and the old one, set to a hostile value.
+                    url: dict[str, str | list[str]] = {f"var-{name}": hostile for name in [*declared, "database"]}
+                    text = interpolate(sql, declared, url)
+                    assert text.count("'") == sql.count("'") and text.count("\\") == sql.count("\\"), p["title"]
+                    assert len(hostile) == 1 or hostile not in text, p["title"]
+                    result = audited.client.query(expand_grafana(text, {}, now - 6 * 3600, now + 60, 60))
+                    # No cluster is called that: counts of nothing, or no rows at all.
+                    assert all(not any(v not in (0, None) for v in row) for row in result.result_rows), (
+                        p["title"],
+                        hostile,
+                        result.result_rows,
+                    )
+
+
+def test_grafanas_quoting_formats_do_not_hold_in_clickhouse(audited: AuditStore) -> None:
+    """Why the cluster is percent-encoded: Grafana's singlequote and sqlstring formats leave the
+    backslash alone, and in ClickHouse a backslash escapes the closing quote, so a URL value ends
+    the literal and adds its own condition. The same value, percent-encoded, matches nothing."""
+    audited.client.command(f"USE {audited.database}")
+    declared = {CLUSTER_VARIABLE: {"name": CLUSTER_VARIABLE, "type": "query", "multi": True}}
+    url: dict[str, str | list[str]] = {"var-cluster": [BACKSLASH_HOSTILE]}
+    for fmt in ("singlequote", "sqlstring"):
+        sql = interpolate(f"SELECT count() FROM incidents FINAL WHERE cluster IN (${{cluster:{fmt}}})", declared, url)
+        assert audited.client.query(sql).result_rows[0][0] > 0, (fmt, sql)  # every incident: injected
+    safe = interpolate(f"SELECT count() FROM incidents FINAL WHERE {CLUSTER_FILTER}", declared, url)
+    assert audited.client.query(safe).result_rows == [(0,)]
+    chosen = interpolate(
+        f"SELECT count() FROM incidents FINAL WHERE {CLUSTER_FILTER}", declared, {"var-cluster": [DEFAULT_CLUSTER]}
+    )
+    assert audited.client.query(chosen).result_rows[0][0] > 0
 
 
 def test_provisioning_points_at_the_plugin_and_the_dashboards() -> None:
@@ -265,6 +360,15 @@ def test_provisioning_points_at_the_plugin_and_the_dashboards() -> None:
     (source,) = ds["datasources"]
     assert (source["type"], source["uid"]) == (PLUGIN, DATASOURCE_UID)
     assert {"host", "port", "protocol", "username", "defaultDatabase"} <= set(source["jsonData"])
+    # TLS to ClickHouse's HTTPS port, the server's certificate verified against the provisioned CA.
+    tls = {k: source["jsonData"][k] for k in ("port", "protocol", "secure", "tlsSkipVerify", "tlsAuthWithCACert")}
+    assert tls == {"port": 8443, "protocol": "http", "secure": True, "tlsSkipVerify": False, "tlsAuthWithCACert": True}
+    assert source["secureJsonData"]["tlsCACert"] == "${TRAINMEDIC_CH_CA_CERT}"
+    # Every value Grafana takes from its environment, and the plain-HTTP alternative, are documented.
+    text = (GRAFANA / "provisioning" / "datasources" / "clickhouse.yaml").read_text()
+    comments = "\n".join(line for line in text.splitlines() if line.startswith("#"))
+    assert "set all five" in comments and len(set(re.findall(r"\$\{(TRAINMEDIC_\w+)\}", text))) == 5
+    assert "Plain HTTP instead" in comments and "port 8123, secure false" in comments
     prov = yaml.safe_load((GRAFANA / "provisioning" / "dashboards" / "trainmedic.yaml").read_text())
     (provider,) = prov["providers"]
     assert provider["type"] == "file" and provider["options"]["path"]
@@ -300,6 +404,33 @@ def audited(chdb_url: str, database: str) -> Iterator[AuditStore]:
         store.close()
 
 
+def west_events(t0: float) -> list[Event]:
+    """Another cluster's rows in the same tables, with the same job (1) and node (gpu01) names:
+    two incidents, their operator events, a RUNNING report and an attempt of its own job 1."""
+    events: list[Event] = incident_events(
+        7, t0 + 10, job="1", node="gpu01", category="interconnect", detect_s=7.0, act_s=11.0
+    )
+    events += incident_events(8, t0 + 70, job="1", node="gpu01", action="stop", status="failed")
+    events += operator_events(t0 + 5, "1", 7, "gpu01") + operator_events(t0 + 6, "1", 8, "gpu01")
+    events.append(SchedEvent(event_id="sched-w-1-run", event_time=t0 + 12, kind="job", job_id="1", state="RUNNING"))
+    events.append(
+        JobAttempt(
+            event_id="att-w-1-1",
+            event_time=t0 + 80,
+            lineage_id="lin-w-1",
+            job_id="1",
+            first_seen=t0 - 900,
+            attempt=1,
+            restart_count=0,
+            started_at=t0 - 900,
+            ended_at=t0 + 80,
+            cause_incident_id="inc-1-8",
+            progressed=True,
+        )
+    )
+    return [e.model_copy(update={"cluster": WEST}) for e in events]
+
+
 def goodput_events(t0: float) -> list[Event]:
     """Job 1's attempts around its three incidents (t0, +60, +120 s): each incident ended one, the
     first progressed; attempt 2 ran again 15 s after its requeue (a RUNNING report), attempt 4 runs."""
@@ -325,19 +456,67 @@ def goodput_events(t0: float) -> list[Event]:
     return out
 
 
-@pytest.mark.parametrize("panel", [p for _, p in panels()], ids=lambda p: p["title"])
-def test_panel_query_runs_on_the_audit_schema(audited: AuditStore, panel: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    "panel", [(path, p) for path in CH_DASHBOARDS for _, p in panels([path])], ids=lambda p: p[1]["title"]
+)
+def test_panel_query_runs_on_the_audit_schema(audited: AuditStore, panel: tuple[Path, dict[str, Any]]) -> None:
+    path, p = panel
     now = time.time()
+    frm, to = now - 6 * 3600, now + 60
     # The plugin's connection is to the data source's default database: tables go unqualified.
     audited.client.command(f"USE {audited.database}")
-    for target in panel["targets"]:
-        sql = expand_grafana(target["rawSql"], {}, now - 6 * 3600, now + 60, 60)
+
+    def rows(sql: str) -> list[tuple[Any, ...]]:
+        return [tuple(r) for r in audited.client.query(sql).result_rows]
+
+    for target in p["targets"]:
+        sql = panel_sql(target["rawSql"], path, [DEFAULT_CLUSTER], frm, to)
         result = audited.client.query(sql)
-        assert list(result.column_names) == EXPECTED_COLUMNS[panel["title"]], sql
-        assert result.result_rows, f"{panel['title']}: no rows for data inside the time range\n{sql}"
+        assert list(result.column_names) == EXPECTED_COLUMNS[p["title"]], sql
+        assert result.result_rows, f"{p['title']}: no rows for data inside the time range\n{sql}"
         if target["format"] == 0:
             assert result.column_names[0] == "time"
             assert result.result_rows == sorted(result.result_rows, key=lambda r: r[0])
+        alone = rows(sql)
+        # Another cluster's rows arrive, with the same job and node names: the chosen cluster's
+        # panel does not move, the other cluster's shows its own, and both together differ again.
+        insert_events(audited, west_events(time.time() - 1800))
+        assert rows(sql) == alone, f"{p['title']}: another cluster's rows changed it\n{sql}"
+        west = rows(panel_sql(target["rawSql"], path, [WEST], frm, to))
+        assert west != alone, f"{p['title']}: the same for both clusters"
+        both = rows(panel_sql(target["rawSql"], path, [DEFAULT_CLUSTER, WEST], frm, to))
+        assert both != alone or p["title"] in SAME_WITH_BOTH, f"{p['title']}: both clusters show one's rows"
+
+
+# Panels whose rows may look the same with the other cluster added: LIMITed top lists led by this one.
+SAME_WITH_BOTH: set[str] = set()
+
+
+def test_the_cluster_variable_lists_the_audits_clusters(audited: AuditStore) -> None:
+    audited.client.command(f"USE {audited.database}")
+    insert_events(audited, west_events(time.time() - 1800))
+    for path in CH_DASHBOARDS:
+        variable = _variables(path)[CLUSTER_VARIABLE]
+        assert variable["query"] == variable["definition"]
+        found = [r[0] for r in audited.client.query(variable["query"]).result_rows]
+        assert found == [DEFAULT_CLUSTER, WEST]
+        # All: every listed cluster, the same rows as naming both.
+        for _, p in panels([path]):
+            for t in p["targets"]:
+                every = interpolate(t["rawSql"], _variables(path), {}, {CLUSTER_VARIABLE: found})
+                named = interpolate(t["rawSql"], _variables(path), {"var-cluster": found})
+                assert every == named, p["title"]
+
+
+def test_every_audit_table_read_is_filtered_by_the_cluster() -> None:
+    for name, p in panels():
+        for t in p["targets"]:
+            sql = t["rawSql"]
+            # Each read's own condition: up to the next SELECT (a subquery's) or the line's end.
+            reads = re.findall(r"(?=FROM (\w+) FINAL\s+WHERE ((?:(?!SELECT )[^\n])*))", sql)
+            assert reads and len(reads) == sql.count(" FINAL"), (name, p["title"])
+            for table, where in reads:
+                assert CLUSTER_FILTER in where, (p["title"], table, where)
 
 
 # --- the service dashboard (Prometheus) ---------------------------------------------------------
@@ -364,16 +543,50 @@ SERVICE_MUST_SHOW = {
 }
 
 
-def promql(expr: str) -> str:
-    for name, value in _GRAFANA_INTERVALS.items():
+# The service dashboard's own variables with All chosen (their allValue: any value, or none).
+_SERVICE_VARIABLES = {"$cluster": ".*", "$instance": ".*"}
+
+
+def promql(expr: str, variables: dict[str, str] = _SERVICE_VARIABLES) -> str:
+    for name, value in {**_GRAFANA_INTERVALS, **variables}.items():
         expr = expr.replace(name, value)
     assert "$" not in expr, f"a Grafana variable this test does not know in {expr!r}"
     return expr
 
 
+def test_every_service_panel_is_filtered_by_cluster_and_instance() -> None:
+    variables = _variables(SERVICE_DASHBOARD)
+    assert list(variables) == [PROM_VARIABLE, "cluster", "instance"]
+    for name in ("cluster", "instance"):
+        v = variables[name]
+        assert (v["type"], v["datasource"]) == ("query", PROM_DATASOURCE)
+        assert v["multi"] and v["includeAll"] and v["allValue"] == ".*", name
+        assert v["current"]["value"] == ["$__all"]
+    # label_values over the build info every process exports; the instances of the chosen clusters.
+    assert variables["cluster"]["query"] == "label_values(trainmedic_build_info, cluster)"
+    assert variables["instance"]["query"] == 'label_values(trainmedic_build_info{cluster=~"$cluster"}, instance)'
+    marks = {"$cluster": "CLUSTER_CHOSEN", "$instance": "INSTANCE_CHOSEN"}
+    for _, p in panels(PROM_DASHBOARDS):
+        for t in p["targets"]:
+            selectors: list[Any] = []
+
+            def visit(node: Any, found: list[Any] = selectors) -> None:
+                if isinstance(node, promql_parser.VectorSelector):
+                    found.append(node)
+
+            promql_parser.walk(promql_parser.parse(promql(t["expr"], marks)), visit)  # type: ignore[no-untyped-call]
+            assert selectors, p["title"]
+            for sel in selectors:
+                matchers = {(m.name, m.value) for m in sel.matchers.matchers if m.op == promql_parser.MatchOp.Re}
+                assert {("cluster", "CLUSTER_CHOSEN"), ("instance", "INSTANCE_CHOSEN")} <= matchers, (
+                    p["title"],
+                    t["expr"],
+                )
+
+
 def test_service_dashboard_reads_only_metrics_trainmedic_exports() -> None:
     assert PROM_DASHBOARDS == [SERVICE_DASHBOARD]
-    (variable,) = _variables(SERVICE_DASHBOARD).values()
+    variable = _variables(SERVICE_DASHBOARD)[PROM_VARIABLE]
     assert (variable["name"], variable["type"], variable["query"]) == (PROM_VARIABLE, "datasource", "prometheus")
     exported = exported_metrics()
     shown: set[str] = set()
@@ -415,13 +628,16 @@ def test_goodput_panels_are_the_goodput_queries(audited: AuditStore) -> None:
         assert f"FROM ({body})" in target["rawSql"], f"{title}: not the goodput SQL of sinks/audit_queries.py"
     now = time.time()
     audited.client.command(f"USE {audited.database}")
+    # Another cluster's job 1 ran and stopped in the same window: neither side may count it.
+    insert_events(audited, west_events(now - 1800))
+    dashboard = GRAFANA / "dashboards" / "trainmedic-audit.json"
 
     def run(title: str) -> list[dict[str, Any]]:
-        sql = expand_grafana(found[title]["targets"][0]["rawSql"], {}, now - 6 * 3600, now + 60, 60)
+        sql = panel_sql(found[title]["targets"][0]["rawSql"], dashboard, [DEFAULT_CLUSTER], now - 6 * 3600, now + 60)
         result = audited.client.query(sql)
         return [dict(zip(result.column_names, r, strict=True)) for r in result.result_rows]
 
-    data = q.goodput(audited, since=timedelta(hours=6))
+    data = q.goodput(audited, since=timedelta(hours=6), cluster=DEFAULT_CLUSTER)
     jobs = {j["job_id"]: j for j in data["jobs"]}
     worst = run("Worst jobs by GPU-hours lost")
     assert [r["job_id"] for r in worst] == [j["job_id"] for j in data["jobs"] if j["incidents"]]

@@ -23,7 +23,7 @@ from rich.table import Table
 from rich.text import Text
 
 from schemas.errors import ConfigError, NotFound, Unavailable
-from schemas.ids import check_node_name
+from schemas.ids import CLUSTER_RE, check_node_name
 from schemas.printable import printable
 from schemas.vocab import CATEGORIES
 from sinks import audit_queries as q
@@ -63,6 +63,34 @@ Since = Annotated[
     Optional[timedelta],
     typer.Option("--since", parser=_parse_since, metavar="DURATION", help="Only the last DURATION: 30m, 24h, 7d."),
 ]
+ClusterOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--cluster",
+        metavar="NAME",
+        help="Only this cluster's rows, where clusters share the database (default: the cluster setting).",
+    ),
+]
+AllClusters = Annotated[bool, typer.Option("--all-clusters", help="Rows of every cluster in the database.")]
+
+
+def _cluster(cluster: str | None, all_clusters: bool) -> str | None:
+    """The cluster a query reads (None: every one): job ids and node names repeat across clusters."""
+    if all_clusters:
+        if cluster is not None:
+            raise typer.BadParameter("give --cluster or --all-clusters, not both", param_hint="'--cluster'")
+        return None
+    name = cluster if cluster is not None else settings().cluster
+    if not CLUSTER_RE.match(name):
+        raise typer.BadParameter(
+            f"{printable(name)!r}: a cluster name is lowercase letters, digits and -", param_hint="'--cluster'"
+        )
+    return name
+
+
+def _for_cluster(scope: str | None) -> str:
+    # An empty answer may be the wrong cluster (the default is this installation's own): say which was read.
+    return "" if scope is None else f" for cluster {scope} (--cluster NAME, or --all-clusters)"
 
 
 def open_store(data_dir: Path, clickhouse: str | None, database: str) -> AuditStore:
@@ -97,15 +125,18 @@ def audit_behind(data_dir: Path, timeout_s: float = 5.0) -> str | None:
         url = str(info["api_url"]).rstrip("/") + "/api/health"
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
+    from trainmedic.cli.client import ClientError, tls_context
+
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        context = tls_context(settings().ca_bundle) if url.startswith("https:") else None
+        with urllib.request.urlopen(url, timeout=timeout_s, context=context) as resp:
             report = json.loads(resp.read())
     except urllib.error.HTTPError as exc:  # 503: a part is down; the body is the same report
         try:
             report = json.loads(exc.read())
         except ValueError:
             return None
-    except (OSError, ValueError):
+    except (OSError, ValueError, ClientError):
         return None
     problem = report.get("degraded", {}).get("audit") if isinstance(report, dict) else None
     return str(problem) if problem else None
@@ -201,6 +232,8 @@ def incidents(
     since: Since = timedelta(hours=24),
     category: Annotated[Optional[str], typer.Option(help=f"Only this category: {', '.join(CATEGORIES)}.")] = None,
     limit: Annotated[int, typer.Option(min=1, help="At most this many, newest first.")] = 100,
+    cluster: ClusterOpt = None,
+    all_clusters: AllClusters = False,
     data_dir: DataDir = Path("var"),
     clickhouse: ClickHouse = None,
     database: Database = "trainmedic",
@@ -209,8 +242,9 @@ def incidents(
     """Incidents of the last --since (24h), newest first."""
     if category is not None and category not in CATEGORIES:
         raise typer.BadParameter(f"{category!r}: expected one of {', '.join(CATEGORIES)}", param_hint="'--category'")
+    scope = _cluster(cluster, all_clusters)
     with _store(data_dir, clickhouse, database) as store:
-        rows = q.incidents(store, since=since, category=category, limit=limit)
+        rows = q.incidents(store, since=since, category=category, limit=limit, cluster=scope)
     if as_json:
         _print_json(rows)
         return
@@ -292,16 +326,19 @@ def _attempt_rows(attempts: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 @audit_app.command()
 def job(
     job_id: Annotated[str, typer.Argument(metavar="JOBID", help="Scheduler job id.")],
+    cluster: ClusterOpt = None,
+    all_clusters: AllClusters = False,
     data_dir: DataDir = Path("var"),
     clickhouse: ClickHouse = None,
     database: Database = "trainmedic",
     as_json: AsJson = False,
 ) -> None:
     """A job's full timeline: anomalies, incident, decision, approvals, action, result, in time order."""
+    scope = _cluster(cluster, all_clusters)
     with _store(data_dir, clickhouse, database) as store:
-        data = q.job_timeline(store, job_id)
+        data = q.job_timeline(store, job_id, cluster=scope)
     if not data["timeline"]:
-        raise NotFound(f"job {job_id}: nothing in the audit database {database!r}")
+        raise NotFound(f"job {job_id}: nothing in the audit database {database!r}{_for_cluster(scope)}")
     if as_json:
         _print_json(data)
         return
@@ -327,6 +364,8 @@ def job(
 @audit_app.command()
 def node(
     name: Annotated[str, typer.Argument(metavar="NODE", help="Node name.")],
+    cluster: ClusterOpt = None,
+    all_clusters: AllClusters = False,
     data_dir: DataDir = Path("var"),
     clickhouse: ClickHouse = None,
     database: Database = "trainmedic",
@@ -334,10 +373,11 @@ def node(
 ) -> None:
     """A node's history: incidents it was blamed for, actions taken on it, anomalies seen on it, returns to service."""
     check_node_name(name)  # exit 2 naming it, escaped: no node is called that
+    scope = _cluster(cluster, all_clusters)
     with _store(data_dir, clickhouse, database) as store:
-        data = q.node_history(store, name)
+        data = q.node_history(store, name, cluster=scope)
     if not (data["incidents"] or data["events"] or data["anomalies"] or data["returns"]):
-        raise NotFound(f"node {name}: nothing in the audit database {database!r}")
+        raise NotFound(f"node {name}: nothing in the audit database {database!r}{_for_cluster(scope)}")
     if as_json:
         _print_json(data)
         return
@@ -379,14 +419,17 @@ def node(
 
 @audit_app.command()
 def latency(
+    cluster: ClusterOpt = None,
+    all_clusters: AllClusters = False,
     data_dir: DataDir = Path("var"),
     clickhouse: ClickHouse = None,
     database: Database = "trainmedic",
     as_json: AsJson = False,
 ) -> None:
     """p50/p95/p99 of detection latency (first signal -> incident) and action latency (incident -> verified)."""
+    scope = _cluster(cluster, all_clusters)
     with _store(data_dir, clickhouse, database) as store:
-        data = q.latency(store)
+        data = q.latency(store, cluster=scope)
     if as_json:
         _print_json(data)
         return
@@ -475,6 +518,8 @@ def goodput(
     since: Since = timedelta(days=7),
     job: Annotated[Optional[str], typer.Option("--job", metavar="JOBID", help="Only this job.")] = None,
     limit: Annotated[int, typer.Option(min=1, help="At most this many jobs and incidents listed.")] = 20,
+    cluster: ClusterOpt = None,
+    all_clusters: AllClusters = False,
     data_dir: DataDir = Path("var"),
     clickhouse: ClickHouse = None,
     database: Database = "trainmedic",
@@ -483,8 +528,9 @@ def goodput(
     """GPU-hours lost per outage (fault -> running again, each outage once, only incidents that stopped
     their job), time to detect / act / recover, and each job's effective training time across its
     restarts (docs/audit.md, "Goodput")."""
+    scope = _cluster(cluster, all_clusters)
     with _store(data_dir, clickhouse, database) as store:
-        data = q.goodput(store, since=since, job=job, limit=limit)
+        data = q.goodput(store, since=since, job=job, limit=limit, cluster=scope)
     if as_json:
         _print_json(data)
         return

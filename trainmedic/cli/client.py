@@ -1,9 +1,11 @@
 """How the CLI talks to a running `trainmedic up`: its operator API, found through
-DATA_DIR/runtime.json, authenticated with the token in DATA_DIR/api-token."""
+DATA_DIR/runtime.json, authenticated with the token in DATA_DIR/api-token. An https API's
+certificate is verified against the ca_bundle setting, else the system's trust store."""
 
 from __future__ import annotations
 
 import json
+import ssl
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -57,7 +59,31 @@ def api_token(data_dir: Path, explicit: str | None) -> str:
     return token
 
 
-def call(url: str, token: str, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+def tls_context(ca_bundle: Path | None) -> ssl.SSLContext:
+    """Verification of the API's certificate: the bundle's CAs when one is given, else the system's."""
+    try:
+        return ssl.create_default_context(cafile=str(ca_bundle) if ca_bundle is not None else None)
+    except (OSError, ssl.SSLError) as exc:
+        raise ClientConfigError(f"ca_bundle {ca_bundle}: not a readable PEM CA bundle ({exc})") from None
+
+
+def _configured_ca_bundle() -> Path | None:
+    # Imported here: base imports this module lazily, and the settings are the command's (its --config).
+    from trainmedic.cli.base import settings
+
+    return settings().ca_bundle
+
+
+def call(
+    url: str,
+    token: str,
+    method: str,
+    path: str,
+    body: dict[str, Any] | None = None,
+    ca_bundle: Path | None = None,
+) -> Any:
+    """One API request; `ca_bundle` None: the ca_bundle setting (TRAINMEDIC_CA_BUNDLE, config file)."""
+    context = tls_context(ca_bundle or _configured_ca_bundle()) if url.startswith("https:") else None
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(
         url + path,
@@ -66,7 +92,7 @@ def call(url: str, token: str, method: str, path: str, body: dict[str, Any] | No
         headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
     )
     try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
+        with urllib.request.urlopen(req, timeout=30, context=context) as resp:
             return json.loads(resp.read() or b"null")
     except urllib.error.HTTPError as exc:
         try:
@@ -76,4 +102,9 @@ def call(url: str, token: str, method: str, path: str, body: dict[str, Any] | No
         error = ApiRefused if exc.code < 500 else ApiUnreachable
         raise error(f"{method} {path}: {exc.code} {detail}") from None
     except urllib.error.URLError as exc:
+        if isinstance(exc.reason, ssl.SSLCertVerificationError):
+            raise ClientConfigError(
+                f"cannot verify the TLS certificate of the trainmedic API at {url} ({exc.reason.verify_message}): "
+                "set ca_bundle (TRAINMEDIC_CA_BUNDLE) to the CA bundle that signed it"
+            ) from None
         raise ApiUnreachable(f"cannot reach the trainmedic API at {url}: {exc.reason}") from None
