@@ -25,14 +25,14 @@ import orjson
 import pytest
 from hypothesis import settings as hypothesis_settings
 
+from bus.admin import ensure_topics
+from trainmedic.stack.broker import EmbeddedBroker
+
 # Property tests check behaviour, not speed: no per-example deadline (on a loaded 2-core CI machine
 # one slow example failed an otherwise passing run), and a fixed example sequence per test, so a
 # run's outcome does not depend on chance; a finding is still printed with its failing example.
 hypothesis_settings.register_profile("suite", deadline=None, derandomize=True)
 hypothesis_settings.load_profile("suite")
-
-from bus.admin import ensure_topics
-from trainmedic.stack.broker import EmbeddedBroker
 
 REPO = Path(__file__).resolve().parents[1]
 pytest_plugins = ["tests.parallel", "tests.budget", "pytester"]
