@@ -291,6 +291,15 @@ def test_the_crd_schemas_are_vendored_with_their_source() -> None:
         assert f"v{crd['operatorVersion']}" in readme
 
 
+def test_every_scrape_carries_the_cluster_label_the_dashboards_filter_by(chart: Any) -> None:
+    docs = render(chart, {**EVERYTHING, "cluster": "dgx-east"})
+    monitors = [d for d in docs if d["kind"] == "PodMonitor"]
+    assert monitors and all(crd_errors(m) == [] for m in monitors)
+    for m in monitors:
+        for endpoint in m["spec"]["podMetricsEndpoints"]:
+            assert {"action": "replace", "targetLabel": "cluster", "replacement": "dgx-east"} in endpoint["relabelings"]
+
+
 def test_crd_validation_refuses_unknown_fields_and_wrong_types(chart: Any) -> None:
     """The CRD check can fail: a misspelt field, a field in the wrong place and a wrong type each do."""
     docs = render(chart, EVERYTHING)
