@@ -83,3 +83,29 @@ def test_vocabulary_reads_a_job_log_without_signatures_yaml(tmp_path: Path) -> N
     fallbacks = [s for s in default_signatures() if s.fallback]
     report = diagnose_paths([tmp_path / "job.out"], signatures=fallbacks)
     assert (report["category"], report["culprit"], report["action"]) == ("node", "gpu04", "drain_and_requeue")
+
+
+@pytest.mark.parametrize(
+    "wrapped",
+    [
+        # a monitoring alert quoting the node's syslog line
+        "ALERT Xid errors on instance: gpu03, Error: Dec  7 18:56:47 gpu03 kernel: [680111.646286] {xid}",
+        # kubectl logs of a node-problem pod: container runtime prefix, then journald's line
+        "2026-12-07T18:56:47.123456789Z stdout F Dec 07 18:56:47 gpu03 kernel: {xid}",
+        # a collector's "[time] source:" wrapper around an ISO-stamped syslog line
+        "[2026-12-07 18:56:48] syslog: 2026-12-07T18:56:47+00:00 gpu03 kernel: {xid}",
+    ],
+)
+def test_a_driver_message_is_read_wherever_it_sits_in_a_job_log_line(tmp_path: Path, wrapped: str) -> None:
+    # NVRM's Xid format: "NVRM: Xid (PCI:%04x:%02x:%02x): %d, pid=%s, name=%s, %s" (kernel_rc.c, 570.211.01)
+    xid = "NVRM: Xid (PCI:0000:10:00): 79, pid=0, name=python3, GPU has fallen off the bus."
+    (tmp_path / "job.out").write_text(JOB + wrapped.format(xid=xid) + "\n")
+    report = diagnose_paths([tmp_path / "job.out"])
+    assert (report["category"], report["culprit"], report["action"]) == ("gpu_hardware", "gpu03", "drain_and_requeue")
+
+
+def test_prose_naming_the_kernel_names_no_node(tmp_path: Path) -> None:
+    xid = "NVRM: Xid (PCI:0000:10:00): 79, pid=0, name=python3, GPU has fallen off the bus."
+    (tmp_path / "job.out").write_text(JOB + f"the node said through the kernel: {xid}\n")
+    report = diagnose_paths([tmp_path / "job.out"])
+    assert (report["category"], report["culprit"]) == ("gpu_hardware", None)

@@ -80,6 +80,13 @@ STDIN = "-"
 # A line that names no host: a placeholder node for the kernel event (KernelEvent.node must be a node name,
 # schemas.ids), turned back into "no node" on the anomaly.
 _NO_HOST = "trainmedic-no-host"
+# A syslog/journald kernel line quoted inside another line (a monitoring alert, a container or kubectl
+# prefix, a "[time] host:" wrapper): "... <syslog or ISO stamp> <host> kernel: [uptime] <message>". The
+# host is the one that logged the message; the stamp keeps prose ("the kernel: ...") from naming one.
+_EMBEDDED_KERNEL_HOST = re.compile(
+    r"(?:\b[A-Z][a-z]{2} +\d{1,2} \d{2}:\d{2}:\d{2}|\b\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2})?)"
+    r" (?P<host>[A-Za-z0-9][A-Za-z0-9._-]*) kernel: "
+)
 _KERNEL_NAMES = re.compile(r"(^|[_.-])(kern\.log|dmesg|syslog|messages)")  # also rotated: kern.log.2.gz
 # NCCL's own prefix "host:pid:tid [gpu] NCCL ..." names the node that wrote the line.
 _NCCL_HOST = re.compile(r"^(?P<host>[A-Za-z0-9][A-Za-z0-9._-]*):\d+:\d+ \[\d+\] NCCL")
@@ -278,6 +285,13 @@ def _kernel_anomalies(lines: Sequence[_Line], xids: XidDetector, text: KernelTex
     return out
 
 
+def _embedded_kernel_host(text: str) -> str | None:
+    """The node that logged a kernel line quoted somewhere inside `text`, when the quote keeps its
+    syslog "<host> kernel:" and that host is a node name (the last such quote: the innermost)."""
+    hosts = [m.group("host") for m in _EMBEDDED_KERNEL_HOST.finditer(text)]
+    return next((h for h in reversed(hosts) if is_node_name(h)), None)
+
+
 def _quoted_kernel_anomalies(lines: Sequence[_Line], xids: XidDetector) -> list[Anomaly]:
     """NVIDIA fault lines quoted in a job log or an alert ("Xid errors on instance: gpu01, Error:
     May 19 07:08:57 gpu01 kernel: ... NVRM: Xid ..."): the same Xid evidence as in a kernel log.
@@ -286,7 +300,7 @@ def _quoted_kernel_anomalies(lines: Sequence[_Line], xids: XidDetector) -> list[
     for ln in lines:
         if "NVRM" not in ln.text and "SXid" not in ln.text:
             continue
-        host = split_rank_prefix(ln.raw).host or _NO_HOST
+        host = split_rank_prefix(ln.raw).host or _embedded_kernel_host(ln.text) or _NO_HOST
         parsed = parse_kernel_line(ln.text, default_node=host)
         if parsed is None or parsed.kind not in ("xid", "fallen_off_bus"):
             continue
@@ -308,7 +322,7 @@ def _kernel_signature_anomalies(name: str, lines: Sequence[_Line], detector: Sig
         pre = split_prefix(ln.raw)
         if detector.match_line(pre.message) is None:
             continue
-        node = pre.host if pre.host and is_node_name(pre.host) else None
+        node = pre.host if pre.host and is_node_name(pre.host) else _embedded_kernel_host(ln.raw)
         batch = LogBatch(
             event_id=f"diag-{name}",
             event_time=0.0,
