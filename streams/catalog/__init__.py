@@ -35,6 +35,9 @@ class Signature(BaseModel):
     isolate: bool = False
     meaning: str
     source: str
+    # A catch-all (a bare exit code, any Python exception): tried after every specific entry of this
+    # file and of the emitters' vocabularies (vocabulary.yaml), so that any of those wins a line it names.
+    fallback: bool = False
 
     @field_validator("pattern")
     @classmethod

@@ -1,6 +1,9 @@
 """Log-signature detector: catalog patterns over a job's log lines.
 
-Named groups of a pattern attribute the hit: `node`, `rank` and `gpu` override the line's,
+The catalog is signatures.yaml (entries written from real failure reports) together with the
+emitters' own vocabularies (vocabulary.yaml: NCCL, PyTorch, CUDA, Slurm, ... messages read from their
+source), in `detector_order`: a specific entry of either beats a fallback (a bare exit code, any Python
+exception). Named groups of a pattern attribute the hit: `node`, `rank` and `gpu` override the line's,
 every other group becomes a fact (e.g. a collective's `timeout_ms`). Collateral hits (a
 collective timeout) carry what the job's other ranks were last doing (ActivityTracker).
 """
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 from schemas.events import Anomaly, LogBatch, LogLine
 from schemas.ids import is_node_name, stable_id
 from streams.catalog import Signature, default_signatures
+from streams.catalog.vocabulary import default_vocabulary_signatures, detector_order
 from streams.detectors.activity import ActivityTracker
 from streams.detectors.prefilter import may_match
 
@@ -32,8 +36,15 @@ class _Compiled:
 class SignatureDetector:
     name = "signatures"
 
-    def __init__(self, signatures: Sequence[Signature] | None = None) -> None:
-        sigs = default_signatures() if signatures is None else signatures
+    def __init__(
+        self, signatures: Sequence[Signature] | None = None, vocabulary: Sequence[Signature] | None = None
+    ) -> None:
+        # The vocabulary stays when a caller narrows signatures.yaml (leave-one-source-out): it is
+        # derived from the emitters' code, not from any report. Pass vocabulary=() to leave it out.
+        sigs = detector_order(
+            default_signatures() if signatures is None else signatures,
+            default_vocabulary_signatures() if vocabulary is None else vocabulary,
+        )
         self._compiled = [_Compiled(s, re.compile(s.pattern), may_match(s.pattern)) for s in sigs]
         self.activity = ActivityTracker()
 

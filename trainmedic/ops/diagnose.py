@@ -11,7 +11,9 @@ What runs, through the same functions as online:
   loss detector (`DivergenceDetector`), the throughput detector (`ThroughputDetector`, its
   finding classified by the evidence in the same logs) and the hang detector (`HangDetector`);
 - kernel logs: the kernel producer's line parser, the Xid detector and the kernel-text detector
-  (NVSwitch SXids, hung-task / D-state reports naming a filesystem);
+  (NVSwitch SXids, hung-task / D-state reports naming a filesystem), and the log-signature
+  detector on the message after each line's prefix (the kernel's OOM killer, AER, file-system and
+  HCA port messages of the catalogs);
 - one `Attributor` over all of it, and the policy's `decide` on its incident (the default
   policy unless another is given): the reported action is the policy's, as online.
 
@@ -53,11 +55,11 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from producers.joblogs import RankedText, split_rank_prefix
-from producers.kernel import parse_kernel_line, to_event
+from producers.kernel import parse_kernel_line, split_prefix, to_event
 from producers.progress import ProgressParser
 from schemas.errors import UsageError
 from schemas.events import Anomaly, LogBatch, LogLine, ProgressBatch, ProgressSample
-from schemas.ids import stable_id
+from schemas.ids import is_node_name, stable_id
 from schemas.timestamps import FileClock, Stamp, parse_stamp, reference_time
 from schemas.vocab import SEVERITY_RANK
 from streams.attribution import Attributor
@@ -78,6 +80,13 @@ STDIN = "-"
 # A line that names no host: a placeholder node for the kernel event (KernelEvent.node must be a node name,
 # schemas.ids), turned back into "no node" on the anomaly.
 _NO_HOST = "trainmedic-no-host"
+# A syslog/journald kernel line quoted inside another line (a monitoring alert, a container or kubectl
+# prefix, a "[time] host:" wrapper): "... <syslog or ISO stamp> <host> kernel: [uptime] <message>". The
+# host is the one that logged the message; the stamp keeps prose ("the kernel: ...") from naming one.
+_EMBEDDED_KERNEL_HOST = re.compile(
+    r"(?:\b[A-Z][a-z]{2} +\d{1,2} \d{2}:\d{2}:\d{2}|\b\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2})?)"
+    r" (?P<host>[A-Za-z0-9][A-Za-z0-9._-]*) kernel: "
+)
 _KERNEL_NAMES = re.compile(r"(^|[_.-])(kern\.log|dmesg|syslog|messages)")  # also rotated: kern.log.2.gz
 # NCCL's own prefix "host:pid:tid [gpu] NCCL ..." names the node that wrote the line.
 _NCCL_HOST = re.compile(r"^(?P<host>[A-Za-z0-9][A-Za-z0-9._-]*):\d+:\d+ \[\d+\] NCCL")
@@ -276,6 +285,13 @@ def _kernel_anomalies(lines: Sequence[_Line], xids: XidDetector, text: KernelTex
     return out
 
 
+def _embedded_kernel_host(text: str) -> str | None:
+    """The node that logged a kernel line quoted somewhere inside `text`, when the quote keeps its
+    syslog "<host> kernel:" and that host is a node name (the last such quote: the innermost)."""
+    hosts = [m.group("host") for m in _EMBEDDED_KERNEL_HOST.finditer(text)]
+    return next((h for h in reversed(hosts) if is_node_name(h)), None)
+
+
 def _quoted_kernel_anomalies(lines: Sequence[_Line], xids: XidDetector) -> list[Anomaly]:
     """NVIDIA fault lines quoted in a job log or an alert ("Xid errors on instance: gpu01, Error:
     May 19 07:08:57 gpu01 kernel: ... NVRM: Xid ..."): the same Xid evidence as in a kernel log.
@@ -284,7 +300,7 @@ def _quoted_kernel_anomalies(lines: Sequence[_Line], xids: XidDetector) -> list[
     for ln in lines:
         if "NVRM" not in ln.text and "SXid" not in ln.text:
             continue
-        host = split_rank_prefix(ln.raw).host or _NO_HOST
+        host = split_rank_prefix(ln.raw).host or _embedded_kernel_host(ln.text) or _NO_HOST
         parsed = parse_kernel_line(ln.text, default_node=host)
         if parsed is None or parsed.kind not in ("xid", "fallen_off_bus"):
             continue
@@ -293,6 +309,31 @@ def _quoted_kernel_anomalies(lines: Sequence[_Line], xids: XidDetector) -> list[
             # Quoted in a job's output or an alert: written by whoever wrote that text.
             out.append(a.model_copy(update={"job_id": OFFLINE_JOB, "node": node, "provenance": "job"}))
     return out
+
+
+def _kernel_signature_anomalies(name: str, lines: Sequence[_Line], detector: SignatureDetector) -> list[Anomaly]:
+    """The catalog's kernel and driver messages in a kernel log (the OOM killer, an uncorrectable
+    PCIe error, a file-system error, an HCA port going down), read in the message after whatever
+    prefix the line has (syslog, journald, dmesg -T, uptime stamps), the node being the prefix's host
+    when that is a node name. A program's line in the same file (syslog) counts as the job's words,
+    not the kernel's."""
+    found: list[Anomaly] = []
+    for ln in lines:
+        pre = split_prefix(ln.raw)
+        if detector.match_line(pre.message) is None:
+            continue
+        node = pre.host if pre.host and is_node_name(pre.host) else _embedded_kernel_host(ln.raw)
+        batch = LogBatch(
+            event_id=f"diag-{name}",
+            event_time=0.0,
+            job_id=OFFLINE_JOB,
+            source=name,
+            lines=[LogLine(text=pre.message, ts=ln.ts, node=node, lineno=ln.lineno)],
+        )
+        for a in detector.detect(batch):
+            own = "job" if pre.user_space else "kernel_file"
+            found.append(a.model_copy(update={"source": "kernel", "provenance": own}))
+    return found
 
 
 def _signature_anomalies(name: str, lines: Sequence[_Line], detector: SignatureDetector) -> list[Anomaly]:
@@ -592,11 +633,14 @@ def diagnose_paths(
     files = _timed(inputs)
     job = [not inp.kernel for inp in inputs]
     detector, xids = SignatureDetector(signatures), XidDetector()
+    # Its own detector: a kernel line must not count as what a rank was last doing (ActivityTracker).
+    kernel_sigs = SignatureDetector(signatures)
     anomalies: list[Anomaly] = []
     for inp, lines in zip(inputs, files, strict=True):
         if inp.kernel:
             # One kernel-text detector per file: a hung-task report spans the lines of one log.
             anomalies += _kernel_anomalies(lines, xids, KernelTextDetector())
+            anomalies += _kernel_signature_anomalies(inp.name, lines, kernel_sigs)
         else:
             anomalies += _signature_anomalies(inp.name, lines, detector) + _quoted_kernel_anomalies(lines, xids)
     progress_found, n_progress = _progress_anomalies(files, job, cfg)

@@ -1,0 +1,217 @@
+"""The emitters' vocabularies (streams/catalog/vocabulary.yaml) against their own format strings and the policy.
+
+Both ways: every entry's example is an instance of its format string and is matched by its pattern, first,
+with the class it names; every class is used and maps to the action the default policy takes on it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from schemas.events import Incident, LogBatch, LogLine
+from streams.catalog import CatalogError, default_signatures
+from streams.catalog.vocabulary import (
+    VocabularyClass,
+    VocabularyEntry,
+    default_vocabulary,
+    default_vocabulary_signatures,
+    detector_order,
+    format_regex,
+    load_vocabulary,
+)
+from streams.detectors.prefilter import may_match
+from streams.detectors.signatures import SignatureDetector
+from streams.policy import choose_action, load_policy
+
+VOCAB = default_vocabulary()
+ENTRIES = [entry for _em, entry in VOCAB.entries()]
+# A tag, a release or a 40-hex commit in a GitHub blob URL, or a versioned archive of NVIDIA's references.
+_PINNED = re.compile(
+    r"^https://github\.com/[^/]+/[^/]+/blob/(?:[0-9a-f]{40}|v?\d[\w.-]*|slurm-\d[\w-]*)/"
+    r"|^https://docs\.nvidia\.com/cuda/archive/\d+\.\d+\.\d+/"
+)
+
+
+def _ids(entries: list[VocabularyEntry]) -> list[str]:
+    return [e.id for e in entries]
+
+
+def test_every_entry_cites_a_pinned_version() -> None:
+    unpinned = [e.id for e in ENTRIES if not _PINNED.match(e.source)]
+    assert unpinned == []
+    assert all(em.version for em in VOCAB.emitters)
+
+
+def test_ids_are_disjoint_from_signatures_yaml() -> None:
+    assert {e.id for e in ENTRIES}.isdisjoint({s.id for s in default_signatures()})
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=_ids(ENTRIES))
+def test_example_is_an_instance_of_the_format_and_matches_the_pattern(entry: VocabularyEntry) -> None:
+    assert format_regex(entry.format).search(entry.example), (entry.format, entry.example)
+    assert re.search(entry.pattern, entry.example)
+    # The detector skips a pattern whose required text the line lacks: the example must get through.
+    test = may_match(entry.pattern)
+    assert test is None or test(entry.example)
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=_ids(ENTRIES))
+def test_example_is_read_with_its_class_first(entry: VocabularyEntry) -> None:
+    klass = VOCAB.class_of(entry)
+    want = (klass.category, klass.role, klass.isolate)
+    # Vocabulary alone: the entry itself, or an earlier entry of the same class, wins its example.
+    alone = SignatureDetector(signatures=()).match_line(entry.example)
+    assert alone is not None and (alone[0].category, alone[0].role, alone[0].isolate) == want, alone
+    # With signatures.yaml in front: whatever wins agrees on category (a report-written twin may be
+    # more specific about role or isolation, never about the kind of fault).
+    merged = SignatureDetector().match_line(entry.example)
+    assert merged is not None and merged[0].category == klass.category, merged
+
+
+def _incident(category: str, isolate: bool) -> Incident:
+    return Incident(
+        event_id="inc-v",
+        incident_id="inc-v",
+        event_time=1.0,
+        job_id="7",
+        category=category,  # type: ignore[arg-type]
+        severity="error",
+        confidence=0.9,
+        isolate=isolate,
+        explanation="x",
+        anomaly_ids=["a"],
+        first_signal_time=1.0,  # type: ignore[arg-type]
+        evidence=[],
+    )
+
+
+@pytest.mark.parametrize("klass", VOCAB.classes, ids=[c.name for c in VOCAB.classes])
+def test_every_class_maps_to_the_default_policys_action(klass: VocabularyClass) -> None:
+    action, _rule = choose_action(load_policy(), _incident(klass.category, klass.isolate))
+    assert action == klass.action
+
+
+def test_every_class_is_used_and_every_entry_has_a_class() -> None:
+    used = {e.klass for e in ENTRIES}
+    assert used == {c.name for c in VOCAB.classes}
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "vocabulary.yaml"
+    path.write_text(text)
+    return path
+
+
+_CLASS = """classes:
+  - class: peer_lost
+    category: interconnect
+    severity: error
+    role: collateral
+    isolate: false
+    action: requeue
+    meaning: m
+"""
+
+
+def test_loader_refuses_an_example_that_is_not_an_instance_of_its_format(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path,
+        _CLASS
+        + """emitters:
+  - emitter: nccl
+    version: v1
+    entries:
+      - id: closed
+        class: peer_lost
+        format: 'socketProgress: Connection closed by remote peer %s'
+        pattern: 'Connection closed'
+        source: https://github.com/NVIDIA/nccl/blob/v2.23.4-1/src/misc/socket.cc#L50
+        example: 'Connection closed by a peer'
+""",
+    )
+    with pytest.raises(CatalogError, match="not an instance of the format"):
+        load_vocabulary(path)
+
+
+def test_loader_refuses_an_unknown_or_unused_class(tmp_path: Path) -> None:
+    entry = """emitters:
+  - emitter: nccl
+    version: v1
+    entries:
+      - id: closed
+        class: {klass}
+        format: 'socketProgress: Connection closed by remote peer %s'
+        pattern: 'Connection closed by remote peer'
+        source: https://github.com/NVIDIA/nccl/blob/v2.23.4-1/src/misc/socket.cc#L50
+        example: 'socketProgress: Connection closed by remote peer gpu01<4567>'
+"""
+    with pytest.raises(CatalogError, match="no class 'network_lost'"):
+        load_vocabulary(_write(tmp_path, _CLASS + entry.format(klass="network_lost")))
+    unused = _CLASS + _CLASS.removeprefix("classes:\n").replace("peer_lost", "spare")
+    with pytest.raises(CatalogError, match="used by no entry: spare"):
+        load_vocabulary(_write(tmp_path, unused + entry.format(klass="peer_lost")))
+    assert load_vocabulary(_write(tmp_path, _CLASS + entry.format(klass="peer_lost"))).classes[0].name == "peer_lost"
+
+
+@pytest.mark.parametrize(
+    ("fmt", "line", "matches"),
+    [
+        ("Node failure on %s", "srun: error: Node failure on gpu02", True),
+        (
+            "RmInitAdapter failed! (0x%x:0x%x:%d)",
+            "NVRM: GPU 0000:0a:00.0: RmInitAdapter failed! (0x24:0x72:1568)",
+            True,
+        ),
+        ("Loss became infinite or NaN at iteration={}!", "Loss became infinite or NaN at iteration=7!", True),
+        ("Timeout after %llus of waiting", "Timeout after 6s of waiting", True),
+        ("Timeout after %llus of waiting", "Timeout after six seconds of waiting", False),
+        ("[Errno %d] %s", "[Errno 28] No space left on device", True),
+        ("[Errno %d] %s", "Errno 28: No space left on device", False),
+    ],
+)
+def test_format_regex(fmt: str, line: str, matches: bool) -> None:
+    assert bool(format_regex(fmt).search(line)) is matches
+
+
+def test_fallbacks_come_after_every_specific_entry() -> None:
+    order = detector_order(default_signatures(), default_vocabulary_signatures())
+    first_fallback = next(i for i, s in enumerate(order) if s.fallback)
+    assert all(s.fallback for s in order[first_fallback:])
+    assert order[-1].id == "python_exception_line" and order[first_fallback].id == "crash_exit_code"
+
+
+def test_the_vocabulary_reads_what_the_report_written_entries_are_left_out_of() -> None:
+    """Leave-one-source-out narrows signatures.yaml only: a node failure and its node, a CUDA error
+    from a new emitter wording, are still read from the emitters' own vocabulary."""
+    detector = SignatureDetector(signatures=[s for s in default_signatures() if s.fallback])
+    lines = [
+        "srun: error: Node failure on gpu02",
+        "RuntimeError: CUDA error: uncorrectable ECC error encountered",
+        "gpu03:4567:4601 [2] transport/net_ib.cc:171 NCCL WARN NET/IB : mlx5_2:1 Got async error event: port error",
+    ]
+    batch = LogBatch(
+        event_id="b",
+        event_time=0.0,
+        job_id="7",
+        source="s",
+        lines=[LogLine(text=t, ts=float(i), lineno=i + 1) for i, t in enumerate(lines)],
+    )
+    got = [(a.signature, a.category, a.node, a.isolate) for a in detector.detect(batch)]
+    assert got == [
+        ("slurm_node_failure_on", "node", "gpu02", True),
+        ("cuda_error_ecc_uncorrectable", "gpu_hardware", None, True),
+        ("nccl_ib_async_port_error", "interconnect", "gpu03", True),
+    ]
+
+
+def test_generic_texts_need_their_cuda_context() -> None:
+    """CUDA's generic texts, "unknown error" and "out of memory" are read as CUDA's only after a CUDA caller's prefix."""
+    detector = SignatureDetector(signatures=())
+    hit = detector.match_line("ValueError: unknown error in config parser")
+    assert hit is not None and hit[0].id == "python_exception_line"
+    assert detector.match_line("cache: out of memory, evicting 12 entries") is None
+    hit = detector.match_line("RuntimeError: CUDA error: unknown error")
+    assert hit is not None and hit[0].id == "cuda_error_unknown"
