@@ -167,6 +167,7 @@ ON_THE_NODE_SET = [
     (["run", "streams", "--bootstrap", "127.0.0.1:1"], "server"),
     (["audit", "db", "migrate", "--clickhouse", "http://127.0.0.1:1"], "server"),
     (["audit", "db", "migrate", "--clickhouse", "chdb:///nonexistent"], "embedded"),
+    (["readiness", "--clickhouse", "chdb:///nonexistent"], "embedded"),
 ]
 
 
