@@ -16,7 +16,7 @@ from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
 
 from bus.config import admin_config
 from schemas.errors import ConfigError, Unavailable
-from schemas.topics import ALL_TOPICS, DEFAULT_PARTITIONS, MODE_CHANGES
+from schemas.topics import ALL_TOPICS, DEFAULT_PARTITIONS
 
 HOUR_MS = 3600 * 1000
 
@@ -55,7 +55,7 @@ def topic_configs(retention_hours: float | None) -> dict[str, dict[str, str]]:
     if retention_hours is None:
         return {}
     kept = str(int(retention_hours * HOUR_MS))
-    return {t.name: {"retention.ms": "-1" if t is MODE_CHANGES else kept} for t in ALL_TOPICS}
+    return {t.name: {"retention.ms": "-1" if t.kept_forever else kept} for t in ALL_TOPICS}
 
 
 def ensure_topics(

@@ -39,6 +39,9 @@ class Topic:
     # A repartition topic: each record is keyed by the job the streams' router chose for it (the
     # job running on the event's node), not by the event's own partition key.
     keyed_by_router: bool = False
+    # Retention -1 instead of the setting topic_retention_hours (bus/admin.py): a worker rebuilds
+    # its state from the whole topic.
+    kept_forever: bool = False
 
 
 GPU_SAMPLES = Topic("gpu.samples", GpuSample, "node")
@@ -73,7 +76,7 @@ ACTION_RESULTS = Topic("action.results", ActionResult, "job id, else node")
 ACTION_ATTEMPTS = Topic("action.attempts", ActionAttempt, "action id; every record on partition 0")
 ATTEMPTS_PARTITION = 0
 APPROVALS = Topic("approvals", Approval, "job id, else node")
-MODE_CHANGES = Topic("mode.changes", ModeChange, "partition")
+MODE_CHANGES = Topic("mode.changes", ModeChange, "partition", kept_forever=True)
 NODE_RETURNS = Topic("node.returns", NodeReturn, "node")
 GUARDRAIL_TRIPS = Topic("guardrail.trips", GuardrailTrip, "job id, else node")
 DEADLETTER = Topic("deadletter", DeadLetter, "original topic")

@@ -35,6 +35,7 @@ from bus.deadletter import make_dead_letter
 from schemas.codec import DecodeError, decode
 from schemas.errors import Unavailable
 from schemas.events import Event
+from schemas.extras import require
 from schemas.ids import cluster_scoped
 from schemas.masking import mask
 from schemas.topics import TOPIC_BY_NAME, Topic
@@ -230,13 +231,15 @@ class AuditStore:
         folder = chdb_folder(url)
         if folder is not None and (holder := chdb_folder_holder(folder)) and holder != f"PID {os.getpid()}":
             raise ChdbFolderLocked(folder, holder)
-        try:
-            # Imported here: the node image has no ClickHouse client, and its CLI imports this module.
-            import clickhouse_connect
-        except ImportError:
-            raise AuditStoreError(
-                f"cannot open {self.where}: clickhouse-connect is not installed (pip install 'trainmedic[server]')"
-            ) from None
+        # A chdb:// audit needs chDB as well as the client: clickhouse-connect's own message would
+        # name its extra, not trainmedic's.
+        if folder is not None:
+            require("embedded", f"the audit at {self.where}", only=("clickhouse_connect", "chdb"))
+        else:
+            require("server", f"the audit at {self.where}", only=("clickhouse_connect",))
+        # Imported here: the node image has no ClickHouse client, and its CLI imports this module.
+        import clickhouse_connect
+
         try:
             # clickhouse-connect picks TLS by port (443, 8443) or `secure`, not by the DSN's scheme: an
             # https URL on another port would otherwise be spoken to in plain HTTP.

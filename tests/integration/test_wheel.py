@@ -212,11 +212,18 @@ def test_the_node_set_serves_the_cli_help(node_bin: Path, outside: tuple[Path, d
     # The node agent runs on the node set: without a driver here it stops at NVML, past its imports.
     proc = _run([node_bin / "trainmedic", "run", "node-agent", "--node", "gpu07"], cwd, env)
     assert proc.returncode == 3 and "NVML is not available" in proc.stderr, proc.stderr
-    # A central service on the node set says which extra it needs, not a traceback.
-    for command in (["run", "api"], ["audit", "db", "migrate", "--clickhouse", "chdb:///nonexistent"]):
+    # A central service on the node set says which extra it needs, not a traceback: the one it needs
+    # (a chDB audit, `up` and `demo` on one machine need [embedded], not the [server] it contains).
+    for command, extra in (
+        (["run", "api"], "server"),
+        (["audit", "db", "migrate", "--clickhouse", "http://127.0.0.1:1"], "server"),
+        (["audit", "db", "migrate", "--clickhouse", "chdb:///nonexistent"], "embedded"),
+        (["demo"], "embedded"),
+        (["up"], "embedded"),
+    ):
         proc = _run([node_bin / "trainmedic", *command], cwd, env)
         assert proc.returncode in (2, 3) and "Traceback" not in proc.stderr, f"{command}: {proc.stderr}"
-        assert "pip install 'trainmedic[server]'" in proc.stderr, f"{command}: {proc.stderr}"
+        assert f"pip install 'trainmedic[{extra}]'" in proc.stderr, f"{command}: {proc.stderr}"
 
 
 def test_the_node_set_runs_the_kernel_producer(

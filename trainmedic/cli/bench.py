@@ -9,6 +9,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from schemas.errors import UsageError
+from schemas.extras import require
 from trainmedic.cli.base import new_app
 
 bench_app = new_app(
@@ -62,6 +63,9 @@ def bench(
     prefix: Annotated[str, typer.Option(help="File names: PREFIX.json, PREFIX.md, PREFIX_*.png.")] = "pipeline",
     data_dir: Annotated[Path, typer.Option(help="Scratch space for the stacks (chDB, logs).")] = Path("var/bench"),
 ) -> None:
+    # Checked first: the stack runs for minutes before the plots need matplotlib.
+    require("embedded", "trainmedic bench (the embedded stack)")
+    require("bench", "trainmedic bench (its plots)", only=("matplotlib",))
     pipeline = _pipeline()
     argv = [
         f"--seed={seed}",

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from schemas.errors import ExitCode, Unavailable, UsageError
+from schemas.extras import require
 from schemas.printable import printable
 from trainmedic.cli.acls import acls_cmd
 from trainmedic.cli.audit import audit_app
@@ -47,6 +48,21 @@ from trainmedic.settings import clickhouse_dsn
 app = new_app(help="Workload-level recovery for distributed AI training on Slurm.")
 
 DataDir = Annotated[Path, typer.Option("--data-dir", help="Where the embedded chDB audit and logs live.")]
+
+
+def up_needs(bootstrap: str | None, clickhouse: str | None) -> tuple[str, str]:
+    """The extra `up` needs, and why, given the effective Kafka and ClickHouse settings."""
+    embedded = [
+        what
+        for what, needed in (
+            ("the embedded broker (no --bootstrap)", not bootstrap),
+            ("the embedded chDB audit (no ClickHouse server URL)", not clickhouse or clickhouse.startswith("chdb://")),
+        )
+        if needed
+    ]
+    if embedded:
+        return "embedded", f"trainmedic up with {' and '.join(embedded)}"
+    return "server", "trainmedic up"
 
 
 @app.command()
@@ -107,6 +123,9 @@ def up(
     rest_token_file: RestTokenFileOpt = None,
 ) -> None:
     """Start the broker (or use --bootstrap), streams worker, executor and audit sink, supervised; Ctrl-C stops all."""
+    # Before the stack's imports: the first missing module there is a [server] one (uvicorn),
+    # whichever extra the command needs.
+    require(*up_needs(settings(bootstrap=bootstrap).bootstrap, clickhouse_dsn(settings(clickhouse_url=clickhouse))))
     from streams.policy import load_policy
     from trainmedic.stack.metrics_server import parse_address
     from trainmedic.stack.runtime import LOOPBACK, Stack, StackConfig
@@ -190,6 +209,7 @@ def demo(
     ] = False,
 ) -> None:
     """Run the whole loop: a simulated training job, a Xid 79, and trainmedic finding and fixing it."""
+    require("embedded", "trainmedic demo (the embedded broker and chDB)")
     from trainmedic.stack.demo import run_demo
 
     if mode not in ("monitor", "autonomous"):

@@ -22,6 +22,7 @@ import typer
 
 from bus import health
 from schemas.errors import ConfigError, Unavailable, UsageError
+from schemas.extras import MissingExtra, require
 from trainmedic.cli.backend import (
     KnownHostsOpt,
     RemoteConfOpt,
@@ -98,6 +99,8 @@ def _store(clickhouse: str | None, database: str, what: str) -> AuditStore:
         )
     try:
         return AuditStore(url, database, audit_layout(s))
+    except MissingExtra:
+        raise  # its own message and exit status, not ClickHouse's being unavailable
     except AuditStoreError as exc:
         raise Unavailable(str(exc)) from None
     except Exception as exc:  # clickhouse-connect's errors: bad URL, refused, auth
@@ -152,6 +155,8 @@ def streams(
     """The streams worker (detectors, attribution, policy): a Faust worker of the group streams_id.
 
     Workers of one group share the partitions; each keeps its tables in streams_data_dir."""
+    # Before the Kafka check (10 s on a wrong address): the worker's own imports come last.
+    require("server", "trainmedic run streams", only=("faust", "mode", "aiokafka", "numpy"))
     _logging()
     env_bootstrap = _bootstrap(bootstrap, "the streams worker")
     # The worker builds its Faust app from the settings at import: flags go in as the settings' env.

