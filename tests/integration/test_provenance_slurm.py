@@ -145,6 +145,12 @@ def test_job_lines_naming_their_own_nodes_drain_nothing_and_the_real_xid_that_fo
             (inc,) = incidents_of(store, job)
             assert inc["provenance"] == "job" and inc["isolate"] is True
             assert '"provenance":"job"' in str(inc["evidence"])
+            # The restart keeps the job off the node its own output blamed (the node stays in service).
+            wait_for(
+                f"job {job} requeued without {node[job]}",
+                lambda j=job: node[j] in slurm.job_state(j).excluded_nodes,
+                timeout=60,
+            )
         # Right after: a real Xid 79 in the third job's node's kernel log.
         _kernel_xid(broker.bootstrap, tmp_path, node[c])
         (d,) = _decision(store, c)
