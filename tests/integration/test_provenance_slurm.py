@@ -21,6 +21,7 @@ import os
 import signal
 import threading
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -112,6 +113,10 @@ def _log(bootstrap: str, root: Path, job: str, node: str, line: str) -> None:
     publish_log_file(bootstrap, job, path, [node])
 
 
+def _excludes(backend: SlurmCliBackend, job: str, node: str) -> bool:
+    return node in backend.job_state(job).excluded_nodes
+
+
 def _drain_attempts(store: AuditStore) -> list[str]:
     rows = store.query("SELECT DISTINCT node FROM {db}.action_attempts WHERE call = 'drain'")
     return sorted(str(r["node"]) for r in rows)
@@ -146,11 +151,7 @@ def test_job_lines_naming_their_own_nodes_drain_nothing_and_the_real_xid_that_fo
             assert inc["provenance"] == "job" and inc["isolate"] is True
             assert '"provenance":"job"' in str(inc["evidence"])
             # The restart keeps the job off the node its own output blamed (the node stays in service).
-            wait_for(
-                f"job {job} requeued without {node[job]}",
-                lambda j=job: node[j] in slurm.job_state(j).excluded_nodes,
-                timeout=60,
-            )
+            wait_for(f"job {job} requeued without {node[job]}", partial(_excludes, slurm, job, node[job]), timeout=60)
         # Right after: a real Xid 79 in the third job's node's kernel log.
         _kernel_xid(broker.bootstrap, tmp_path, node[c])
         (d,) = _decision(store, c)
