@@ -315,18 +315,23 @@ def load_sxid_catalog(path: Path | None = None) -> SxidCatalog:
     return SxidCatalog(buckets=buckets, sxids=sxids)
 
 
-def load_kernel_signatures(path: Path | None = None) -> KernelSignatures:
-    path = path or CATALOG_DIR / "kernel_signatures.yaml"
+def load_catalog_model(path: Path, model: type[M]) -> M:
+    """A catalog file read as `model`; CatalogError naming the file and the first bad field."""
     try:
         data = load_yaml(path.read_text(), str(path))
     except YamlError as exc:
         raise CatalogError(str(exc)) from None
     try:
-        sigs = KernelSignatures.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
         field = ".".join(str(p) for p in err["loc"])
         raise CatalogError(f"{path}: field '{field}': {err['msg']}") from None
+
+
+def load_kernel_signatures(path: Path | None = None) -> KernelSignatures:
+    path = path or CATALOG_DIR / "kernel_signatures.yaml"
+    sigs = load_catalog_model(path, KernelSignatures)
     for section, ids in (("headers", [h.id for h in sigs.headers]), ("filesystems", [f.id for f in sigs.filesystems])):
         dupes = sorted({i for i in ids if ids.count(i) > 1})
         if dupes:

@@ -15,11 +15,10 @@ from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from schemas.vocab import ActionKind, Category, Role, Severity
-from schemas.yamlsafe import YamlError, load_yaml
-from streams.catalog import CATALOG_DIR, CatalogError, Signature, _Pattern
+from streams.catalog import CATALOG_DIR, CatalogError, Signature, _Pattern, load_catalog_model
 
 # printf conversions (flags, width, precision, length) and Python format fields; everything else in
 # a format is literal text.
@@ -110,16 +109,7 @@ class Vocabulary(BaseModel):
 
 def load_vocabulary(path: Path | None = None) -> Vocabulary:
     path = path or CATALOG_DIR / "vocabulary.yaml"
-    try:
-        data = load_yaml(path.read_text(), str(path))
-    except YamlError as exc:
-        raise CatalogError(str(exc)) from None
-    try:
-        vocab = Vocabulary.model_validate(data)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(p) for p in err["loc"])
-        raise CatalogError(f"{path}: {where}: {err['msg']}") from None
+    vocab = load_catalog_model(path, Vocabulary)
     names = [c.name for c in vocab.classes]
     if len(set(names)) != len(names):
         raise CatalogError(f"{path}: classes: duplicate class {sorted({n for n in names if names.count(n) > 1})}")
