@@ -327,6 +327,19 @@ def test_console_shows_a_fault_live_and_approves_it(console_stack: dict[str, Any
 
             page.get_by_role("checkbox", name="Open only").uncheck()
             expect(page.locator("#incidents tbody")).to_contain_text("Rejected")
+            # The timeline is read from the audit when it opens (and again on the job's next live event):
+            # on a loaded machine the audit sink may still be writing the result the live feed showed.
+            wait_for(
+                f"the result of job {job}'s action in the audit",
+                lambda: (
+                    stack.store is not None
+                    and stack.store.query(
+                        "SELECT count() AS n FROM {db}.action_results FINAL WHERE job_id = {j:String} AND status = 'done'",
+                        {"j": job},
+                    )[0]["n"]
+                ),
+                timeout=90,
+            )
             page.get_by_role("button", name=f"Show the timeline of job {job}").click()
             timeline = page.locator("#timeline tbody")
             expect(timeline).to_contain_text("approved drain_and_requeue by alice")
