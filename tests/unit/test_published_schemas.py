@@ -21,9 +21,10 @@ from hypothesis import strategies as st
 from schemas import generate
 from schemas.codec import encode
 from schemas.errors import ConfigError
-from schemas.events import EVENT_TYPES, SCHEMA_VERSION, Event, Incident, LogBatch, LogLine
+from schemas.events import EVENT_TYPES, SCHEMA_VERSION, Event, Incident
 from schemas.topics import ALL_TOPICS
 from tests.unit.test_properties import PROPS, model_strategy, props
+from tests.unit.test_schemas import _batch
 
 TYPE_NAMES = [t.type_name for t in EVENT_TYPES]
 
@@ -46,17 +47,6 @@ def _wire(event: Event) -> dict[str, Any]:
     """The record as it travels: what the codec writes, read back as JSON."""
     data: dict[str, Any] = orjson.loads(encode(event))
     return data
-
-
-def _batch() -> LogBatch:
-    return LogBatch(
-        event_id="log-1",
-        event_time=1.0,
-        job_id="42",
-        source="/x/out",
-        job_nodes=["gpu01"],
-        lines=[LogLine(text="hello", ts=1.0, rank=3, node="gpu01", lineno=1)],
-    )
 
 
 def _incident() -> Incident:
