@@ -72,9 +72,16 @@ def chdb_url(tmp_path_factory: pytest.TempPathFactory) -> str:
     return f"chdb://{tmp_path_factory.mktemp('chdb')}"
 
 
+def new_database_name() -> str:
+    """A database name no other test of this run uses (the pid tells the xdist workers apart). A
+    module's read-only fixture seeds one once for all its tests, instead of a migration and the same
+    inserts per test."""
+    return f"t{os.getpid()}_{next(_db_counter)}"
+
+
 @pytest.fixture
 def database() -> str:
-    return f"t{os.getpid()}_{next(_db_counter)}"
+    return new_database_name()
 
 
 @dataclass(frozen=True)

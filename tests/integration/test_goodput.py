@@ -45,6 +45,7 @@ import pytest
 from schemas.events import Action, ActionResult, Decision, Event, JobAttempt, SchedEvent
 from sinks import audit_queries as q
 from sinks.audit import DDL_DIR, AuditStore, load_migrations, split_sql
+from tests.conftest import new_database_name
 from tests.integration.test_audit import incident_events, insert_events
 from trainmedic.ops.replay import GPUS_PER_NODE
 
@@ -241,9 +242,10 @@ def quantile(values: list[float], p: float) -> float:
     return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (pos - lo)
 
 
-@pytest.fixture
-def store(chdb_url: str, database: str) -> Iterator[AuditStore]:
-    s = AuditStore(chdb_url, database)
+@pytest.fixture(scope="module")
+def store(chdb_url: str) -> Iterator[AuditStore]:
+    # Read only by its tests: seeded once per module and worker.
+    s = AuditStore(chdb_url, new_database_name())
     s.migrate()
     events = goodput_events()
     insert_events(s, events)
@@ -358,12 +360,12 @@ def test_goodput_window_limit_and_job(store: AuditStore) -> None:
     assert q.goodput(store, job="9002")["jobs"][0]["incidents_not_running_again"] == 1
 
 
-def test_cli_goodput(store: AuditStore, chdb_url: str, database: str) -> None:
+def test_cli_goodput(store: AuditStore, chdb_url: str) -> None:
     from typer.testing import CliRunner
 
     from trainmedic.cli.audit import audit_app
 
-    base = ["goodput", "--clickhouse", chdb_url, "--database", database]
+    base = ["goodput", "--clickhouse", chdb_url, "--database", store.database]
     wide = {"COLUMNS": "250"}  # rich's width: every table cell on one line
     result = CliRunner().invoke(audit_app, [*base, "--since", "7d"], env=wide)
     assert result.exit_code == 0, result.output
@@ -497,9 +499,10 @@ OUTAGE_9104 = 8 * (1900 - 1000) / 3600 + 8 * (2350 - 1900) / 3600
 OLD_9104 = 8 * ((1450 - 1000) + (1900 - 1200) + (2350 - 1900)) / 3600
 
 
-@pytest.fixture
-def outage_store(chdb_url: str, database: str) -> Iterator[AuditStore]:
-    s = AuditStore(chdb_url, database)
+@pytest.fixture(scope="module")
+def outage_store(chdb_url: str) -> Iterator[AuditStore]:
+    # Read only by its tests: seeded once per module and worker.
+    s = AuditStore(chdb_url, new_database_name())
     s.migrate()
     events = outage_events()
     insert_events(s, events)
@@ -609,9 +612,10 @@ def within_outage_events() -> list[Event]:
     return events
 
 
-@pytest.fixture
-def within_store(chdb_url: str, database: str) -> Iterator[AuditStore]:
-    s = AuditStore(chdb_url, database)
+@pytest.fixture(scope="module")
+def within_store(chdb_url: str) -> Iterator[AuditStore]:
+    # Read only by its tests: seeded once per module and worker.
+    s = AuditStore(chdb_url, new_database_name())
     s.migrate()
     events = within_outage_events()
     insert_events(s, events)
@@ -667,12 +671,12 @@ def test_an_incident_inside_an_outage_that_did_not_stop_the_job_has_no_recovery(
         assert by(data["incidents"], "incident_id") == rows
 
 
-def test_the_cli_says_an_incident_was_within_an_outage(within_store: AuditStore, chdb_url: str, database: str) -> None:
+def test_the_cli_says_an_incident_was_within_an_outage(within_store: AuditStore, chdb_url: str) -> None:
     from typer.testing import CliRunner
 
     from trainmedic.cli.audit import audit_app
 
-    base = ["goodput", "--clickhouse", chdb_url, "--database", database, "--since", "7d"]
+    base = ["goodput", "--clickhouse", chdb_url, "--database", within_store.database, "--since", "7d"]
     result = CliRunner().invoke(audit_app, base, env={"COLUMNS": "400"})
     assert result.exit_code == 0, result.output
     out = result.output
@@ -682,12 +686,12 @@ def test_the_cli_says_an_incident_was_within_an_outage(within_store: AuditStore,
     assert "within outage (job already down)" in hang and "0.00 (outage of inc-9105-0)" in hang
 
 
-def test_the_cli_says_what_was_charged(outage_store: AuditStore, chdb_url: str, database: str) -> None:
+def test_the_cli_says_what_was_charged(outage_store: AuditStore, chdb_url: str) -> None:
     from typer.testing import CliRunner
 
     from trainmedic.cli.audit import audit_app
 
-    base = ["goodput", "--clickhouse", chdb_url, "--database", database, "--since", "7d"]
+    base = ["goodput", "--clickhouse", chdb_url, "--database", outage_store.database, "--since", "7d"]
     result = CliRunner().invoke(audit_app, base, env={"COLUMNS": "300"})
     assert result.exit_code == 0, result.output
     out = result.output

@@ -29,7 +29,9 @@ from tests import launch
 from tests.conftest import FIXTURES, REPO, read_topic, wait_for
 from trainmedic.stack.broker import EmbeddedBroker, free_port
 
-pytestmark = pytest.mark.timeout(900)
+# One worker takes the whole module (`--dist loadgroup`): the wheel and its two venvs are module
+# fixtures, and split over two workers they were built twice (55 s each for the server venv).
+pytestmark = [pytest.mark.timeout(900), pytest.mark.xdist_group("wheel")]
 
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 #: What the node image must not carry (contract: no chDB, no broker, no web stack).
