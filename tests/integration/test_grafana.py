@@ -46,7 +46,7 @@ from schemas.events import Event, JobAttempt, SchedEvent
 from schemas.ids import DEFAULT_CLUSTER
 from sinks import audit_queries as q
 from sinks.audit import AuditStore
-from tests.conftest import REPO
+from tests.conftest import REPO, new_database_name
 from tests.integration.test_audit import incident_events, insert_events, operator_events
 from tests.unit.test_alert_rules import PROMETHEUS_OWN, SCRAPE_TIME_COLLECTORS, exported_metrics, metric_names
 
@@ -307,7 +307,7 @@ def test_no_url_parameter_reaches_a_panels_sql(audited: AuditStore) -> None:
     textbox = {"database": {"name": "database", "type": "textbox", "current": {"value": "trainmedic"}}}
     assert HOSTILE in interpolate("SELECT 1 FROM ${database}.x", textbox, {"var-database": HOSTILE})
     now = time.time()
-    audited.client.command(f"USE {audited.database}")
+    _use(audited)
     for path in CH_DASHBOARDS:
         declared = _variables(path)
         assert {n: v["type"] for n, v in declared.items()} == {CH_VARIABLE: "datasource", CLUSTER_VARIABLE: "query"}
@@ -341,7 +341,7 @@ def test_grafanas_quoting_formats_do_not_hold_in_clickhouse(audited: AuditStore)
     """Why the cluster is percent-encoded: Grafana's singlequote and sqlstring formats leave the
     backslash alone, and in ClickHouse a backslash escapes the closing quote, so a URL value ends
     the literal and adds its own condition. The same value, percent-encoded, matches nothing."""
-    audited.client.command(f"USE {audited.database}")
+    _use(audited)
     declared = {CLUSTER_VARIABLE: {"name": CLUSTER_VARIABLE, "type": "query", "multi": True}}
     url: dict[str, str | list[str]] = {"var-cluster": [BACKSLASH_HOSTILE]}
     for fmt in ("singlequote", "sqlstring"):
@@ -384,11 +384,22 @@ def test_macro_expansion_matches_the_plugin() -> None:
         expand_grafana("SELECT $__conditionalAll(x, $v)", {}, 0, 1, 1)
 
 
-@pytest.fixture
-def audited(chdb_url: str, database: str) -> Iterator[AuditStore]:
-    store = AuditStore(chdb_url, database)
+#: The audits' time: one for the module, so that both audits below hold the same rows of this cluster.
+T0 = time.time() - 1800
+
+
+def _seeded(chdb_url: str, events: list[Event]) -> Iterator[AuditStore]:
+    store = AuditStore(chdb_url, new_database_name())
     store.migrate()
-    t0 = time.time() - 1800
+    insert_events(store, events)
+    try:
+        yield store
+    finally:
+        store.client.command("USE default")  # the chDB session outlives the store
+        store.close()
+
+
+def this_clusters_events(t0: float) -> list[Event]:
     events: list[Event] = []
     for n in range(3):
         events += incident_events(n, t0 + 60 * n, job="1", node="gpu01", detect_s=1.0 + n)
@@ -396,12 +407,26 @@ def audited(chdb_url: str, database: str) -> Iterator[AuditStore]:
     events += incident_events(1, t0 + 40, job="2", node="gpu03", category="interconnect", action="requeue")
     events += operator_events(t0, "1", 0, "gpu01")
     events += goodput_events(t0)
-    insert_events(store, events)
-    try:
-        yield store
-    finally:
-        store.client.command("USE default")  # the chDB session outlives the store
-        store.close()
+    return events
+
+
+# Both audits are read only, seeded once per module and worker (they were seeded per test: 4.8 s each).
+@pytest.fixture(scope="module")
+def audited(chdb_url: str) -> Iterator[AuditStore]:
+    """This cluster's rows alone."""
+    yield from _seeded(chdb_url, this_clusters_events(T0))
+
+
+@pytest.fixture(scope="module")
+def audited_both(chdb_url: str) -> Iterator[AuditStore]:
+    """The same rows of this cluster, and another cluster's beside them (`west_events`)."""
+    yield from _seeded(chdb_url, this_clusters_events(T0) + west_events(T0))
+
+
+def _use(store: AuditStore) -> AuditStore:
+    # The plugin's connection is to the data source's default database: tables go unqualified.
+    store.client.command(f"USE {store.database}")
+    return store
 
 
 def west_events(t0: float) -> list[Event]:
@@ -459,37 +484,36 @@ def goodput_events(t0: float) -> list[Event]:
 @pytest.mark.parametrize(
     "panel", [(path, p) for path in CH_DASHBOARDS for _, p in panels([path])], ids=lambda p: p[1]["title"]
 )
-def test_panel_query_runs_on_the_audit_schema(audited: AuditStore, panel: tuple[Path, dict[str, Any]]) -> None:
+def test_panel_query_runs_on_the_audit_schema(
+    audited: AuditStore, audited_both: AuditStore, panel: tuple[Path, dict[str, Any]]
+) -> None:
     path, p = panel
     now = time.time()
     frm, to = now - 6 * 3600, now + 60
-    # The plugin's connection is to the data source's default database: tables go unqualified.
-    audited.client.command(f"USE {audited.database}")
 
-    def rows(sql: str) -> list[tuple[Any, ...]]:
-        return [tuple(r) for r in audited.client.query(sql).result_rows]
+    def rows(store: AuditStore, sql: str) -> list[tuple[Any, ...]]:
+        return [tuple(r) for r in _use(store).client.query(sql).result_rows]
 
-    def bag(sql: str) -> list[tuple[Any, ...]]:
+    def bag(store: AuditStore, sql: str) -> list[tuple[Any, ...]]:
         # The rows as a multiset: rows a panel orders equal (one time bucket of several categories)
         # may come back in either order, which is not another cluster's doing.
-        return sorted(rows(sql), key=repr)
+        return sorted(rows(store, sql), key=repr)
 
     for target in p["targets"]:
         sql = panel_sql(target["rawSql"], path, [DEFAULT_CLUSTER], frm, to)
-        result = audited.client.query(sql)
+        result = _use(audited).client.query(sql)
         assert list(result.column_names) == EXPECTED_COLUMNS[p["title"]], sql
         assert result.result_rows, f"{p['title']}: no rows for data inside the time range\n{sql}"
         if target["format"] == 0:
             assert result.column_names[0] == "time"
             assert result.result_rows == sorted(result.result_rows, key=lambda r: r[0])
-        alone = bag(sql)
-        # Another cluster's rows arrive, with the same job and node names: the chosen cluster's
-        # panel does not move, the other cluster's shows its own, and both together differ again.
-        insert_events(audited, west_events(time.time() - 1800))
-        assert bag(sql) == alone, f"{p['title']}: another cluster's rows changed it\n{sql}"
-        west = bag(panel_sql(target["rawSql"], path, [WEST], frm, to))
+        alone = bag(audited, sql)
+        # Another cluster's rows beside the same ones, with the same job and node names: the chosen
+        # cluster's panel does not move, the other cluster's shows its own, and both together differ again.
+        assert bag(audited_both, sql) == alone, f"{p['title']}: another cluster's rows changed it\n{sql}"
+        west = bag(audited_both, panel_sql(target["rawSql"], path, [WEST], frm, to))
         assert west != alone, f"{p['title']}: the same for both clusters"
-        both = bag(panel_sql(target["rawSql"], path, [DEFAULT_CLUSTER, WEST], frm, to))
+        both = bag(audited_both, panel_sql(target["rawSql"], path, [DEFAULT_CLUSTER, WEST], frm, to))
         assert both != alone or p["title"] in SAME_WITH_BOTH, f"{p['title']}: both clusters show one's rows"
 
 
@@ -497,9 +521,8 @@ def test_panel_query_runs_on_the_audit_schema(audited: AuditStore, panel: tuple[
 SAME_WITH_BOTH: set[str] = set()
 
 
-def test_the_cluster_variable_lists_the_audits_clusters(audited: AuditStore) -> None:
-    audited.client.command(f"USE {audited.database}")
-    insert_events(audited, west_events(time.time() - 1800))
+def test_the_cluster_variable_lists_the_audits_clusters(audited_both: AuditStore) -> None:
+    audited = _use(audited_both)
     for path in CH_DASHBOARDS:
         variable = _variables(path)[CLUSTER_VARIABLE]
         assert variable["query"] == variable["definition"]
@@ -622,7 +645,7 @@ def test_service_dashboard_check_refuses_a_metric_nobody_exports() -> None:
         promql_parser.parse(promql("sum(rate(x[$__rate_interval])"))
 
 
-def test_goodput_panels_are_the_goodput_queries(audited: AuditStore) -> None:
+def test_goodput_panels_are_the_goodput_queries(audited_both: AuditStore) -> None:
     """The goodput panels read the audit_queries SQL (one text with the 016 views), and say what
     `trainmedic audit goodput` says for the same window."""
     found = {p["title"]: p for _, p in panels() if p["title"] in GOODPUT_PANELS}
@@ -632,9 +655,8 @@ def test_goodput_panels_are_the_goodput_queries(audited: AuditStore) -> None:
         body = goodput_incidents_sql() if kind == "incidents" else goodput_jobs_sql()
         assert f"FROM ({body})" in target["rawSql"], f"{title}: not the goodput SQL of sinks/audit_queries.py"
     now = time.time()
-    audited.client.command(f"USE {audited.database}")
     # Another cluster's job 1 ran and stopped in the same window: neither side may count it.
-    insert_events(audited, west_events(now - 1800))
+    audited = _use(audited_both)
     dashboard = GRAFANA / "dashboards" / "trainmedic-audit.json"
 
     def run(title: str) -> list[dict[str, Any]]:
