@@ -594,15 +594,18 @@ class Stack:
         if self.publisher is not None:
             self.publisher.close(5)  # flushes, and ends its delivery thread
             self.publisher = None
+        # The workers' graceful stop (Faust commits and leaves its group: about 1.7 s) overlaps the
+        # threads' (a poll interval each): what a worker published before it stopped is on the bus
+        # for the next start either way, as the sink and executor stop first in both orders.
+        for proc in self._workers.values():
+            if proc.poll() is None:
+                proc.terminate()
         for svc in (self.executor, self.sink, self.auto_return, self.broker_watch):
             if svc is not None:
                 svc.stop_event.set()
         for t in self._threads:
             t.join(timeout=15)
         self._threads.clear()
-        for proc in self._workers.values():
-            if proc.poll() is None:
-                proc.terminate()
         for proc in self._workers.values():
             try:
                 proc.wait(timeout=15)
