@@ -44,7 +44,7 @@ from schemas.events import (
 )
 from schemas.topics import GPU_SAMPLES, partition_key
 from sinks.audit import AuditStore
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, new_database_name
 from tests.integration.test_audit import insert_events
 from trainmedic.ops.bundle import FILES, Bundle, build_bundle, iso, write_bundle
 from trainmedic.stack.broker import EmbeddedBroker
@@ -244,9 +244,10 @@ def publish_samples(bootstrap: str, samples: list[GpuSample]) -> None:
     assert producer.flush(30) == 0, "GPU samples not delivered"
 
 
-@pytest.fixture
-def store(chdb_url: str, database: str) -> Iterator[AuditStore]:
-    s = AuditStore(chdb_url, database)
+@pytest.fixture(scope="module")
+def store(chdb_url: str) -> Iterator[AuditStore]:
+    # Read only by its tests (a bundle reads the audit): seeded once per module and worker.
+    s = AuditStore(chdb_url, new_database_name())
     try:
         s.migrate()
         insert_events(s, audit_events())
@@ -420,14 +421,14 @@ def test_records_that_do_not_decode_are_counted_not_fatal(store: AuditStore, boo
 
 
 def test_audit_incident_bundle_writes_the_file_and_names_the_gaps(
-    store: AuditStore, bootstrap: str, chdb_url: str, database: str, tmp_path: Path
+    store: AuditStore, bootstrap: str, chdb_url: str, tmp_path: Path
 ) -> None:
     from typer.testing import CliRunner
 
     from trainmedic.cli.audit import audit_app
 
     out = tmp_path / "hand-off.tar.gz"
-    args = ["incident", INCIDENT, "--bundle", str(out), "--clickhouse", chdb_url, "--database", database]
+    args = ["incident", INCIDENT, "--bundle", str(out), "--clickhouse", chdb_url, "--database", store.database]
     result = CliRunner().invoke(audit_app, [*args, "--bootstrap", bootstrap])
     assert result.exit_code == 0, result.output
     assert f"{out}: " in result.output and "gpu_samples" in result.output
