@@ -22,7 +22,7 @@ its cascade.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from schemas.events import Anomaly, Evidence, Incident, SchedEvent
@@ -55,6 +55,8 @@ class _Group:
     # Anomalies whose time is not their own (offline: a line without a timestamp, timed by line
     # order): they never split a cascade and join the one they fall in.
     untimed: set[str] = field(default_factory=set)
+    # Anomalies timed by another clock than the default one (offline: each input file's own).
+    clocks: dict[str, str] = field(default_factory=dict)
 
     def all_ids(self) -> set[str]:
         return {a.event_id for a in self.anomalies} | {a.event_id for a in self.twins}
@@ -167,18 +169,29 @@ def _link_s(a: Anomaly, window_s: float) -> float:
 
 
 def cascades(
-    anomalies: Sequence[Anomaly], window_s: float, untimed: set[str] | frozenset[str] = frozenset()
+    anomalies: Sequence[Anomaly],
+    window_s: float,
+    untimed: set[str] | frozenset[str] = frozenset(),
+    clocks: Mapping[str, str] | None = None,
 ) -> list[list[Anomaly]]:
     """The anomalies split into cascades, oldest first: sorted by their own time, a new cascade
-    begins where one anomaly follows the one before by more than the window (`_link_s`). Anomalies
-    in `untimed` do not split; each joins the latest cascade that began at or before its time."""
+    begins where an anomaly follows the previous one of its clock by more than the window
+    (`_link_s`). Anomalies in `untimed` do not split; each joins the latest cascade that began at or
+    before its time. `clocks` (anomaly id -> clock) names anomalies timed by another clock than
+    the default one: a gap is measured only between times of one clock, since the times of
+    different files agree only as far as their clocks do (other hosts, local time zones that
+    syslog, glog and Python logging do not write, a year that year-less stamps leave to a guess)."""
+    clock_of = clocks or {}
     timed = sorted((a for a in anomalies if a.event_id not in untimed), key=lambda a: a.event_time)
     out: list[list[Anomaly]] = []
+    last: dict[str, float] = {}  # clock -> its latest time in the current cascade
     for a in timed:
-        if out and a.event_time - out[-1][-1].event_time <= _link_s(a, window_s):
-            out[-1].append(a)
-        else:
-            out.append([a])
+        clock = clock_of.get(a.event_id, "")
+        if not out or (clock in last and a.event_time - last[clock] > _link_s(a, window_s)):
+            out.append([])
+            last = {}
+        out[-1].append(a)
+        last[clock] = a.event_time
     for a in sorted((a for a in anomalies if a.event_id in untimed), key=lambda a: a.event_time):
         if not out:
             out.append([a])
@@ -359,9 +372,10 @@ class Attributor:
                     if self._node_job.get(n) == ev.job_id:
                         del self._node_job[n]
 
-    def add(self, anomaly: Anomaly, now: float, timed: bool = True) -> None:
+    def add(self, anomaly: Anomaly, now: float, timed: bool = True, clock: str | None = None) -> None:
         """Take one anomaly at `now`. `timed`: its event_time is its own (offline, False for a line
-        without a timestamp: it then never splits a cascade)."""
+        without a timestamp: it then never splits a cascade); `clock`: whose clock timed it, when
+        not the one all others share (offline: its file)."""
         job_id = anomaly.job_id
         if job_id and anomaly.job_nodes:
             self._set_alloc(job_id, tuple(anomaly.job_nodes), anomaly.partition, now)
@@ -388,6 +402,8 @@ class Attributor:
         group.add(anomaly)
         if not timed:
             group.untimed.add(anomaly.event_id)
+        if clock is not None:
+            group.clocks[anomaly.event_id] = clock
         if job_id:
             self._adopt_node_groups(group)
 
@@ -410,11 +426,12 @@ class Attributor:
                     for a in [*g.anomalies, *g.twins]:
                         job_group.add(a)
                     job_group.untimed |= g.untimed
+                    job_group.clocks.update(g.clocks)
                     continue
             # Evidence far apart in time is not one cascade: each is judged on its own, oldest
             # first, so an older fault never becomes the root of a newer one; the newest holds the job.
             earlier: list[Incident] = []
-            for part in cascades(g.anomalies, self.cascade_window_s, g.untimed):
+            for part in cascades(g.anomalies, self.cascade_window_s, g.untimed, g.clocks):
                 twins = [t for t in g.twins if any(_same_fault(a, t) for a in part)]
                 inc = self._incident(g, now, part, twins, earlier)
                 last = max((a.event_time for a in part if a.event_id not in g.untimed), default=inc.first_signal_time)
@@ -485,6 +502,7 @@ class Attributor:
                 for a in [*node_group.anomalies, *node_group.twins]:
                     group.add(a)
                 group.untimed |= node_group.untimed
+                group.clocks.update(node_group.clocks)
                 group.opened_at = min(group.opened_at, node_group.opened_at)
 
     def _expire(self, now: float) -> None:
