@@ -36,7 +36,7 @@ def check_locality(category: Category, isolate: bool, locality: Locality | None)
     fault takes its node out (the policy then drains it only when the evidence names the node)."""
     if locality is None:
         if category in LOCALITY_CATEGORIES:
-            raise ValueError(f"a {category} entry needs locality: node_local or fabric")
+            raise ValueError(f"an entry of category {category} needs locality: node_local or fabric")
         return
     if isolate != (locality == "node_local"):
         raise ValueError(

@@ -64,7 +64,7 @@ def test_every_interconnect_entry_and_class_says_its_locality_and_isolates_only_
 
 def test_a_catalog_entry_without_locality_or_contradicting_it_is_refused() -> None:
     base = dict(id="x", pattern="x", category="interconnect", severity="error", role="root", meaning="m", source="s")
-    with pytest.raises(ValueError, match="needs locality"):
+    with pytest.raises(ValueError, match="needs locality: node_local or fabric"):
         Signature(**base)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="isolate is true exactly when node_local"):
         Signature(**base, isolate=True, locality="fabric")  # type: ignore[arg-type]
