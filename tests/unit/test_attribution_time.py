@@ -10,6 +10,7 @@ from schemas.events import Anomaly
 from streams.attribution import CASCADE_WINDOW_S, Attributor, cascades
 from tests.unit.test_attribution import JOB_NODES, nccl, xid
 from trainmedic.ops.diagnose import diagnose_paths
+from trainmedic.settings import Settings
 
 T0 = 1_765_000_000.0  # a wall-clock time (the explanation prints it as HH:MM:SS)
 
@@ -38,6 +39,8 @@ def job_xid(node: str, t: float) -> Anomaly:
 
 def test_the_default_window_is_torchs_default_nccl_timeout() -> None:
     assert CASCADE_WINDOW_S == 600.0 and Attributor().cascade_window_s == 600.0
+    # The streams worker's setting (TRAINMEDIC_CASCADE_WINDOW_S) defaults to the same.
+    assert Settings.model_fields["cascade_window_s"].default == CASCADE_WINDOW_S
 
 
 def test_an_old_fault_does_not_explain_a_newer_one_of_another_class() -> None:
