@@ -431,17 +431,19 @@ class Attributor:
             # Evidence far apart in time is not one cascade: each is judged on its own, oldest
             # first, so an older fault never becomes the root of a newer one; the newest holds the job.
             earlier: list[Incident] = []
+            last = 0.0
             for part in cascades(g.anomalies, self.cascade_window_s, g.untimed, g.clocks):
                 twins = [t for t in g.twins if any(_same_fault(a, t) for a in part)]
                 inc = self._incident(g, now, part, twins, earlier)
                 last = max((a.event_time for a in part if a.event_id not in g.untimed), default=inc.first_signal_time)
-                self._closed[g.key] = _held(inc, now + self.hold_s, last)
                 self._await_corroboration(inc)
-                self._incident_times[inc.incident_id] = inc.event_time
                 for aid in inc.anomaly_ids:
                     self._attributed[aid] = now + self.hold_s
-                incidents.append(inc)
                 earlier.append(inc)
+            inc = earlier[-1]
+            self._closed[g.key] = _held(inc, now + self.hold_s, last)
+            self._incident_times[inc.incident_id] = inc.event_time
+            incidents += earlier
         self._expire(now)
         return incidents
 
