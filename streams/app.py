@@ -255,7 +255,9 @@ external_detector = ExternalHealthDetector()
 kernel_text_detector = KernelTextDetector()
 # InfiniBand / RoCE ports down after being up, link downs, error-counter bursts (net_ports.yaml).
 net_port_detector = NetPortDetector()
-attributor = Attributor(settle_s=SETTINGS.settle_s, collateral_wait_s=SETTINGS.collateral_s)
+attributor = Attributor(
+    settle_s=SETTINGS.settle_s, collateral_wait_s=SETTINGS.collateral_s, cascade_window_s=SETTINGS.cascade_window_s
+)
 # Operator mode changes: the API's state file when this host sees it, then mode.changes.
 modes = ModeState(BOOTSTRAP, SETTINGS.modes_file)
 LIVENESS = health.loop("streams", stale_after_s=60.0)

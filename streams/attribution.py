@@ -11,22 +11,36 @@ evidence, whether the fault lives on the culprit's node (`isolate`), whether the
 culprit is one of the job's nodes per the scheduler, and whether isolating it may
 be carried out (streams.policy.isolation). Which action follows is policy's alone
 (streams.policy.choose_action).
+
+Time: one cascade is evidence no further apart, link to link in the anomalies' own times, than
+the cascade window (`cascade_window_s`; a collective timeout that says it was configured longer
+stretches its own link). A group whose evidence falls apart into several cascades is judged once
+per cascade, oldest first: an older fault never becomes the root of a newer one, and the newest
+incident names the earlier ones in its explanation. A held incident absorbs only what continues
+its cascade.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 from schemas.events import Anomaly, Evidence, Incident, SchedEvent
 from schemas.ids import stable_id
 from schemas.vocab import PROVENANCE_RANK, SEVERITY_RANK
-from streams.causal import judge, tier
+from streams.causal import DEFAULT_COLLECTIVE_TIMEOUT_MS, judge, tier, when
 from streams.policy import SCHEDULER_NODE_DOWN, isolation, job_evidence_only, node_evidence, strongest_provenance
 
 MAX_EVIDENCE = 50
 # Jobs that finished are forgotten after this long, to bound memory.
 ALLOCATION_TTL_S = 24 * 3600.0
+# The longest a fault's cascade takes to show on the other ranks by default: a rank that waits on a
+# dead peer reports it when its collective times out, after torch's default NCCL timeout of 10 min
+# (PyTorch torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp: kProcessGroupNCCLDefaultTimeout =
+# 10 * 60 * 1000 ms, surfaced as torch.distributed.constants.default_pg_nccl_timeout; the
+# heartbeat monitor's TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC, 480 s, fires within it). Evidence further
+# apart than this, link to link, is not one cascade.
+CASCADE_WINDOW_S = DEFAULT_COLLECTIVE_TIMEOUT_MS / 1000.0
 
 
 @dataclass
@@ -38,6 +52,11 @@ class _Group:
     # The same fault seen through another source (an Xid in the kernel log, through NVML and
     # from NVSentinel): one piece of evidence, the twin's id still taken by the incident.
     twins: list[Anomaly] = field(default_factory=list)
+    # Anomalies whose time is not their own (offline: a line without a timestamp, timed by line
+    # order): they never split a cascade and join the one they fall in.
+    untimed: set[str] = field(default_factory=set)
+    # Anomalies timed by another clock than the default one (offline: each input file's own).
+    clocks: dict[str, str] = field(default_factory=dict)
 
     def all_ids(self) -> set[str]:
         return {a.event_id for a in self.anomalies} | {a.event_id for a in self.twins}
@@ -121,6 +140,9 @@ class _Held:
     incident_id: str
     explains: bool
     isolated_on: int | None
+    # The latest own time of the evidence it holds: what a later anomaly must follow within the
+    # cascade window to be part of the same cascade.
+    last_signal: float = 0.0
 
 
 def _isolation_rank(inc: Incident) -> int | None:
@@ -133,8 +155,50 @@ def _isolation_rank(inc: Incident) -> int | None:
     return PROVENANCE_RANK["job"]  # a partition that lets job evidence isolate
 
 
-def _held(inc: Incident, until: float) -> _Held:
-    return _Held(until, inc.incident_id, inc.category != "unknown", _isolation_rank(inc))
+def _held(inc: Incident, until: float, last_signal: float | None = None) -> _Held:
+    if last_signal is None:
+        last_signal = max((e.time for e in inc.evidence), default=inc.first_signal_time or inc.event_time)
+    return _Held(until, inc.incident_id, inc.category != "unknown", _isolation_rank(inc), last_signal)
+
+
+def _link_s(a: Anomaly, window_s: float) -> float:
+    """How long before `a` the evidence of its cascade may lie: the cascade window, or the collective
+    timeout the line says was configured when that is longer (the rank waited that long)."""
+    ms = a.facts.get("timeout_ms", "")
+    return max(window_s, int(ms) / 1000.0) if ms.isdigit() else window_s
+
+
+def cascades(
+    anomalies: Sequence[Anomaly],
+    window_s: float,
+    untimed: set[str] | frozenset[str] = frozenset(),
+    clocks: Mapping[str, str] | None = None,
+) -> list[list[Anomaly]]:
+    """The anomalies split into cascades, oldest first: sorted by their own time, a new cascade
+    begins where an anomaly follows the previous one of its clock by more than the window
+    (`_link_s`). Anomalies in `untimed` do not split; each joins the latest cascade that began at or
+    before its time. `clocks` (anomaly id -> clock) names anomalies timed by another clock than
+    the default one: a gap is measured only between times of one clock, since the times of
+    different files agree only as far as their clocks do (other hosts, local time zones that
+    syslog, glog and Python logging do not write, a year that year-less stamps leave to a guess)."""
+    clock_of = clocks or {}
+    timed = sorted((a for a in anomalies if a.event_id not in untimed), key=lambda a: a.event_time)
+    out: list[list[Anomaly]] = []
+    last: dict[str, float] = {}  # clock -> its latest time in the current cascade
+    for a in timed:
+        clock = clock_of.get(a.event_id, "")
+        if not out or (clock in last and a.event_time - last[clock] > _link_s(a, window_s)):
+            out.append([])
+            last = {}
+        out[-1].append(a)
+        last[clock] = a.event_time
+    for a in sorted((a for a in anomalies if a.event_id in untimed), key=lambda a: a.event_time):
+        if not out:
+            out.append([a])
+            continue
+        at = max((i for i, c in enumerate(out) if c[0].event_time <= a.event_time), default=0)
+        out[at].append(a)
+    return out
 
 
 def _stronger_isolating(held: _Held, anomaly: Anomaly) -> bool:
@@ -193,13 +257,24 @@ class Attributor:
     published; collateral_wait_s: how long a group of collateral symptoms only
     (NCCL timeouts) waits for a root cause to show up; hold_s: after an
     incident, further anomalies of the same job are absorbed into it (the
-    cascade a fault causes is one incident) until the job runs again.
+    cascade a fault causes is one incident) until the job runs again;
+    cascade_window_s: how far apart, in their own times, two consecutive
+    anomalies of one cascade may lie (CASCADE_WINDOW_S, torch's default NCCL
+    timeout): evidence further apart is judged as separate incidents and is
+    not absorbed by a held incident.
     """
 
-    def __init__(self, settle_s: float = 1.0, collateral_wait_s: float = 5.0, hold_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        settle_s: float = 1.0,
+        collateral_wait_s: float = 5.0,
+        hold_s: float = 600.0,
+        cascade_window_s: float = CASCADE_WINDOW_S,
+    ) -> None:
         self.settle_s = settle_s
         self.collateral_wait_s = collateral_wait_s
         self.hold_s = hold_s
+        self.cascade_window_s = cascade_window_s
         self._groups: dict[str, _Group] = {}
         # key -> the incident holding the job (or node) and what it may absorb
         self._closed: dict[str, _Held] = {}
@@ -297,7 +372,10 @@ class Attributor:
                     if self._node_job.get(n) == ev.job_id:
                         del self._node_job[n]
 
-    def add(self, anomaly: Anomaly, now: float) -> None:
+    def add(self, anomaly: Anomaly, now: float, timed: bool = True, clock: str | None = None) -> None:
+        """Take one anomaly at `now`. `timed`: its event_time is its own (offline, False for a line
+        without a timestamp: it then never splits a cascade); `clock`: whose clock timed it, when
+        not the one all others share (offline: its file)."""
         job_id = anomaly.job_id
         if job_id and anomaly.job_nodes:
             self._set_alloc(job_id, tuple(anomaly.job_nodes), anomaly.partition, now)
@@ -310,14 +388,22 @@ class Attributor:
             and now < closed.until
             and not _names_the_cause(closed.explains, anomaly)
             and not _stronger_isolating(closed, anomaly)
+            and not (timed and self._after_cascade(closed, anomaly))
         )
         if holds or self._attributed.get(anomaly.event_id, 0.0) > now:
+            if holds and closed is not None and timed and anomaly.event_time > closed.last_signal:
+                # What the incident absorbs continues its cascade: the next link is measured from it.
+                self._closed[key] = replace(closed, last_signal=anomaly.event_time)
             self.absorbed += 1
             return
         group = self._groups.get(key)
         if group is None:
             group = self._groups[key] = _Group(key=key, job_id=job_id, opened_at=now)
         group.add(anomaly)
+        if not timed:
+            group.untimed.add(anomaly.event_id)
+        if clock is not None:
+            group.clocks[anomaly.event_id] = clock
         if job_id:
             self._adopt_node_groups(group)
 
@@ -339,14 +425,25 @@ class Attributor:
                 if job_group is not None:
                     for a in [*g.anomalies, *g.twins]:
                         job_group.add(a)
+                    job_group.untimed |= g.untimed
+                    job_group.clocks.update(g.clocks)
                     continue
-            inc = self._incident(g, now)
-            self._closed[g.key] = _held(inc, now + self.hold_s)
-            self._await_corroboration(inc)
+            # Evidence far apart in time is not one cascade: each is judged on its own, oldest
+            # first, so an older fault never becomes the root of a newer one; the newest holds the job.
+            earlier: list[Incident] = []
+            last = 0.0
+            for part in cascades(g.anomalies, self.cascade_window_s, g.untimed, g.clocks):
+                twins = [t for t in g.twins if any(_same_fault(a, t) for a in part)]
+                inc = self._incident(g, now, part, twins, earlier)
+                last = max((a.event_time for a in part if a.event_id not in g.untimed), default=inc.first_signal_time)
+                self._await_corroboration(inc)
+                for aid in inc.anomaly_ids:
+                    self._attributed[aid] = now + self.hold_s
+                earlier.append(inc)
+            inc = earlier[-1]
+            self._closed[g.key] = _held(inc, now + self.hold_s, last)
             self._incident_times[inc.incident_id] = inc.event_time
-            for aid in inc.anomaly_ids:
-                self._attributed[aid] = now + self.hold_s
-            incidents.append(inc)
+            incidents += earlier
         self._expire(now)
         return incidents
 
@@ -406,6 +503,8 @@ class Attributor:
             if node_group is not None:
                 for a in [*node_group.anomalies, *node_group.twins]:
                     group.add(a)
+                group.untimed |= node_group.untimed
+                group.clocks.update(node_group.clocks)
                 group.opened_at = min(group.opened_at, node_group.opened_at)
 
     def _expire(self, now: float) -> None:
@@ -420,16 +519,27 @@ class Attributor:
         for job_id in [j for j, a in self._alloc.items() if now - a.seen_at > ALLOCATION_TTL_S]:
             del self._alloc[job_id]
 
-    def _incident(self, g: _Group, now: float) -> Incident:
+    def _after_cascade(self, held: _Held, anomaly: Anomaly) -> bool:
+        """Whether `anomaly` comes too long after the held incident's evidence to be its cascade."""
+        return anomaly.event_time - held.last_signal > _link_s(anomaly, self.cascade_window_s)
+
+    def _incident(
+        self,
+        g: _Group,
+        now: float,
+        anomalies: Sequence[Anomaly],
+        twins: Sequence[Anomaly],
+        earlier: Sequence[Incident] = (),
+    ) -> Incident:
         alloc = self._alloc.get(g.job_id) if g.job_id else None
-        job_nodes = list(alloc.nodes) if alloc else list(g.anomalies[0].job_nodes)
-        v = judge(g.anomalies, job_nodes)
+        job_nodes = list(alloc.nodes) if alloc else list(anomalies[0].job_nodes)
+        v = judge(anomalies, job_nodes)
         top = v.top
         partition = top.partition or (alloc.partition if alloc else None)
         culprit_in_job = (
             (v.culprit_node in alloc.nodes) if (alloc and alloc.from_scheduler and v.culprit_node) else None
         )
-        taken = [*g.anomalies, *g.twins]
+        taken = [*anomalies, *twins]
         first = min(a.event_time for a in taken)
         incident_id = stable_id("inc", g.key, min(a.event_id for a in taken))
         explanation = v.explanation
@@ -452,9 +562,11 @@ class Attributor:
             # Slurm's own word that the node failed: corroborates the job's evidence about it.
             evidence.append(_scheduler_evidence(down))
             explanation += f"; corroborated by the scheduler: {evidence[-1].line}"
-        if g.twins:
-            seen = sorted({f"{a.signature} on {a.node} (source {a.source})" for a in g.twins})
+        if twins:
+            seen = sorted({f"{a.signature} on {a.node} (source {a.source})" for a in twins})
             explanation += f"; also reported by another source, counted once: {', '.join(seen)}"
+        if earlier:
+            explanation += "; " + _earlier_words(earlier, first, self.cascade_window_s)
         draft = Incident(
             event_id=incident_id,
             incident_id=incident_id,
@@ -520,6 +632,32 @@ class Attributor:
     def _await_corroboration(self, inc: Incident) -> None:
         if inc.isolate and inc.culprit_node and not inc.isolatable and job_evidence_only(inc):
             self._awaiting[inc.culprit_node] = inc
+
+
+def _earlier_words(earlier: Sequence[Incident], first: float, window_s: float) -> str:
+    """The separate, earlier faults of the job's evidence, named in the newer incident's explanation."""
+    parts = []
+    for inc in earlier:
+        top = inc.evidence[0] if inc.evidence else None
+        what = f"{inc.category} ({top.signature}" if top else f"{inc.category} ("
+        if top is not None and top.node:
+            what += f" on {top.node}"
+        at = when(inc.first_signal_time or 0.0)
+        what += (f" at {at}" if at else "") + ")"
+        gap = first - max((e.time for e in inc.evidence), default=inc.first_signal_time or first)
+        parts.append(f"{what}, {_span(gap)} before")
+    return (
+        f"an earlier, separate fault not part of this failure (more than the {window_s:g} s cascade window "
+        f"before it): {'; '.join(parts)}"
+    )
+
+
+def _span(seconds: float) -> str:
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f} h"
+    if seconds >= 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds:.0f} s"
 
 
 def _judged(draft: Incident) -> Incident:

@@ -326,6 +326,11 @@ class Policy(BaseModel):
     fleet: FleetPolicy = Field(default_factory=FleetPolicy)
     remediation: RemediationPolicy = Field(default_factory=RemediationPolicy)
     provenance: ProvenancePolicy = Field(default_factory=ProvenancePolicy)
+    # Categories whose node-local fault isolates only a node the evidence names (issue 42, interconnect
+    # by locality: NVLink/NVSwitch on the node, the node's own adapter or port). With no node named the
+    # restart is a plain requeue and isolating is left to a person: unlike a failed GPU, whose rank
+    # still points at one node, a port or link error with no host may be anywhere on the fabric.
+    isolate_named_node_only: list[Category] = Field(default=["interconnect"], max_length=16)
 
     def mode_for(self, partition: str | None, category: Category | None = None) -> Mode:
         """Most specific wins: partition+category, partition, category, default."""
@@ -643,6 +648,14 @@ def decide(
                 f"isolating {incident.culprit_node} is for a person)"
             )
             reasons.append(f"{note}; isolating {incident.culprit_node} recommended")
+        elif incident.culprit_node is None and incident.category in policy.isolate_named_node_only:
+            # A node-local fault (the catalog's locality) whose node the evidence does not name: the
+            # job restarts, and a person finds the node (policy isolate_named_node_only).
+            action = _JOB_ONLY[action]
+            rule += (
+                f" (node-local {incident.category} fault, no node named: {action}; finding the node is for a person)"
+            )
+            reasons.append(f"{note}: the node is for a person to find")
         else:
             # Never a silent plain restart: it may land on the same bad GPU. Recommend the
             # isolation, naming what is known, and leave it to a person.

@@ -130,6 +130,11 @@ class Settings(BaseSettings):
     )
     settle_s: float = Field(default=1.0, gt=0, description="attribution window once a root cause is seen")
     collateral_s: float = Field(default=5.0, gt=0, description="how long collateral-only symptoms wait")
+    cascade_window_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="evidence further apart than this (torch's default NCCL timeout) is not one cascade",
+    )
     fetch_max_wait_ms: int = Field(default=100, ge=1, le=1500, description="cap on the Faust consumer's fetch wait")
     fetch_pace_ms: int = Field(
         default=50,

@@ -6,9 +6,9 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from schemas.errors import ConfigError
 from schemas.vocab import ActionKind, Category, Role, Severity
@@ -23,6 +23,26 @@ class CatalogError(ConfigError, ValueError):
 
 M = TypeVar("M", bound=BaseModel)
 
+#: Where an interconnect fault lives (issue 42, deliverable 5): `node_local` - NVLink/NVSwitch on the
+#: node, the node's own adapter or port, a GPU pair on one node: the node that reports it is at fault;
+#: `fabric` - a link between two peers, the switches, a collective that timed out: no one node is.
+Locality = Literal["node_local", "fabric"]
+#: The categories whose entries must say their locality.
+LOCALITY_CATEGORIES: tuple[Category, ...] = ("interconnect",)
+
+
+def check_locality(category: Category, isolate: bool, locality: Locality | None) -> None:
+    """An interconnect entry says its locality, and its `isolate` follows from it: only a node-local
+    fault takes its node out (the policy then drains it only when the evidence names the node)."""
+    if locality is None:
+        if category in LOCALITY_CATEGORIES:
+            raise ValueError(f"an entry of category {category} needs locality: node_local or fabric")
+        return
+    if isolate != (locality == "node_local"):
+        raise ValueError(
+            f"locality {locality} with isolate {str(isolate).lower()}: isolate is true exactly when node_local"
+        )
+
 
 class Signature(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -33,11 +53,18 @@ class Signature(BaseModel):
     severity: Severity
     role: Role
     isolate: bool = False
+    # node_local or fabric: required for interconnect entries (check_locality).
+    locality: Locality | None = None
     meaning: str
     source: str
     # A catch-all (a bare exit code, any Python exception): tried after every specific entry of this
     # file and of the emitters' vocabularies (vocabulary.yaml), so that any of those wins a line it names.
     fallback: bool = False
+
+    @model_validator(mode="after")
+    def _located(self) -> Signature:
+        check_locality(self.category, self.isolate, self.locality)
+        return self
 
     @field_validator("pattern")
     @classmethod

@@ -18,7 +18,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from schemas.vocab import ActionKind, Category, Role, Severity
-from streams.catalog import CATALOG_DIR, CatalogError, Signature, _Pattern, load_catalog_model
+from streams.catalog import CATALOG_DIR, CatalogError, Locality, Signature, _Pattern, check_locality, load_catalog_model
 
 # printf conversions (flags, width, precision, length) and Python format fields; everything else in
 # a format is literal text.
@@ -54,8 +54,15 @@ class VocabularyClass(BaseModel):
     severity: Severity
     role: Role
     isolate: bool
+    # node_local or fabric: required for interconnect classes (streams.catalog.check_locality).
+    locality: Locality | None = None
     action: ActionKind  # what the default policy decides for this category and isolation (held by a test)
     meaning: str = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _located(self) -> VocabularyClass:
+        check_locality(self.category, self.isolate, self.locality)
+        return self
 
 
 class VocabularyEntry(_Pattern):
@@ -140,6 +147,7 @@ def vocabulary_signatures(vocab: Vocabulary) -> tuple[Signature, ...]:
                 severity=klass.severity,
                 role=klass.role,
                 isolate=klass.isolate,
+                locality=klass.locality,
                 meaning=entry.meaning or klass.meaning,
                 source=entry.source,
                 fallback=entry.fallback,

@@ -111,6 +111,7 @@ _CLASS = """classes:
     severity: error
     role: collateral
     isolate: false
+    locality: fabric
     action: requeue
     meaning: m
 """

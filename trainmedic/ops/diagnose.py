@@ -676,12 +676,18 @@ def diagnose_paths(
             "files": names,
         }
     attributor = Attributor(settle_s=0.0, collateral_wait_s=0.0)
+    # A line without its own timestamp is timed by line order: it must not split a cascade. Each
+    # file is its own clock: only gaps within one file split cascades.
+    clock = {ln.ts: f for f, lines in enumerate(files) for ln in lines if ln.stamped}
     for a in anomalies:
-        attributor.add(a, now=0.0)
+        at = clock.get(a.event_time)
+        attributor.add(a, now=0.0, timed=at is not None, clock=None if at is None else str(at))
     incidents = attributor.flush(now=1.0)
-    if len(incidents) != 1:  # all anomalies carry the offline job id: one group
-        raise DiagnoseError(f"internal: expected one incident, got {len(incidents)}")
-    inc = incidents[0]
+    if not incidents:  # all anomalies carry the offline job id: one group
+        raise DiagnoseError("internal: expected an incident, got none")
+    # One incident per cascade, oldest first: the verdict is about the last failure, what ended the
+    # run; its explanation names the earlier, separate ones.
+    inc = incidents[-1]
     evidence = [
         {
             "source": e.source,
