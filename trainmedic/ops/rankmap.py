@@ -66,6 +66,15 @@ class RankMap:
         i = rank // self.ranks_per_node
         return self.nodes[i] if i < len(self.nodes) else None
 
+    def resolve_host(self, host: str) -> str | None:
+        """The node of this placement that `host` names: the same name, else the same short name
+        (the first DNS label: gpu01.cluster.local and gpu01 are one node), or None."""
+        if host in self.nodes:
+            return host
+        short = host.split(".", 1)[0]
+        matches = [n for n in self.nodes if n.split(".", 1)[0] == short]
+        return matches[0] if len(matches) == 1 else None
+
     def describe(self) -> str:
         if self.explicit:
             return f"rank map of {len(self.explicit)} ranks"
