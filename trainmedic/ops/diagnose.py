@@ -743,17 +743,26 @@ _TABLE_EXITCODE = re.compile(r"^\s+exitcode\s*: -?\d+")
 
 def _place_failure_tables(files: Sequence[list[_Line]], job: Sequence[bool]) -> None:
     """Give the lines of torchrun's ChildFailedError root-cause entry that entry's rank, host and
-    local rank, as the job-log producer's traceback grouper does (`producers.tracebacks.FailureTable`)."""
+    local rank, as the job-log producer's traceback grouper does (`producers.tracebacks.FailureTable`),
+    and the time of the table's start: the table lists the root cause last, but it failed first."""
     for f, lines in enumerate(files):
         # Most logs hold no table: spare them a LogLine per line.
         if not job[f] or not any("Root Cause" in ln.text for ln in lines):
             continue
         table = FailureTable()
+        start: float | None = None  # the time of the table's "Failures:" line
         for ln in lines:
-            placed = table.feed(
-                LogLine(text=ln.text, ts=ln.ts, rank=ln.rank, node=ln.node, gpu=ln.gpu, lineno=ln.lineno)
-            )
+            if ln.text.strip() == "Failures:":
+                start = ln.ts
+            fed = LogLine(text=ln.text, ts=ln.ts, rank=ln.rank, node=ln.node, gpu=ln.gpu, lineno=ln.lineno)
+            placed = table.feed(fed)
+            if placed is fed:
+                continue
             ln.rank, ln.node, ln.gpu = placed.rank, placed.node, placed.gpu
+            # The table prints the other failures before the root cause, which is the first observed
+            # failure: its lines take the table's start, so that it comes first as it did.
+            if start is not None:
+                ln.ts = min(ln.ts, start)
 
 
 def _placed_crash(crash: _Line, files: Sequence[list[_Line]], job: Sequence[bool]) -> _Line:
@@ -772,10 +781,14 @@ def _placed_crash(crash: _Line, files: Sequence[list[_Line]], job: Sequence[bool
 
 
 def _culprit_node(inc: Incident) -> str | None:
-    """The incident's node as the culprit only when its fault lives on that node (`isolate`): a host
-    that merely wrote the line (pdsh's "host: " before a user's traceback, the NCCL prefix of one end
-    of a failing link) is where the fault showed, not its origin. The evidence keeps every node."""
-    return inc.culprit_node if inc.isolate else None
+    """The incident's node as the culprit, except a host the job's own text gave to a fault that
+    does not live on that node (not `isolate`): the host that merely wrote the line (pdsh's "host: "
+    before a user's traceback, the NCCL prefix of one end of a failing link) is where the fault
+    showed, not its origin. A node's own report (its kernel's OOM killer) still names it. The
+    evidence keeps every node."""
+    if inc.isolate or inc.provenance != "job":
+        return inc.culprit_node
+    return None
 
 
 def _resolve_culprit(node: str | None, rank: int | None, ranks: RankMap | None) -> tuple[str | None, str]:
