@@ -20,7 +20,7 @@ from producers.position import FilePosition
 from producers.progress import ProgressParser
 from producers.tracebacks import TracebackGrouper
 from schemas.events import LogBatch, LogLine, ProgressBatch
-from schemas.ids import NODE_NAME_PATTERN, stable_id
+from schemas.ids import NODE_NAME_PATTERN, node_for_host, stable_id
 from schemas.topics import JOB_LOGS, JOB_PROGRESS
 
 _SRUN_LABEL = re.compile(r"^\s*(\d{1,6}): ")
@@ -169,6 +169,12 @@ class JobLayout:
         i = rank // self.ranks_per_node
         return self.job_nodes[i] if i < len(self.job_nodes) else None
 
+    def node_named(self, host: str | None) -> str | None:
+        """The job's node a host in its text names (by short name: an FQDN is the node), else the host."""
+        if host is None or not self.job_nodes:
+            return host
+        return node_for_host(host, self.job_nodes) or host
+
 
 class JobLogProducer:
     """Follows one job's output files; publishes one LogBatch per file per poll."""
@@ -244,7 +250,7 @@ class JobLogProducer:
                         ts=now,
                         rank=r.rank,
                         # The file's node, else the rank's by layout, else the host the line names.
-                        node=path_node or self.layout.node_of(r.rank) or r.host,
+                        node=path_node or self.layout.node_of(r.rank) or self.layout.node_named(r.host),
                         gpu=r.gpu,
                         lineno=first + i,
                     )

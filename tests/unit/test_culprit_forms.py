@@ -14,7 +14,10 @@ from typing import Any
 
 import pytest
 
-from producers.joblogs import split_rank_prefix
+from producers.joblogs import JobLayout, split_rank_prefix
+from schemas.events import LogBatch, LogLine
+from schemas.ids import node_for_host
+from streams.detectors.signatures import SignatureDetector
 from trainmedic.ops.diagnose import diagnose_paths
 from trainmedic.ops.rankmap import from_nodelist, parse_rank_map
 
@@ -193,3 +196,43 @@ def test_child_failed_table_rank_resolves_through_the_placement(tmp_path: Path) 
     assert (r["culprit_rank"], r["culprit_node_resolved"]) == (3, "gpu01")
     r = _diagnose(tmp_path, _table(11, "gpu02", 3), nodelist="gpu[01-02]", ranks_per_node=8)
     assert (r["culprit_rank"], r["culprit_node_resolved"]) == (11, "gpu02")
+
+
+def test_node_for_host() -> None:
+    nodes = ["gpu01", "gpu02", "gpu03"]
+    assert node_for_host("gpu02", nodes) == "gpu02"
+    assert node_for_host("gpu02.cluster.local", nodes) == "gpu02"
+    assert node_for_host("gpu04.cluster.local", nodes) is None
+    assert node_for_host("gpu0", nodes) is None
+
+
+def test_producer_layout_names_the_jobs_node() -> None:
+    layout = JobLayout(job_nodes=("gpu01", "gpu02"), ranks_per_node=8)
+    r = split_rank_prefix(PDSH % ("gpu02.cluster.local", "RuntimeError: CUDA error: unknown error"))
+    assert layout.node_named(r.host) == "gpu02"
+    assert layout.node_named("login1.cluster.local") == "login1.cluster.local"  # not the job's: as written
+    assert JobLayout().node_named("gpu02.cluster.local") == "gpu02.cluster.local"
+
+
+def test_online_detector_resolves_an_fqdn_to_the_jobs_node() -> None:
+    # The streams worker's log detector on a batch whose job runs on gpu[01-03] (the producer's layout).
+    batch = LogBatch(
+        event_id="b1",
+        event_time=1.0,
+        job_id="42",
+        source="job.out",
+        job_nodes=["gpu01", "gpu02", "gpu03"],
+        lines=[
+            LogLine(text="srun: error: Node failure on gpu03.cluster.local", ts=1.0, lineno=1),
+            LogLine(
+                text=NCCL_WARN % ("gpu01.cluster.local", 1234, 5690, 3, "include/alloc.h", 103)
+                + "Cuda failure 'uncorrectable ECC error encountered'",
+                ts=2.0,
+                lineno=2,
+                node="gpu01.cluster.local",
+            ),
+        ],
+    )
+    found = {a.signature: a.node for a in SignatureDetector().detect(batch)}
+    assert found["srun_node_failure"] == "gpu03"
+    assert found["cuda_uncorrectable_ecc"] == "gpu01"

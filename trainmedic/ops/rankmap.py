@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Literal, cast, get_args
 
 from schemas.errors import UsageError
+from schemas.ids import node_for_host
 from slurmio.hostlist import HostlistError, expand_hostlist
 
 Distribution = Literal["block", "cyclic"]
@@ -69,11 +70,7 @@ class RankMap:
     def resolve_host(self, host: str) -> str | None:
         """The node of this placement that `host` names: the same name, else the same short name
         (the first DNS label: gpu01.cluster.local and gpu01 are one node), or None."""
-        if host in self.nodes:
-            return host
-        short = host.split(".", 1)[0]
-        matches = [n for n in self.nodes if n.split(".", 1)[0] == short]
-        return matches[0] if len(matches) == 1 else None
+        return node_for_host(host, self.nodes)
 
     def describe(self) -> str:
         if self.explicit:
