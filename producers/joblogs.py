@@ -1,8 +1,10 @@
 """Job-log tailer: follows a job's output files and publishes batches of lines.
 
-Understands `srun --label` prefixes ("3: ...") and torchrun's "[rank3]:"
-prefix, so each line keeps the rank (and, with the job's layout, the node)
-that wrote it.
+Understands `srun --label` prefixes ("3: ..."), torchrun's "[rank3]:" prefix,
+Open MPI's tags and the hosts parallel launchers put before a line (pdsh and
+DeepSpeed's "host: ", Open MPI's "[host:pid]", NCCL's "host:pid:tid [gpu]"), so
+each line keeps the rank and node (by the job's layout, else the host it
+names) that wrote it.
 """
 
 from __future__ import annotations
@@ -107,9 +109,10 @@ def _host_of(text: str) -> tuple[str | None, int | None, int | None]:
 def split_rank_prefix(line: str) -> RankedText:
     """Strip the launchers' prefixes and say which rank, host and GPU the line is from.
 
-    Prefixes nest (torchrun inside srun, mpirun tags): the innermost rank wins. Host-naming
-    forms (NCCL's host:pid:tid, syslog, srun's "HOST: task N") stay in the text: catalog
-    patterns match on them.
+    Prefixes nest (torchrun inside srun or pdsh, mpirun tags): the innermost rank wins. pdsh's
+    "HOST: " is stripped like the rank prefixes (the program's line is what catalogs read); the
+    other host-naming forms (NCCL's host:pid:tid, Open MPI's [host:pid], syslog, srun's "HOST:
+    task N") stay in the text: catalog patterns match on them.
     """
     rank: int | None = None
     gpu: int | None = None
