@@ -1,8 +1,10 @@
 """Job-log tailer: follows a job's output files and publishes batches of lines.
 
-Understands `srun --label` prefixes ("3: ...") and torchrun's "[rank3]:"
-prefix, so each line keeps the rank (and, with the job's layout, the node)
-that wrote it.
+Understands `srun --label` prefixes ("3: ..."), torchrun's "[rank3]:" prefix,
+Open MPI's tags and the hosts parallel launchers put before a line (pdsh and
+DeepSpeed's "host: ", Open MPI's "[host:pid]", NCCL's "host:pid:tid [gpu]"), so
+each line keeps the rank and node (by the job's layout, else the host it
+names) that wrote it.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from producers.position import FilePosition
 from producers.progress import ProgressParser
 from producers.tracebacks import TracebackGrouper
 from schemas.events import LogBatch, LogLine, ProgressBatch
-from schemas.ids import NODE_NAME_PATTERN, stable_id
+from schemas.ids import NODE_NAME_PATTERN, node_for_host, stable_id
 from schemas.topics import JOB_LOGS, JOB_PROGRESS
 
 _SRUN_LABEL = re.compile(r"^\s*(\d{1,6}): ")
@@ -52,6 +54,34 @@ _HOST_FORMS = (
     re.compile(rf"\b[Ii]nstance: (?P<host>{_HOST}?)[,;\s]"),
     re.compile(rf"\b[Hh]ostname[=:] ?\"?(?P<host>{_HOST})(?![A-Za-z0-9._-])"),  # not the start of a longer one
 )
+# NCCL's own prefix at the start of a line, behind an optional timestamp: the writer.
+# nccl src/debug.cc ncclDebugLog (NCCL 2.18-2.23): INFO "%s:%d:%d [%d] NCCL INFO ", WARN
+# "%s:%d:%d [%d] %s:%d NCCL WARN " (host, pid, tid, cudaDev[, file, line]). The writer of a
+# network error is one end of a failing link: whether it is the fault's node is the
+# catalog's `isolate` (trainmedic.ops.diagnose reports a culprit only then).
+_NCCL_WRITER = re.compile(
+    rf"^(?:\d{{4}}-\d\d-\d\dT[\d:.]+Z?: )?(?P<host>(?=[\w.-]*[A-Za-z]){_HOST}):\d+:\d+ \[\d{{1,3}}\] (?:[\w./-]+:\d+ )?NCCL "
+)
+# Launcher prefixes that name the host that wrote the line, stripped like the rank prefixes.
+# pdsh (and DeepSpeed's default multi-node launcher, deepspeed/launcher/multinode_runner.py
+# PDSHRunner, which runs `pdsh -S -f 1024 -w HOSTS`): every output line as "HOST: line"
+# (pdsh 2.34 src/pdsh/dsh.c, labels on unless -N, src/pdsh/opt.c). A host here is a name with a
+# digit in its first label, no "_" (RFC 1123 names), not a source file or number-format word:
+# "fp16: true" or "sha256: ..." of a printed config is no host.
+_PDSH_HOST = re.compile(
+    r"^(?!(?:fp|bf|int|uint|float|sha|md|utf|base|x|ipv|py|python|cuda|sm|stage|zero|layer|conv|epoch|step|iter|"
+    r"rank|fold|top)\d+: )(?P<host>[A-Za-z][A-Za-z0-9-]*\d[A-Za-z0-9-]*(?:\.[A-Za-z][A-Za-z0-9-]*)*): "
+)
+# pdsh's own errors name the remote host after "pdsh@LAUNCHER: " (pdsh's err() "%p: %S: ...").
+_PDSH_ERROR = re.compile(rf"^pdsh@[\w.-]+: (?P<host>{_HOST}): ")
+# Open MPI's "[HOST:PID] " of its signal handler's report and its error logs
+# (opal/util/stacktrace.c, "[%s:%05d] " with the node name and pid, Open MPI 4.1 / 5.0), and
+# MPICH Hydra's proxies "[proxy:PG:ID@HOST] " (src/pm/hydra). Kept in the text: catalog patterns
+# match on them. A Python logger's "[file.py:123]" is no host.
+_MPI_HOST = re.compile(
+    r"^\[(?:proxy:\d+:\d+@(?P<proxy>[A-Za-z0-9][\w.-]*)|"
+    rf"(?P<host>(?=[\w.-]*[A-Za-z])(?![\w.-]*\.(?:py|pyx|c|cc|cpp|cu|h|hpp|rs|go|java):){_HOST}):\d{{1,10}})\] "
+)
 MAX_LINES_PER_BATCH = 1000
 
 
@@ -61,6 +91,10 @@ class RankedText:
     text: str
     host: str | None = None  # the node the line says wrote it
     gpu: int | None = None  # the GPU index on that node (NCCL's cudaDev, torchrun's local rank)
+    # The host a launcher's prefix (pdsh, DeepSpeed, Open MPI, Hydra) or NCCL's own prefix at the
+    # start of the line names as its writer: unlike a host named inside the message (a peer in an
+    # IB error), the line's origin.
+    writer: str | None = None
 
 
 def _host_of(text: str) -> tuple[str | None, int | None, int | None]:
@@ -75,9 +109,10 @@ def _host_of(text: str) -> tuple[str | None, int | None, int | None]:
 def split_rank_prefix(line: str) -> RankedText:
     """Strip the launchers' prefixes and say which rank, host and GPU the line is from.
 
-    Prefixes nest (torchrun inside srun, mpirun tags): the innermost rank wins. Host-naming
-    forms (NCCL's host:pid:tid, syslog, srun's "HOST: task N") stay in the text: catalog
-    patterns match on them.
+    Prefixes nest (torchrun inside srun or pdsh, mpirun tags): the innermost rank wins. pdsh's
+    "HOST: " is stripped like the rank prefixes (the program's line is what catalogs read); the
+    other host-naming forms (NCCL's host:pid:tid, Open MPI's [host:pid], syslog, srun's "HOST:
+    task N") stay in the text: catalog patterns match on them.
     """
     rank: int | None = None
     gpu: int | None = None
@@ -89,6 +124,7 @@ def split_rank_prefix(line: str) -> RankedText:
     if m:
         rank = int(m.group(1))
         line = line[m.end() :]
+    writer, line = _launcher_host(line)
     m = _TORCHRUN_RANK.match(line)
     if m:
         rank = int(m.group(1))
@@ -102,7 +138,25 @@ def split_rank_prefix(line: str) -> RankedText:
     if rank is None:
         m = _C10D_RANK.search(line)
         rank = int(m.group(1)) if m else host_rank
-    return RankedText(rank, line, host, host_gpu if host_gpu is not None else gpu)
+    nccl = _NCCL_WRITER.match(line)
+    if writer is None and nccl is not None:
+        writer = nccl.group("host")
+    return RankedText(rank, line, writer or host, host_gpu if host_gpu is not None else gpu, writer)
+
+
+def _launcher_host(line: str) -> tuple[str | None, str]:
+    """The host a parallel launcher's prefix names, and the line without pdsh's "HOST: " (the
+    line as the program printed it; Open MPI's and pdsh's error prefixes stay: patterns match them)."""
+    m = _PDSH_ERROR.match(line)
+    if m:
+        return m.group("host"), line
+    m = _MPI_HOST.match(line)
+    if m:
+        return m.group("proxy") or m.group("host"), line
+    m = _PDSH_HOST.match(line)
+    if m:
+        return m.group("host"), line[m.end() :]
+    return None, line
 
 
 @dataclass(frozen=True)
@@ -117,6 +171,12 @@ class JobLayout:
             return None
         i = rank // self.ranks_per_node
         return self.job_nodes[i] if i < len(self.job_nodes) else None
+
+    def node_named(self, host: str | None) -> str | None:
+        """The job's node a host in its text names (by short name: an FQDN is the node), else the host."""
+        if host is None or not self.job_nodes:
+            return host
+        return node_for_host(host, self.job_nodes) or host
 
 
 class JobLogProducer:
@@ -193,7 +253,7 @@ class JobLogProducer:
                         ts=now,
                         rank=r.rank,
                         # The file's node, else the rank's by layout, else the host the line names.
-                        node=path_node or self.layout.node_of(r.rank) or r.host,
+                        node=path_node or self.layout.node_of(r.rank) or self.layout.node_named(r.host),
                         gpu=r.gpu,
                         lineno=first + i,
                     )

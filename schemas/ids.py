@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Iterable
 
 from schemas.errors import ConfigError, UsageError
 
@@ -59,6 +60,18 @@ class NodeNameError(UsageError, ValueError):
 
 def is_node_name(name: object) -> bool:
     return isinstance(name, str) and NODE_NAME_RE.fullmatch(name) is not None
+
+
+def node_for_host(host: str, nodes: Iterable[str]) -> str | None:
+    """The one of `nodes` that `host` names: the same name, else the one with the same short name
+    (the first DNS label: a log's `socket.getfqdn()` "gpu01.cluster.local" is Slurm's "gpu01"), or
+    None when none or several do."""
+    names = tuple(nodes)
+    if host in names:
+        return host
+    short = host.split(".", 1)[0]
+    found = [n for n in names if n.split(".", 1)[0] == short]
+    return found[0] if len(found) == 1 else None
 
 
 def check_node_name(name: str, what: str = "node name") -> str:

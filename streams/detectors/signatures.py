@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from schemas.events import Anomaly, LogBatch, LogLine
-from schemas.ids import is_node_name, stable_id
+from schemas.ids import is_node_name, node_for_host, stable_id
 from streams.catalog import Signature, default_signatures
 from streams.catalog.vocabulary import default_vocabulary_signatures, detector_order
 from streams.detectors.activity import ActivityTracker
@@ -72,6 +72,9 @@ class SignatureDetector:
             # A host the line names counts only if it is a Slurm node name (schemas.ids): "Node failure on -".
             named = groups.get("node")
             node = named if named and is_node_name(named) else line.node
+            if node and batch.job_nodes:
+                # A host the text names by its FQDN is the job's node of that short name.
+                node = node_for_host(node, batch.job_nodes) or node
             rank = int(groups["rank"]) if groups.get("rank") else line.rank
             gpu = int(groups["gpu"]) if groups.get("gpu") else line.gpu
             facts = {k: v[:MAX_FACT_CHARS] for k, v in groups.items() if v is not None and k not in _ATTRIBUTION_GROUPS}

@@ -50,15 +50,16 @@ import re
 import sys
 import zlib
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
 from producers.joblogs import RankedText, split_rank_prefix
 from producers.kernel import parse_kernel_line, split_prefix, to_event
 from producers.progress import ProgressParser
+from producers.tracebacks import FailureTable
 from schemas.errors import UsageError
-from schemas.events import Anomaly, LogBatch, LogLine, ProgressBatch, ProgressSample
+from schemas.events import Anomaly, Incident, LogBatch, LogLine, ProgressBatch, ProgressSample
 from schemas.ids import is_node_name, stable_id
 from schemas.timestamps import FileClock, Stamp, parse_stamp, reference_time
 from schemas.vocab import SEVERITY_RANK
@@ -88,8 +89,6 @@ _EMBEDDED_KERNEL_HOST = re.compile(
     r" (?P<host>[A-Za-z0-9][A-Za-z0-9._-]*) kernel: "
 )
 _KERNEL_NAMES = re.compile(r"(^|[_.-])(kern\.log|dmesg|syslog|messages)")  # also rotated: kern.log.2.gz
-# NCCL's own prefix "host:pid:tid [gpu] NCCL ..." names the node that wrote the line.
-_NCCL_HOST = re.compile(r"^(?P<host>[A-Za-z0-9][A-Za-z0-9._-]*):\d+:\d+ \[\d+\] NCCL")
 LINE_STEP_S = 0.001
 BINARY_SNIFF_BYTES = 8192  # line order: a line without a timestamp is this much after the one before
 
@@ -210,12 +209,12 @@ class _Line:
 
 
 def _line_host(r: RankedText) -> str | None:
-    """The node a job-log line names as its writer: NCCL's own "host:pid:tid [gpu] NCCL" prefix.
+    """The node a job-log line names as its writer: NCCL's own "host:pid:tid [gpu]" prefix, or a
+    parallel launcher's (pdsh / DeepSpeed "host: ", Open MPI "[host:pid]", Hydra "[proxy:..@host]").
 
     The other host forms split_rank_prefix finds (a peer named inside an IB error, a syslog
-    host) are left to the catalog patterns' `node` groups, as the job-log producer does."""
-    m = _NCCL_HOST.match(r.text)
-    return m.group("host") if m else None
+    host) are left to the catalog patterns' `node` groups."""
+    return r.writer
 
 
 def _stamps(inp: Input) -> list[tuple[RankedText, Stamp | None]]:
@@ -632,6 +631,7 @@ def diagnose_paths(
     inputs = gather_inputs(paths, stdin)
     files = _timed(inputs)
     job = [not inp.kernel for inp in inputs]
+    _place_failure_tables(files, job)
     detector, xids = SignatureDetector(signatures), XidDetector()
     # Its own detector: a kernel line must not count as what a rank was last doing (ActivityTracker).
     kernel_sigs = SignatureDetector(signatures)
@@ -656,7 +656,7 @@ def diagnose_paths(
         if reading.unexplained:
             anomalies.append(_unexplained_error(reading))
         elif crash is not None:
-            anomalies.append(_unknown_crash(crash))
+            anomalies.append(_unknown_crash(_placed_crash(crash, files, job)))
     names = [inp.name for inp in inputs]
     ranks = _with_log_ranks_per_node(ranks, files, job)
     if not anomalies:
@@ -702,12 +702,9 @@ def diagnose_paths(
     ]
     # The action is the policy's, as the streams worker would decide it (attribution states facts).
     action = decide(policy or load_policy(), inc, now=inc.event_time)[0].action
-    explanation = inc.explanation
-    resolved = inc.culprit_node
-    if resolved is None and ranks is not None and inc.culprit_rank is not None:
-        resolved = ranks.node_of(inc.culprit_rank)
-        if resolved is not None:
-            explanation += f"; rank {inc.culprit_rank} ran on {resolved} ({ranks.describe()})"
+    culprit = _culprit_node(inc)
+    resolved, where = _resolve_culprit(culprit, inc.culprit_rank, ranks)
+    explanation = inc.explanation + where
     if action == "drain_and_requeue" and resolved is None:
         who = f"rank {inc.culprit_rank}" if inc.culprit_rank is not None else "the failing rank"
         if inc.culprit_gpu is not None:
@@ -720,7 +717,7 @@ def diagnose_paths(
         explanation += f"; isolate the node of {who} ({how}) before the restart, or it may land on the same bad GPU"
     return {
         "category": inc.category,
-        "culprit": inc.culprit_node,
+        "culprit": culprit,
         "culprit_rank": inc.culprit_rank,
         "culprit_node_resolved": resolved,
         "action": action,
@@ -742,3 +739,80 @@ def _with_log_ranks_per_node(
     if per_node is None:
         return rank_map
     return RankMap(nodes=rank_map.nodes, ranks_per_node=per_node, distribution="block")
+
+
+# -- culprit: where the text puts the fault -----------------------------------------------------
+
+# The exitcode line of a failure-table entry ("  exitcode  : -9 (pid: 3309)").
+_TABLE_EXITCODE = re.compile(r"^\s+exitcode\s*: -?\d+")
+
+
+def _place_failure_tables(files: Sequence[list[_Line]], job: Sequence[bool]) -> None:
+    """Give the lines of torchrun's ChildFailedError root-cause entry that entry's rank, host and
+    local rank, as the job-log producer's traceback grouper does (`producers.tracebacks.FailureTable`),
+    and the time of the table's start: the table lists the root cause last, but it failed first."""
+    for f, lines in enumerate(files):
+        # Most logs hold no table: spare them a LogLine per line.
+        if not job[f] or not any("Root Cause" in ln.text for ln in lines):
+            continue
+        table = FailureTable()
+        start: float | None = None  # the time of the table's "Failures:" line
+        for ln in lines:
+            if ln.text.strip() == "Failures:":
+                start = ln.ts
+            fed = LogLine(text=ln.text, ts=ln.ts, rank=ln.rank, node=ln.node, gpu=ln.gpu, lineno=ln.lineno)
+            placed = table.feed(fed)
+            if placed is fed:
+                continue
+            ln.rank, ln.node, ln.gpu = placed.rank, placed.node, placed.gpu
+            # The table prints the other failures before the root cause, which is the first observed
+            # failure: its lines take the table's start, so that it comes first as it did.
+            if start is not None:
+                ln.ts = min(ln.ts, start)
+
+
+def _placed_crash(crash: _Line, files: Sequence[list[_Line]], job: Sequence[bool]) -> _Line:
+    """A crash line that names no rank (the agent's traceback, the ChildFailedError line) takes the
+    rank of the first root-cause entry of torchrun's failure table in the logs: the table is that
+    crash's own report of where it began. Its host is the agent's, kept on the line, not a culprit:
+    a crash with no known cause isolates nothing."""
+    if crash.rank is not None:
+        return crash
+    for f, lines in enumerate(files):
+        if job[f]:
+            for ln in lines:
+                if ln.rank is not None and _TABLE_EXITCODE.match(ln.text):
+                    return replace(crash, rank=ln.rank, node=ln.node, gpu=ln.gpu)
+    return crash
+
+
+def _culprit_node(inc: Incident) -> str | None:
+    """The incident's node as the culprit, except a host the job's own text gave to a fault that
+    does not live on that node (not `isolate`): the host that merely wrote the line (pdsh's "host: "
+    before a user's traceback, the NCCL prefix of one end of a failing link) is where the fault
+    showed, not its origin. A node's own report (its kernel's OOM killer) still names it. The
+    evidence keeps every node."""
+    if inc.isolate or inc.provenance != "job":
+        return inc.culprit_node
+    return None
+
+
+def _resolve_culprit(node: str | None, rank: int | None, ranks: RankMap | None) -> tuple[str | None, str]:
+    """The culprit as a node of the placement, and what the explanation adds about it.
+
+    A host the text names is matched to the node list exactly, else by its short name (torch's
+    failure table prints `socket.getfqdn()`: gpu01.cluster.local is node gpu01); a host the list
+    does not hold stays as the text gives it, said so. Without a named host, the culprit rank's node
+    by the placement."""
+    if node is not None:
+        if ranks is None or not ranks.nodes:
+            return node, ""
+        found = ranks.resolve_host(node)
+        if found is None:
+            return node, f"; {node} is not in the node list ({ranks.describe()})"
+        return found, (f"; {node} is node {found}" if found != node else "")
+    if ranks is not None and rank is not None:
+        found = ranks.node_of(rank)
+        if found is not None:
+            return found, f"; rank {rank} ran on {found} ({ranks.describe()})"
+    return None, ""

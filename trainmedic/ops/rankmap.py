@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Literal, cast, get_args
 
 from schemas.errors import UsageError
+from schemas.ids import node_for_host
 from slurmio.hostlist import HostlistError, expand_hostlist
 
 Distribution = Literal["block", "cyclic"]
@@ -65,6 +66,11 @@ class RankMap:
             return self.nodes[0] if len(self.nodes) == 1 else None
         i = rank // self.ranks_per_node
         return self.nodes[i] if i < len(self.nodes) else None
+
+    def resolve_host(self, host: str) -> str | None:
+        """The node of this placement that `host` names: the same name, else the same short name
+        (the first DNS label: gpu01.cluster.local and gpu01 are one node), or None."""
+        return node_for_host(host, self.nodes)
 
     def describe(self) -> str:
         if self.explicit:
