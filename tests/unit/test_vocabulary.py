@@ -294,3 +294,33 @@ def test_every_cuda_error_of_the_installed_runtime_is_read_as_cuda() -> None:
             if hit is None or hit[0].id not in cuda_ids:
                 unread.append((name, line, hit and hit[0].id))
     assert unread == []
+
+
+@pytest.mark.parametrize(
+    ("line", "want"),
+    [
+        # Plain-English texts of the generated lists are read only in their emitter's context.
+        ("ERROR: the operation cannot be performed in the present state", None),
+        (
+            "RuntimeError: CUDA error: the operation cannot be performed in the present state",
+            "cuda_error_illegal_state",
+        ),
+        ("smartd: CRC error count increased on /dev/sda", None),
+        ("gpu01:1234:1290 [0] NCCL WARN NET/OFI Couldn't open domain. RC: -264, ERROR: CRC error", "libfabric_ecrc"),
+        ("make: *** fatal error", None),
+        # rdma-core's own printer of ibv_wc_status_str (libibverbs/examples/rc_pingpong.c).
+        ("Failed status transport retry counter exceeded (12) for wr_id 2", "ib_wc_retry_exc_err"),
+        ("Failed status Work Request Flushed Error (5) for wr_id 1", "ib_wc_wr_flush_err"),
+        # An RM status in NV_ASSERT_OK's line (nvassert.c), by its name; a driver-internal status is no entry.
+        (
+            "NVRM: nvAssertOkFailedNoLog: Assertion failed: GPU lost from the bus [NV_ERR_GPU_IS_LOST] (0x0000000F)"
+            " returned from status @ kernel_gsp.c:2310",
+            "nvrm_status_gpu_is_lost",
+        ),
+        ("NVRM: nvAssertOkFailedNoLog: Assertion failed: Call timed out [NV_ERR_TIMEOUT] (0x00000065)", None),
+    ],
+)
+def test_generated_entries_read_their_emitters_lines_only(line: str, want: str | None) -> None:
+    hit = SignatureDetector(signatures=()).match_line(line)
+    got = hit[0].id if hit is not None and hit[0].id != "python_exception_line" else None
+    assert got == want
