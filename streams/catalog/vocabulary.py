@@ -5,7 +5,8 @@ example filled in from the format. Loading checks that the pattern compiles, tha
 a regex, `format_regex`) and the pattern both match the example, that every entry's class exists and
 every class is used, and that ids are unique. `vocabulary_signatures` turns the entries into
 `Signature`s (the class gives category, severity, role and isolate), which the log-signature detector
-orders with signatures.yaml's through `detector_order`.
+orders with signatures.yaml's through `detector_order`. `catalog_tables` writes docs/catalogs.md's tables
+(emitter, version, entries, how derived, gaps; classes) from the same file.
 """
 
 from __future__ import annotations
