@@ -306,7 +306,7 @@ def test_every_cuda_error_of_the_installed_runtime_is_read_as_cuda() -> None:
             "cuda_error_illegal_state",
         ),
         ("smartd: CRC error count increased on /dev/sda", None),
-        ("gpu01:1234:1290 [0] NCCL WARN NET/OFI Couldn't open domain. RC: -264, ERROR: CRC error", "libfabric_ecrc"),
+        ("gpu01:1234:1290 [0] NCCL WARN NET/OFI Couldn't create fabric. RC: -264, ERROR: CRC error", "libfabric_ecrc"),
         ("make: *** fatal error", None),
         # rdma-core's own printer of ibv_wc_status_str (libibverbs/examples/rc_pingpong.c).
         ("Failed status transport retry counter exceeded (12) for wr_id 2", "ib_wc_retry_exc_err"),
