@@ -5,12 +5,14 @@ example filled in from the format. Loading checks that the pattern compiles, tha
 a regex, `format_regex`) and the pattern both match the example, that every entry's class exists and
 every class is used, and that ids are unique. `vocabulary_signatures` turns the entries into
 `Signature`s (the class gives category, severity, role and isolate), which the log-signature detector
-orders with signatures.yaml's through `detector_order`.
+orders with signatures.yaml's through `detector_order`. `catalog_tables` writes docs/catalogs.md's tables
+(emitter, version, entries, how derived, gaps; classes) from the same file.
 """
 
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -96,6 +98,9 @@ class Emitter(BaseModel):
 
     emitter: str = Field(pattern=r"^[a-z0-9_]+$")
     version: str = Field(min_length=1)
+    # For docs/catalogs.md's table: how the entries were read from the emitter, and what could not be.
+    derived: str = ""
+    gaps: str = ""
     entries: tuple[VocabularyEntry, ...] = Field(min_length=1)
 
 
@@ -170,6 +175,35 @@ def detector_order(signatures: Sequence[Signature], vocabulary: Sequence[Signatu
     ]
 
 
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|") or "-"
+
+
+def catalog_tables(vocab: Vocabulary) -> str:
+    """docs/catalogs.md's tables of the vocabulary: one row per emitter block (version, entries, how derived,
+    gaps) and one per class (what it decides, how many entries). The doc holds this text verbatim between
+    its `vocabulary-tables` markers; tests/unit/test_vocabulary.py fails when the two drift apart."""
+    rows = [
+        "| emitter | version | entries | how derived | gaps |",
+        "|---|---|---|---|---|",
+        *(
+            f"| {em.emitter} | {_cell(em.version)} | {len(em.entries)} | {_cell(em.derived)} | {_cell(em.gaps)} |"
+            for em in vocab.emitters
+        ),
+        "",
+        "| class | category | role | isolate | default policy's action | entries |",
+        "|---|---|---|---|---|---|",
+    ]
+    counts = Counter(entry.klass for _em, entry in vocab.entries())
+    rows += [
+        f"| {c.name} | {c.category} | {c.role} | {'yes' if c.isolate else 'no'} | {c.action} | {counts[c.name]} |"
+        for c in vocab.classes
+    ]
+    total = sum(counts.values())
+    rows += ["", f"{total} entries from {len(vocab.emitters)} emitter blocks in {len(vocab.classes)} classes."]
+    return "\n".join(rows) + "\n"
+
+
 @lru_cache(maxsize=1)
 def default_vocabulary() -> Vocabulary:
     return load_vocabulary()
@@ -178,3 +212,8 @@ def default_vocabulary() -> Vocabulary:
 @lru_cache(maxsize=1)
 def default_vocabulary_signatures() -> tuple[Signature, ...]:
     return vocabulary_signatures(default_vocabulary())
+
+
+if __name__ == "__main__":
+    # Regenerates docs/catalogs.md's vocabulary tables: paste the output between the markers.
+    print(catalog_tables(default_vocabulary()), end="")

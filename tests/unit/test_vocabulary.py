@@ -6,7 +6,10 @@ with the class it names; every class is used and maps to the action the default 
 
 from __future__ import annotations
 
+import ctypes
+import os
 import re
+from glob import glob
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,7 @@ from streams.catalog import CatalogError, default_signatures
 from streams.catalog.vocabulary import (
     VocabularyClass,
     VocabularyEntry,
+    catalog_tables,
     default_vocabulary,
     default_vocabulary_signatures,
     detector_order,
@@ -216,3 +220,108 @@ def test_generic_texts_need_their_cuda_context() -> None:
     assert detector.match_line("cache: out of memory, evicting 12 entries") is None
     hit = detector.match_line("RuntimeError: CUDA error: unknown error")
     assert hit is not None and hit[0].id == "cuda_error_unknown"
+
+
+_DOC = Path(__file__).resolve().parents[2] / "docs" / "catalogs.md"
+
+
+def test_catalogs_md_holds_the_tables_generated_from_the_yaml() -> None:
+    text = _DOC.read_text()
+    begin, end = "<!-- vocabulary-tables:begin -->\n", "<!-- vocabulary-tables:end -->"
+    doc = text[text.index(begin) + len(begin) : text.index(end)]
+    assert doc == catalog_tables(VOCAB), "regenerate with: python -m streams.catalog.vocabulary"
+
+
+def test_every_emitter_says_how_it_was_derived_and_what_is_missing() -> None:
+    assert [em.emitter for em in VOCAB.emitters if not em.derived.strip() or not em.gaps.strip()] == []
+    assert len({em.emitter for em in VOCAB.emitters}) == len(VOCAB.emitters)
+
+
+def test_catalog_tables_follow_the_yaml(tmp_path: Path) -> None:
+    text = (
+        _CLASS
+        + """emitters:
+  - emitter: nccl
+    version: v1
+    derived: 'read | at the tag'
+    entries:
+      - id: closed
+        class: peer_lost
+        format: 'socketProgress: Connection closed by remote peer %s'
+        pattern: 'Connection closed by remote peer'
+        source: https://github.com/NVIDIA/nccl/blob/v2.23.4-1/src/misc/socket.cc#L50
+        example: 'socketProgress: Connection closed by remote peer gpu01<4567>'
+"""
+    )
+    tables = catalog_tables(load_vocabulary(_write(tmp_path, text)))
+    assert "| nccl | v1 | 1 | read \\| at the tag | - |" in tables
+    assert "| peer_lost | interconnect | collateral | no | requeue | 1 |" in tables
+    assert tables.endswith("1 entries from 1 emitter blocks in 1 classes.\n")
+
+
+def _cudart() -> tuple[ctypes.CDLL, Path] | None:
+    """The CUDA runtime and its headers where a toolkit is installed (CUDA_HOME, /usr/local/cuda*)."""
+    roots = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda", *sorted(glob("/usr/local/cuda-*"), reverse=True)]
+    for root in filter(None, roots):
+        header = Path(root) / "include" / "driver_types.h"
+        libs = sorted(glob(f"{root}/lib*/libcudart.so*")) or sorted(glob(f"{root}/targets/*/lib/libcudart.so*"))
+        if header.is_file() and libs:
+            lib = ctypes.CDLL(libs[0])
+            lib.cudaGetErrorString.restype = ctypes.c_char_p
+            return lib, header
+    return None
+
+
+def test_every_cuda_error_of_the_installed_runtime_is_read_as_cuda() -> None:
+    """The derivation repeated against the installed toolkit: every cudaError_t of its driver_types.h, as
+    `CUDA error: <cudaGetErrorString text>` (PyTorch's form) and as its enum name, is read by a CUDA entry."""
+    found = _cudart()
+    if found is None:
+        pytest.skip("no CUDA toolkit (driver_types.h and libcudart) installed")
+    lib, header = found
+    body = re.search(r"enum\s+(?:__device_builtin__\s+)?cudaError\s*\{(.*?)\};", header.read_text(), re.S)
+    assert body is not None
+    codes = [(name, int(value)) for name, value in re.findall(r"(cudaError\w+)\s*=\s*(\d+)", body.group(1))]
+    assert len(codes) > 100
+    cuda_ids = {e.id for em in VOCAB.emitters if em.emitter == "cuda" for e in em.entries}
+    detector = SignatureDetector(signatures=())
+    unread = []
+    for name, code in codes:
+        if name == "cudaErrorApiFailureBase":  # a base value of the API-failure range, not a returned error
+            continue
+        text = lib.cudaGetErrorString(code).decode()
+        for line in (f"RuntimeError: CUDA error: {text}", f"{name}: {text}"):
+            hit = detector.match_line(line)
+            if hit is None or hit[0].id not in cuda_ids:
+                unread.append((name, line, hit and hit[0].id))
+    assert unread == []
+
+
+@pytest.mark.parametrize(
+    ("line", "want"),
+    [
+        # Plain-English texts of the generated lists are read only in their emitter's context.
+        ("ERROR: the operation cannot be performed in the present state", None),
+        (
+            "RuntimeError: CUDA error: the operation cannot be performed in the present state",
+            "cuda_error_illegal_state",
+        ),
+        ("smartd: CRC error count increased on /dev/sda", None),
+        ("gpu01:1234:1290 [0] NCCL WARN NET/OFI Couldn't create fabric. RC: -264, ERROR: CRC error", "libfabric_ecrc"),
+        ("make: *** fatal error", None),
+        # rdma-core's own printer of ibv_wc_status_str (libibverbs/examples/rc_pingpong.c).
+        ("Failed status transport retry counter exceeded (12) for wr_id 2", "ib_wc_retry_exc_err"),
+        ("Failed status Work Request Flushed Error (5) for wr_id 1", "ib_wc_wr_flush_err"),
+        # An RM status in NV_ASSERT_OK's line (nvassert.c), by its name; a driver-internal status is no entry.
+        (
+            "NVRM: nvAssertOkFailedNoLog: Assertion failed: GPU lost from the bus [NV_ERR_GPU_IS_LOST] (0x0000000F)"
+            " returned from status @ kernel_gsp.c:2310",
+            "nvrm_status_gpu_is_lost",
+        ),
+        ("NVRM: nvAssertOkFailedNoLog: Assertion failed: Call timed out [NV_ERR_TIMEOUT] (0x00000065)", None),
+    ],
+)
+def test_generated_entries_read_their_emitters_lines_only(line: str, want: str | None) -> None:
+    hit = SignatureDetector(signatures=()).match_line(line)
+    got = hit[0].id if hit is not None and hit[0].id != "python_exception_line" else None
+    assert got == want
