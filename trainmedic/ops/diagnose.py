@@ -763,6 +763,10 @@ def diagnose_paths(
     # The action is the policy's, as the streams worker would decide it (attribution states facts).
     action = decide(policy or load_policy(), inc, now=inc.event_time)[0].action
     explanation = inc.explanation
+    stopped = next((a for a in anomalies if a.signature == "progress_stopped_unexplained"), None)
+    if stopped is not None and inc.category == "unknown":
+        # The attributor words an unknown root as a crash; a stop of the progress reports is not one.
+        explanation = f"{stopped.meaning}; first such line: {stopped.line.strip()[:200]!r}"
     resolved = inc.culprit_node
     if resolved is None and ranks is not None and inc.culprit_rank is not None:
         resolved = ranks.node_of(inc.culprit_rank)
