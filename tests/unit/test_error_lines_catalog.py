@@ -128,6 +128,22 @@ EMITTER_FORMS = [
     ("[2024-05-01 12:00:00] [ERROR] dataset shard 17 unreadable", "py_logging_level_field"),
     ("ERROR: Unexpected bus error encountered in worker.", "py_logging_level_field"),
     ("2024-05-01 12:00:00 | CRITICAL | train:main:12 - giving up", "py_logging_level_field"),
+    # Linux kernel/watchdog.c, arch/x86/mm/fault.c and arch/x86/kernel/traps.c; systemd's coredump record
+    ("NMI watchdog: Watchdog detected hard LOCKUP on cpu 17", "kernel_hard_lockup"),
+    (
+        "python3[41234]: segfault at 0 ip 00007f3a2b4c5d6e sp 00007ffd1a2b3c40 error 4 in libc.so.6[7f3a2b400000+195000]",
+        "kernel_user_fault",
+    ),
+    ("traps: python3[41234] general protection fault ip:7f3a2b4c5d6e sp:7ffd1a2b3c40 error:0", "kernel_user_fault"),
+    ("systemd-coredump[51234]: Process 41234 (python3) of user 1000 dumped core.", "systemd_process_dumped_core"),
+    # cuDNN's status enum as torch prints it; TensorFlow/XLA's default log sink; Apptainer's sylog prefix
+    ("cuDNN error: CUDNN_STATUS_INTERNAL_ERROR", "cuda_library_status"),
+    (
+        "2024-05-01 12:00:00.123456: E external/xla/xla/pjrt/pjrt_stream_executor_client.cc:2809] Execution of "
+        "replica 0 failed: INTERNAL: Failed to complete all kernels launched on stream",
+        "tsl_log_error_or_fatal",
+    ),
+    ("FATAL:   container creation failed: while mounting image", "apptainer_fatal_or_error"),
     # c10's MessageLogger prints nanoseconds in the glog prefix
     ("E0501 12:00:00.123456789 12345 ProcessGroupNCCL.cpp:1200] something failed", "glog_error_or_fatal"),
 ]
@@ -146,6 +162,9 @@ NOT_ERROR_LEVEL = [
     "[2024-05-01 12:00:00] [INFO] saving checkpoint",
     "W0501 12:00:00.123456789 12345 ProcessGroupNCCL.cpp:1200] Warning: something",
     "NCCL operation in progress",
+    "2024-05-01 12:00:00.123456: W tensorflow/core/common_runtime/gpu/gpu_device.cc:2256] Cannot dlopen some GPU libraries.",
+    "cublasStatus_t CUBLAS_STATUS_SUCCESS",
+    "WARNING: underlay of /etc/localtime required more than 50 (66) bind mounts",
     "log_level: ERROR",
     "--log-level ERROR --seed 1",
     "DEBUG: collecting batch 17",
