@@ -35,6 +35,10 @@ Offline the job is over, so two things differ from online, both said in the expl
 every emitter (an NCCL WARN, an NVRM or kernel error, a Python exception, a CUDA error, a
 `slurmstepd`/`srun` error, an MPI or launcher error) is explained, by a fault signature or as an
 emitter's known non-fault; one that is not makes the verdict `unknown`, with that line quoted.
+Where the log has progress, it must reach the end of the log or a completion line: progress reports
+that stop with `progress_tail_lines` or more lines after them that are neither below error
+level, nor metrics, nor known noise (and no completion or stop after them) make the verdict
+`unknown` too ("progress stopped N lines before the end").
 A run its operator or scheduler ended (scancel, time limit, preemption, a signal to every rank)
 is no fault: what follows the stop (crash markers, collective timeouts, unexplained errors as the
 ranks go down) is its consequence, and only a recognised cause before or after it still counts.
