@@ -225,3 +225,15 @@ def test_more_stop_forms_are_healthy_whatever_crashes_after(tmp_path: Path, stop
     report = diagnose(tmp_path, *PROGRESS, stop, *UNEXPLAINED_TAIL, WATCHDOG, "srun: error: gpu01: task 0: Killed")
     assert (report["category"], report["action"]) == ("healthy", "none"), report["explanation"]
     assert "ended by decision" in str(report["explanation"])
+
+
+def test_a_log_of_which_nothing_is_recognised_is_unknown(tmp_path: Path) -> None:
+    report = diagnose(tmp_path, *UNEXPLAINED_TAIL)
+    assert (report["category"], report["action"]) == ("unknown", "none"), report["explanation"]
+    assert "none of the 4 lines of the logs is recognised" in str(report["explanation"])
+
+
+def test_one_record_below_error_level_is_enough_to_say_the_run_went_on(tmp_path: Path) -> None:
+    report = diagnose(tmp_path, *UNEXPLAINED_TAIL, "INFO:root:epoch 1 done")
+    assert (report["category"], report["action"]) == ("healthy", "none"), report["explanation"]
+    assert report["confidence"] == 0.6

@@ -607,6 +607,23 @@ def _progress_stopped(tail: _Tail) -> Anomaly:
     return _needs_a_person(first, "progress", "progress_stopped_unexplained", meaning)
 
 
+_WORD = re.compile(r"[A-Za-z]")
+
+
+def _nothing_recognised(files: Sequence[list[_Line]], explained: re.Pattern[str]) -> Anomaly | None:
+    """An `unknown` root when no line of the logs is recognised at all: no record below error level, no
+    metric, no known noise (the caller has checked progress, completion and error-level lines). Such a
+    log gives no positive evidence that the run is healthy; a separator line is no evidence either."""
+    lines = [ln for lines in files for ln in lines if ln.text.strip()]
+    if not lines or any(explained.search(ln.text) and _WORD.search(ln.text) for ln in lines):
+        return None
+    meaning = (
+        f"none of the {len(lines)} lines of the logs is recognised (no progress report, no completion line, no "
+        "log record below error level, no metric, no known noise), so nothing says the run is healthy: needs a person"
+    )
+    return _needs_a_person(lines[-1], "progress", "nothing_recognised", meaning)
+
+
 def _healthy_explanation(
     reading: _ErrorReading, n_progress: int, completed: bool, tail: _Tail | None = None
 ) -> tuple[str, float]:
@@ -731,6 +748,9 @@ def diagnose_paths(
         and len(tail.unexplained) >= cfg.progress_tail_lines
     ):
         anomalies.append(_progress_stopped(tail))
+    if not anomalies and not n_progress and not completed and not reading.error_lines:
+        blank = _nothing_recognised(files, re.compile(cfg.progress_tail_explained))
+        anomalies += [blank] if blank is not None else []
     if not anomalies:
         explanation, confidence = _healthy_explanation(reading, n_progress, completed, tail)
         return {
@@ -767,10 +787,12 @@ def diagnose_paths(
     # The action is the policy's, as the streams worker would decide it (attribution states facts).
     action = decide(policy or load_policy(), inc, now=inc.event_time)[0].action
     explanation = inc.explanation
-    stopped = next((a for a in anomalies if a.signature == "progress_stopped_unexplained"), None)
+    own = ("progress_stopped_unexplained", "nothing_recognised")
+    stopped = next((a for a in anomalies if a.signature in own), None)
     if stopped is not None and inc.category == "unknown":
-        # The attributor words an unknown root as a crash; a stop of the progress reports is not one.
-        explanation = f"{stopped.meaning}; first such line: {stopped.line.strip()[:200]!r}"
+        # The attributor words an unknown root as a crash; a log that stops or says nothing known is not one.
+        quoted = "first such line" if stopped.signature == own[0] else "its last line"
+        explanation = f"{stopped.meaning}; {quoted}: {stopped.line.strip()[:200]!r}"
     resolved = inc.culprit_node
     if resolved is None and ranks is not None and inc.culprit_rank is not None:
         resolved = ranks.node_of(inc.culprit_rank)
