@@ -141,6 +141,7 @@ UNRECOGNISED_ERRORS = [
     "[2024-05-01 12:00:00] [ERROR] dataset shard 17 unreadable",
     "ERROR: worker 3 lost its connection",
     "E0501 12:00:00.123456789 12345 ProcessGroupNCCL.cpp:1200] something failed",
+    "=>> PBS: job killed: mem job total 2097152 kb exceeded limit 1048576 kb",
 ]
 
 
@@ -213,13 +214,23 @@ STOPS = [
     "Handling auto-requeue signal: 10",
     "Detected KeyboardInterrupt, attempting graceful shutdown ...",
     "[exiting program after receiving SIGTERM.] datetime: 2024-05-01 12:00:00",
+    "=>> PBS: job killed: walltime 3630 exceeded limit 3600",
+    "TERM_RUNLIMIT: job killed after reaching LSF run time limit.",
 ]
 
 
 @pytest.mark.parametrize(
     "stop",
     STOPS,
-    ids=["bash-terminated", "lightning-sigterm", "lightning-requeue", "lightning-ctrl-c", "megatron-sigterm"],
+    ids=[
+        "bash-terminated",
+        "lightning-sigterm",
+        "lightning-requeue",
+        "lightning-ctrl-c",
+        "megatron-sigterm",
+        "pbs-walltime",
+        "lsf-runlimit",
+    ],
 )
 def test_more_stop_forms_are_healthy_whatever_crashes_after(tmp_path: Path, stop: str) -> None:
     report = diagnose(tmp_path, *PROGRESS, stop, *UNEXPLAINED_TAIL, WATCHDOG, "srun: error: gpu01: task 0: Killed")

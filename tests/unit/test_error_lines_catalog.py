@@ -144,6 +144,9 @@ EMITTER_FORMS = [
         "tsl_log_error_or_fatal",
     ),
     ("FATAL:   container creation failed: while mounting image", "apptainer_fatal_or_error"),
+    # PBS MoM's and LSF's reasons for killing a job that are faults (memory over the request)
+    ("=>> PBS: job killed: mem job total 2097152 kb exceeded limit 1048576 kb", "pbs_job_killed"),
+    ("TERM_MEMLIMIT: job killed after reaching LSF memory usage limit.", "lsf_term_reason"),
     # c10's MessageLogger prints nanoseconds in the glog prefix
     ("E0501 12:00:00.123456789 12345 ProcessGroupNCCL.cpp:1200] something failed", "glog_error_or_fatal"),
 ]
@@ -189,6 +192,10 @@ DECISIONS = [
     ("Requeued SLURM job: 4242", "lightning_auto_requeue"),
     ("Detected KeyboardInterrupt, attempting graceful shutdown ...", "lightning_keyboard_interrupt"),
     ("[exiting program after receiving SIGTERM.] datetime: 2024-05-01 12:00:00", "megatron_exit_after_sigterm"),
+    ("=>> PBS: job killed: walltime 3630 exceeded limit 3600", "pbs_walltime_exceeded"),
+    ("=>> PBS: job killed: cput job total 7300 secs exceeded limit 7200", "pbs_walltime_exceeded"),
+    ("TERM_RUNLIMIT: job killed after reaching LSF run time limit.", "lsf_term_by_decision"),
+    ("TERM_OWNER: job killed by owner.", "lsf_term_by_decision"),
 ]
 
 
