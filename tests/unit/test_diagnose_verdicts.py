@@ -248,3 +248,14 @@ def test_one_record_below_error_level_is_enough_to_say_the_run_went_on(tmp_path:
     report = diagnose(tmp_path, *UNEXPLAINED_TAIL, "INFO:root:epoch 1 done")
     assert (report["category"], report["action"]) == ("healthy", "none"), report["explanation"]
     assert report["confidence"] == 0.6
+
+
+def test_pips_resolver_notice_at_the_start_of_a_run_is_noise(tmp_path: Path) -> None:
+    # pip's install.py logs it at critical ("ERROR: " prefix) after a successful install
+    notice = (
+        "ERROR: pip's dependency resolver does not currently take into account all the packages that are installed. "
+        "This behaviour is the source of the following dependency conflicts."
+    )
+    report = diagnose(tmp_path, notice, *PROGRESS)
+    assert (report["category"], report["action"]) == ("healthy", "none"), report["explanation"]
+    assert "1 known noise" in str(report["explanation"])
