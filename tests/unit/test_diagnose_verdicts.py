@@ -129,3 +129,133 @@ LOSS_SCALING = [
 def test_loss_scaling_that_halves_and_goes_on_is_healthy(tmp_path: Path, line: str) -> None:
     report = diagnose(tmp_path, *PROGRESS[:4], line, *PROGRESS[4:])
     assert (report["category"], report["action"]) == ("healthy", "none"), report["explanation"]
+
+
+# Error-level lines no fault signature recognises, each in its emitter's own form (the catalog entry that reads
+# it cites the source): after clean progress, each makes the verdict unknown with the line quoted, never healthy.
+UNRECOGNISED_ERRORS = [
+    "ncclSystemError: System call (e.g. socket, malloc) or external library call failed or device error.",
+    "[gpu01:12345] *** Process received signal ***",
+    "mpirun detected that one or more processes exited with non-zero status, thus causing",
+    "2024-05-01 12:00:00 | ERROR | train:main:12 - dataset shard 17 unreadable",
+    "[2024-05-01 12:00:00] [ERROR] dataset shard 17 unreadable",
+    "ERROR: worker 3 lost its connection",
+    "E0501 12:00:00.123456789 12345 ProcessGroupNCCL.cpp:1200] something failed",
+    "=>> PBS: job killed: mem job total 2097152 kb exceeded limit 1048576 kb",
+]
+
+
+@pytest.mark.parametrize("line", UNRECOGNISED_ERRORS)
+def test_an_unrecognised_error_form_after_progress_is_unknown(tmp_path: Path, line: str) -> None:
+    report = diagnose(tmp_path, *PROGRESS, line)
+    assert (report["category"], report["action"]) == ("unknown", "none"), report["explanation"]
+    assert line in str(report["explanation"])
+
+
+def test_a_kernel_call_trace_nothing_else_explains_is_unknown(tmp_path: Path) -> None:
+    (tmp_path / "job.out").write_text("\n".join(PROGRESS) + "\n")
+    (tmp_path / "kern.log").write_text("May  1 12:00:00 gpu01 kernel: [ 1234.567890] Call Trace:\n")
+    report = diagnose_paths([tmp_path / "job.out", tmp_path / "kern.log"])
+    assert (report["category"], report["action"]) == ("unknown", "none"), report["explanation"]
+
+
+# Lines a run prints that say nothing about why its progress reports stopped.
+UNEXPLAINED_TAIL = [
+    "worker 3: entering barrier",
+    "worker 5: entering barrier",
+    "worker 1: entering barrier",
+    "worker 7: entering barrier",
+]
+
+
+def test_progress_that_stops_before_unexplained_lines_is_unknown(tmp_path: Path) -> None:
+    report = diagnose(tmp_path, *PROGRESS, *UNEXPLAINED_TAIL)
+    assert (report["category"], report["action"]) == ("unknown", "none"), report["explanation"]
+    assert "progress stopped 4 lines before the end" in str(report["explanation"])
+    assert report["evidence"][0]["line"] == UNEXPLAINED_TAIL[0]  # type: ignore[index]
+
+
+def test_a_line_or_two_after_the_last_progress_is_no_stop(tmp_path: Path) -> None:
+    report = diagnose(tmp_path, *PROGRESS, *UNEXPLAINED_TAIL[:2])
+    assert (report["category"], report["action"]) == ("healthy", "none"), report["explanation"]
+
+
+def test_progress_followed_by_a_completion_line_is_healthy(tmp_path: Path) -> None:
+    report = diagnose(tmp_path, *PROGRESS, *UNEXPLAINED_TAIL, "Training completed. Do not forget to share your model")
+    assert (report["category"], report["action"]) == ("healthy", "none"), report["explanation"]
+    assert "a completion line" in str(report["explanation"])
+
+
+# What may follow the last progress report of a healthy run: records below error level, evaluation and
+# checkpoint lines, a timer table, separators (Megatron's validation block and timers, Python logging INFO,
+# glog I, NCCL INFO).
+EXPLAINED_TAIL = [
+    "-" * 60,
+    " validation loss at iteration 7 | lm loss value: 3.012 | lm loss PPL: 20.33 |",
+    "-" * 60,
+    "saving checkpoint at iteration       7 to checkpoints",
+    "time (ms) | save-checkpoint: 5751.45",
+    "INFO:root:uploading metrics",
+    "I0501 12:00:00.123456 12345 trainer.py:88] waiting for the data loader",
+    "gpu01:1190:1190 [0] NCCL INFO comm 0x55d0 rank 0 nranks 8 cudaDev 0 busId 1000 - Destroy COMPLETE",
+]
+
+
+def test_progress_followed_only_by_explained_lines_is_healthy(tmp_path: Path) -> None:
+    report = diagnose(tmp_path, *PROGRESS, *EXPLAINED_TAIL)
+    assert (report["category"], report["action"]) == ("healthy", "none"), report["explanation"]
+    assert "each after it explained" in str(report["explanation"]) and report["confidence"] == 0.75
+
+
+# Stops by decision in the forms bash, Lightning and Megatron print them: what follows is the stop's consequence.
+STOPS = [
+    "/var/spool/slurmd/job4242/slurm_script: line 42: 91234 Terminated              srun python train.py",
+    "[rank: 0] Received SIGTERM: 15",
+    "Handling auto-requeue signal: 10",
+    "Detected KeyboardInterrupt, attempting graceful shutdown ...",
+    "[exiting program after receiving SIGTERM.] datetime: 2024-05-01 12:00:00",
+    "=>> PBS: job killed: walltime 3630 exceeded limit 3600",
+    "TERM_RUNLIMIT: job killed after reaching LSF run time limit.",
+]
+
+
+@pytest.mark.parametrize(
+    "stop",
+    STOPS,
+    ids=[
+        "bash-terminated",
+        "lightning-sigterm",
+        "lightning-requeue",
+        "lightning-ctrl-c",
+        "megatron-sigterm",
+        "pbs-walltime",
+        "lsf-runlimit",
+    ],
+)
+def test_more_stop_forms_are_healthy_whatever_crashes_after(tmp_path: Path, stop: str) -> None:
+    report = diagnose(tmp_path, *PROGRESS, stop, *UNEXPLAINED_TAIL, WATCHDOG, "srun: error: gpu01: task 0: Killed")
+    assert (report["category"], report["action"]) == ("healthy", "none"), report["explanation"]
+    assert "ended by decision" in str(report["explanation"])
+
+
+def test_a_log_of_which_nothing_is_recognised_is_unknown(tmp_path: Path) -> None:
+    report = diagnose(tmp_path, *UNEXPLAINED_TAIL)
+    assert (report["category"], report["action"]) == ("unknown", "none"), report["explanation"]
+    assert "none of the 4 lines of the logs is recognised" in str(report["explanation"])
+
+
+def test_one_record_below_error_level_is_enough_to_say_the_run_went_on(tmp_path: Path) -> None:
+    report = diagnose(tmp_path, *UNEXPLAINED_TAIL, "INFO:root:epoch 1 done")
+    assert (report["category"], report["action"]) == ("healthy", "none"), report["explanation"]
+    assert report["confidence"] == 0.6
+
+
+def test_pips_resolver_notice_at_the_start_of_a_run_is_noise(tmp_path: Path) -> None:
+    # pip's install.py logs it at critical ("ERROR: " prefix) after a successful install
+    notice = (
+        "ERROR: pip's dependency resolver does not currently take into account all the packages that are installed. "
+        "This behaviour is the source of the following dependency conflicts."
+    )
+    report = diagnose(tmp_path, notice, *PROGRESS)
+    assert (report["category"], report["action"]) == ("healthy", "none"), report["explanation"]
+    assert "1 known noise" in str(report["explanation"])

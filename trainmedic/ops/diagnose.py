@@ -35,6 +35,10 @@ Offline the job is over, so two things differ from online, both said in the expl
 every emitter (an NCCL WARN, an NVRM or kernel error, a Python exception, a CUDA error, a
 `slurmstepd`/`srun` error, an MPI or launcher error) is explained, by a fault signature or as an
 emitter's known non-fault; one that is not makes the verdict `unknown`, with that line quoted.
+Where the log has progress, it must reach the end of the log or a completion line: progress reports
+that stop with `progress_tail_lines` or more lines after them that are neither below error
+level, nor metrics, nor known noise (and no completion or stop after them) make the verdict
+`unknown` too ("progress stopped N lines before the end").
 A run its operator or scheduler ended (scancel, time limit, preemption, a signal to every rank)
 is no fault: what follows the stop (crash markers, collective timeouts, unexplained errors as the
 ranks go down) is its consequence, and only a recognised cause before or after it still counts.
@@ -115,6 +119,21 @@ class OfflineSettings:
         r"'train_runtime'|\bafter training is done\b|Trainer\.fit` stopped|\bexiting (?:normally|cleanly)\b|"
         r"\[exiting program (?:after|at)\b|"
         r"Exited with exit code 0\b|\bexit(?:ed)? (?:code|status)[: ]+0\b"
+    )
+    # Progress that stops well before the end of the log, with no completion line and no decision after it:
+    # this many lines after the last progress report that nothing explains make the verdict unknown, not
+    # healthy (a run does not stop reporting and go on printing something else for no reason).
+    progress_tail_lines: int = 3
+    # What may follow the last progress report of a healthy run: log records below error level (the level
+    # names of Python logging, loguru, glog/c10, NCCL INFO), metric, evaluation and checkpoint lines (a
+    # validation loss, "saving checkpoint", a timer table, a wrapped progress record), a progress bar, and
+    # decoration (separator lines with no word in them). Error-level lines are judged by the error-line
+    # catalog before this, and its known noise and stop-by-decision lines count as explained too.
+    progress_tail_explained: str = (
+        r"\b(?:INFO|WARNING|WARN|DEBUG|NOTICE|SUCCESS|TRACE)\b|^\s*\[?[IWD]\d{4} \d{2}:\d{2}:\d{2}|\[[IW] [\w.]+:\d+\]|"
+        r"(?i:\b(?:loss|lr|learning[ _]rate|iter(?:ation)?s?|steps?|epochs?|grad(?:ient)?[ _]norm|samples|tokens|"
+        r"throughput|tflops|ppl|perplexity|acc(?:uracy)?|eval(?:uation|uating)?|valid(?:ation)?|checkpoint|"
+        r"sav(?:e|ed|ing)|time \(ms\)|it/s|s/it)\b)|\d+%\||^[^A-Za-z]*$"
     )
     # A crash whose cause no detector recognised: category unknown, never healthy.
     crash: str = (
@@ -447,7 +466,7 @@ def _dump_hang(progress: Sequence[_Progress], files: Sequence[list[_Line]], job:
 
 def _progress_anomalies(
     files: Sequence[list[_Line]], job: Sequence[bool], settings: OfflineSettings
-) -> tuple[list[Anomaly], int]:
+) -> tuple[list[Anomaly], list[_Progress]]:
     progress = _progress(files, job, settings)
     out: list[Anomaly] = []
     if progress:
@@ -461,7 +480,7 @@ def _progress_anomalies(
         out += [with_evidence(a, job_text) for a in slow]
         out += _silence_hang(progress, files, job, re.compile(settings.completion))
     out += _dump_hang(progress, files, job)
-    return out, len(progress)
+    return out, progress
 
 
 def _above_warning(a: Anomaly) -> bool:
@@ -553,7 +572,60 @@ def _unexplained_error(reading: _ErrorReading) -> Anomaly:
     return _needs_a_person(ln, "error_lines", "error_line_unexplained", meaning)
 
 
-def _healthy_explanation(reading: _ErrorReading, n_progress: int, completed: bool) -> tuple[str, float]:
+@dataclass(frozen=True)
+class _Tail:
+    """The lines of the last progress report's file after that report."""
+
+    lines: int = 0  # non-blank lines after the last progress report
+    unexplained: tuple[_Line, ...] = ()
+
+
+def _progress_tail(progress: Sequence[_Progress], files: Sequence[list[_Line]], explained: re.Pattern[str]) -> _Tail:
+    if not progress:
+        return _Tail()
+    last = progress[-1]
+    reader = ErrorLineReader()
+    after = [ln for ln in files[last.file] if ln.lineno > last.line.lineno and ln.text.strip()]
+    left = []
+    for ln in after:
+        hit = reader.read(ln.text)
+        if hit is not None and hit.not_fault is not None:
+            continue  # known noise or a stop by decision (the decision itself is handled before)
+        if not explained.search(ln.text):
+            left.append(ln)
+    return _Tail(len(after), tuple(left))
+
+
+def _progress_stopped(tail: _Tail) -> Anomaly:
+    first = tail.unexplained[0]
+    meaning = (
+        f"progress stopped {tail.lines} lines before the end of the log, with no completion line after it; "
+        f"{len(tail.unexplained)} of those lines are neither below error level, nor metrics, nor known noise, "
+        f"and nothing explains why the reports stopped: needs a person"
+    )
+    return _needs_a_person(first, "progress", "progress_stopped_unexplained", meaning)
+
+
+_WORD = re.compile(r"[A-Za-z]")
+
+
+def _nothing_recognised(files: Sequence[list[_Line]], explained: re.Pattern[str]) -> Anomaly | None:
+    """An `unknown` root when no line of the logs is recognised at all: no record below error level, no
+    metric, no known noise (the caller has checked progress, completion and error-level lines). Such a
+    log gives no positive evidence that the run is healthy; a separator line is no evidence either."""
+    lines = [ln for lines in files for ln in lines if ln.text.strip()]
+    if not lines or any(explained.search(ln.text) and _WORD.search(ln.text) for ln in lines):
+        return None
+    meaning = (
+        f"none of the {len(lines)} lines of the logs is recognised (no progress report, no completion line, no "
+        "log record below error level, no metric, no known noise), so nothing says the run is healthy: needs a person"
+    )
+    return _needs_a_person(lines[-1], "progress", "nothing_recognised", meaning)
+
+
+def _healthy_explanation(
+    reading: _ErrorReading, n_progress: int, completed: bool, tail: _Tail | None = None
+) -> tuple[str, float]:
     """What was checked before calling a log healthy, and how sure that makes it."""
     checked = ["no fault signature"]
     if reading.error_lines:
@@ -570,6 +642,12 @@ def _healthy_explanation(reading: _ErrorReading, n_progress: int, completed: boo
     if completed:
         checked.append("a completion line")
         return "; ".join(checked), 0.9
+    if n_progress and tail is not None and tail.lines:
+        checked.append(
+            f"progress until {tail.lines} line(s) before the end of the log, each after it explained (below error "
+            "level, metrics, known noise)"
+        )
+        return "; ".join(checked), 0.75
     if n_progress:
         checked.append("progress to the end of the log")
         return "; ".join(checked), 0.8
@@ -643,7 +721,8 @@ def diagnose_paths(
             anomalies += _kernel_signature_anomalies(inp.name, lines, kernel_sigs)
         else:
             anomalies += _signature_anomalies(inp.name, lines, detector) + _quoted_kernel_anomalies(lines, xids)
-    progress_found, n_progress = _progress_anomalies(files, job, cfg)
+    progress_found, progress = _progress_anomalies(files, job, cfg)
+    n_progress = len(progress)
     anomalies += progress_found
     reading = _read_error_lines(files, anomalies)
     stop = reading.decision_ts
@@ -659,10 +738,21 @@ def diagnose_paths(
             anomalies.append(_unknown_crash(_placed_crash(crash, files, job)))
     names = [inp.name for inp in inputs]
     ranks = _with_log_ranks_per_node(ranks, files, job)
+    completion = re.compile(cfg.completion)
+    completed = any(completion.search(ln.text) for f, lines in enumerate(files) if job[f] for ln in lines)
+    tail = _progress_tail(progress, files, re.compile(cfg.progress_tail_explained))
+    if (
+        not anomalies
+        and not completed
+        and reading.decision is None
+        and len(tail.unexplained) >= cfg.progress_tail_lines
+    ):
+        anomalies.append(_progress_stopped(tail))
+    if not anomalies and not n_progress and not completed and not reading.error_lines:
+        blank = _nothing_recognised(files, re.compile(cfg.progress_tail_explained))
+        anomalies += [blank] if blank is not None else []
     if not anomalies:
-        completion = re.compile(cfg.completion)
-        completed = any(completion.search(ln.text) for f, lines in enumerate(files) if job[f] for ln in lines)
-        explanation, confidence = _healthy_explanation(reading, n_progress, completed)
+        explanation, confidence = _healthy_explanation(reading, n_progress, completed, tail)
         return {
             "category": "healthy",
             "culprit": None,
@@ -704,7 +794,14 @@ def diagnose_paths(
     action = decide(policy or load_policy(), inc, now=inc.event_time)[0].action
     culprit = _culprit_node(inc)
     resolved, where = _resolve_culprit(culprit, inc.culprit_rank, ranks)
-    explanation = inc.explanation + where
+    explanation = inc.explanation
+    own = ("progress_stopped_unexplained", "nothing_recognised")
+    stopped = next((a for a in anomalies if a.signature in own), None)
+    if stopped is not None and inc.category == "unknown":
+        # The attributor words an unknown root as a crash; a log that stops or says nothing known is not one.
+        quoted = "first such line" if stopped.signature == own[0] else "its last line"
+        explanation = f"{stopped.meaning}; {quoted}: {stopped.line.strip()[:200]!r}"
+    explanation += where
     if action == "drain_and_requeue" and resolved is None:
         who = f"rank {inc.culprit_rank}" if inc.culprit_rank is not None else "the failing rank"
         if inc.culprit_gpu is not None:
