@@ -8,7 +8,7 @@ import select
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -47,7 +47,7 @@ _XID = re.compile(
 )
 _SXID = re.compile(r"SXid \(PCI:(?P<pci>[0-9A-Fa-f:.]+)\): (?P<xid>[0-9]+)")
 _FALLEN = re.compile(
-    r"NVRM: GPU (?:at PCI:)?(?P<pci>[0-9A-Fa-f]{4}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}(?:\.\d)?):? .*fallen off the bus"
+    r"NVRM: (?:The NVIDIA )?GPU (?:at PCI:)?(?P<pci>[0-9A-Fa-f]{4}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}(?:\.\d)?):? .*fallen off the bus"
 )
 # Newer drivers split the message over three lines, the last naming no GPU (NVIDIA/NVSentinel#155):
 #   "NVRM: The NVIDIA GPU 0000:b3:00.0" / "NVRM: (PCI ID: 10de:26b5) installed in this system has" /
@@ -264,6 +264,60 @@ def _dated(outer: Stamp | None, inner: Stamp | None) -> Stamp | None:
     return inner
 
 
+# Multi-line kernel messages, joined so that one message is one piece of evidence:
+# - the NVIDIA driver prints a message of several lines as several "NVRM: " lines, the first naming the
+#   GPU: "NVRM: GPU at PCI:%04x:%02x:%02x: %s" then "NVRM: GPU Board Serial Number: %s" (open GPU kernel
+#   modules 570.x, src/nvidia/src/kernel/gpu/rc/kernel_rc.c, before the first Xid), and the lost-GPU
+#   notice, one nv_printf of three lines before NV_ERR_GPU_IS_LOST: "NVRM: The NVIDIA GPU %04x:%02x:%02x.%x"
+#   / "NVRM: (PCI ID: %04x:%04x) installed in this system has" / "NVRM: fallen off the bus and is not
+#   responding to commands."; dmesg prints a record's later lines indented and unstamped, syslog and
+#   journald each with its own prefix. A following NVRM line naming no PCI address of its own belongs
+#   to the one that did;
+# - PCIe AER (Linux 6.x drivers/pci/pcie/aer.c aer_print_error): "PCIe Bus Error: severity=%s, type=%s,
+#   (%s)", then, indented under the same device prefix, "  device [%04x:%04x] error status/mask=%08x/%08x",
+#   "   [%2d] %-22s%s" per status bit, "  TLP Header: ..." and "  Error of this Agent is reported first".
+_NVRM_HEAD = re.compile(r"^NVRM: (?:GPU at PCI:|The NVIDIA GPU )[0-9A-Fa-f]{4}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}")
+_BDF = re.compile(r"[0-9A-Fa-f]{4}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}")
+_AER_HEAD = re.compile(r"^(?P<dev>\S+ [0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]: )(?:AER: )?PCIe Bus Error: severity=")
+
+
+def _continuation(head: _Prefix, line: _Prefix) -> str | None:
+    """The text `line` adds to the multi-line message `head` starts (see above), or None when it is
+    no continuation of it."""
+    if line.host != head.host:
+        return None
+    if _NVRM_HEAD.match(head.message):
+        msg = line.message
+        return msg.strip() if msg.startswith("NVRM: ") and _BDF.search(msg) is None else None
+    aer = _AER_HEAD.match(head.message)
+    if aer and line.message.startswith(aer.group("dev")):
+        rest = line.message[len(aer.group("dev")) :]
+        rest = rest.removeprefix("AER: ")  # newer kernels' dev_fmt puts "AER: " before the indent
+        return rest.strip() if rest.startswith("  ") else None
+    return None
+
+
+def join_continuations(lines: Sequence[str]) -> list[tuple[int, str]]:
+    """Each logical kernel message of `lines`: (index of its first line, that line with the messages of
+    its continuation lines appended, space-separated). Continuation lines are not returned apart."""
+    out: list[tuple[int, str]] = []
+    head: _Prefix | None = None
+    for i, raw in enumerate(lines):
+        if not ("NVRM" in raw or "PCIe Bus Error" in raw or (head is not None and "  " in raw)):
+            head = None  # the cheap path: most kernel lines start no message of either kind
+            out.append((i, raw))
+            continue
+        pre = split_prefix(raw)
+        more = _continuation(head, pre) if head is not None else None
+        if more is not None:
+            j, text = out[-1]
+            out[-1] = (j, f"{text.rstrip()} {more}")
+            continue
+        head = pre if (_NVRM_HEAD.match(pre.message) or _AER_HEAD.match(pre.message)) else None
+        out.append((i, raw))
+    return out
+
+
 def parse_kernel_line(line: str, default_node: str) -> ParsedKernelLine | None:
     """Parse one kernel log line; None when it is not a line trainmedic reads.
 
@@ -371,7 +425,8 @@ class KernelLogProducer:
         lines = self.follower.poll()
         if lines:
             LINES_READ.labels("kernel").inc(len(lines))
-        for line in lines:
+        # A multi-line driver message is joined within one read (the lines of one record arrive together).
+        for _, line in join_continuations(lines):
             parsed = parse_kernel_line(line, self.node)
             if parsed is None:
                 continue
