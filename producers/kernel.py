@@ -113,9 +113,7 @@ class _Prefix:
 _CRI = re.compile(r"(?P<stamp>[0-9]{4}-[0-9]{2}-[0-9]{2}T\S+) (?:stdout|stderr) [FP] ")
 _KUBECTL_PREFIX = re.compile(r"\[pod/[^\]/\s]+/[^\]\s]+\] ")
 _PRI = re.compile(r"<[0-9]{1,3}>")
-_RFC5424 = re.compile(
-    r"1 (?P<stamp>\S+) (?P<host>\S+) (?P<app>\S+) \S+ \S+ (?:-|(?:\[(?:[^\]\\]|\\.)*\])+)(?: |$)"
-)
+_RFC5424 = re.compile(r"1 (?P<stamp>\S+) (?P<host>\S+) (?P<app>\S+) \S+ \S+ (?:-|(?:\[(?:[^\]\\]|\\.)*\])+)(?: |$)")
 # pdsh's label only counts when a kernel-log prefix follows it: "fp16: true" is no host.
 _PDSH = re.compile(rf"(?P<host>{NODE_NAME_PATTERN}): (?=\S)")
 # Where a kernel line quoted inside other text may start: a stamp's first characters.
