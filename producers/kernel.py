@@ -8,7 +8,7 @@ import select
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -20,7 +20,7 @@ from producers.follow import FileFollower
 from producers.metrics import LINES_READ
 from producers.position import FilePosition
 from schemas.events import KernelEvent
-from schemas.ids import check_node_name, is_node_name, stable_id
+from schemas.ids import NODE_NAME_PATTERN, check_node_name, is_node_name, stable_id
 from schemas.timestamps import Stamp, match_prefix, match_uptime
 from schemas.topics import NODE_KERNEL
 
@@ -47,7 +47,7 @@ _XID = re.compile(
 )
 _SXID = re.compile(r"SXid \(PCI:(?P<pci>[0-9A-Fa-f:.]+)\): (?P<xid>[0-9]+)")
 _FALLEN = re.compile(
-    r"NVRM: GPU (?:at PCI:)?(?P<pci>[0-9A-Fa-f]{4}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}(?:\.\d)?):? .*fallen off the bus"
+    r"NVRM: (?:The NVIDIA )?GPU (?:at PCI:)?(?P<pci>[0-9A-Fa-f]{4}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}(?:\.\d)?):? .*fallen off the bus"
 )
 # Newer drivers split the message over three lines, the last naming no GPU (NVIDIA/NVSentinel#155):
 #   "NVRM: The NVIDIA GPU 0000:b3:00.0" / "NVRM: (PCI ID: 10de:26b5) installed in this system has" /
@@ -102,28 +102,218 @@ class _Prefix:
     user_space: bool = False
 
 
-def split_prefix(line: str) -> _Prefix:
-    """Host, time and uptime of a kernel line's prefix (any of the forms above), and the message after it."""
-    text = line.strip()
-    f = _FACILITY.match(text)
-    pos = f.end() if f else 0
+# Outer framings a collector puts around a kernel line, peeled before the kernel's own prefix:
+#   containerd / CRI-O log files (CRI logging format, kubelet pkg/kubelet/kuberuntime/logs/logs.go):
+#     "2026-12-07T12:00:00.123456789Z stderr F " (RFC3339Nano time, stream, F(ull)/P(artial) tag)
+#   kubectl logs --prefix (kubectl 1.27+ pkg/cmd/logs/logs.go): "[pod/NAME/CONTAINER] "
+#   kubectl logs --timestamps: an RFC3339Nano stamp and a space (read by the stamp loop below)
+#   RFC 3164 / 5424 priority "<PRI>" and RFC 5424's "1 TIMESTAMP HOST APP PROCID MSGID SD "
+#   pdsh (2.34, src/pdsh/dsh.c: "%s: %s" with the remote host) before a syslog or dmesg line
+#   Docker's json-file driver ({"log": ..., "time": ...}) and journalctl -o json ({"MESSAGE": ...})
+_CRI = re.compile(r"(?P<stamp>[0-9]{4}-[0-9]{2}-[0-9]{2}T\S+) (?:stdout|stderr) [FP] ")
+_KUBECTL_PREFIX = re.compile(r"\[pod/[^\]/\s]+/[^\]\s]+\] ")
+_PRI = re.compile(r"<[0-9]{1,3}>")
+_RFC5424 = re.compile(r"1 (?P<stamp>\S+) (?P<host>\S+) (?P<app>\S+) \S+ \S+ (?:-|(?:\[(?:[^\]\\]|\\.)*\])+)(?: |$)")
+# pdsh's label only counts when a kernel-log prefix follows it: "fp16: true" is no host.
+_PDSH = re.compile(rf"(?P<host>{NODE_NAME_PATTERN}): (?=\S)")
+# Where a kernel line quoted inside other text may start: a stamp's first characters.
+_QUOTE_START = re.compile(r"(?<![\w:.-])(?=[A-Z][a-z]{2} |[0-9]{4}-[0-9]{2}-[0-9]{2}T|\[|1[0-9]{9}\.)")
+_MAX_LAYERS = 8  # framings nest a few deep at most; the bound keeps a crafted line cheap
+
+
+@dataclass
+class _Peel:
+    text: str
+    host: str | None = None  # the outermost host a framing named (pdsh, RFC 5424, journald json)
+    time: Stamp | None = None  # the outermost stamp a framing named
+    app: str | None = None  # RFC 5424's APP-NAME, when the line had one
+
+
+def _json_layer(text: str, out: _Peel) -> str | None:
+    """The message of a journalctl -o json entry or a Docker json-file record, or None."""
+    entry = _journal_entry(text)
+    if entry is None:
+        return None
+    if "MESSAGE" in entry:
+        found = _entry_message(entry)
+        if found is None:
+            return None
+        out.host = out.host or found[1]
+        usec = entry.get("__REALTIME_TIMESTAMP")
+        if out.time is None and isinstance(usec, str) and usec.isascii() and usec.isdigit():
+            out.time = Stamp(1, 1, 0, 0, 0.0, epoch_s=int(usec) / 1e6)
+        return found[0]
+    log = entry.get("log")
+    if isinstance(log, str):
+        at = match_prefix(f"{entry.get('time')} ")
+        if out.time is None and at is not None:
+            out.time = at.stamp
+        return log.rstrip("\n")
+    return None
+
+
+def _peel(text: str) -> _Peel:
+    """`text` without the collector framings above, with the outermost host and stamp they named."""
+    out = _Peel(text)
+    for _ in range(_MAX_LAYERS):
+        t = out.text
+        if t.startswith("{"):
+            inner = _json_layer(t, out)
+            if inner is None:
+                return out
+            out.text = inner.strip()
+            continue
+        m = _CRI.match(t) or _KUBECTL_PREFIX.match(t)
+        if m:
+            at = match_prefix(f"{m.group('stamp')} ") if "stamp" in m.groupdict() else None
+            out.time = out.time or (at.stamp if at else None)
+            out.text = t[m.end() :]
+            continue
+        m = _PRI.match(t)
+        if m:
+            rest = t[m.end() :]
+            r = _RFC5424.match(rest)
+            if r:
+                at = match_prefix(f"{r.group('stamp')} ")
+                out.time = out.time or (at.stamp if at else None)
+                if r.group("host") != "-":
+                    out.host = out.host or r.group("host")
+                out.app = r.group("app")
+                rest = rest[r.end() :]
+            out.text = rest
+            continue
+        m = _PDSH.match(t)
+        if m and (match_prefix(t, m.end()) or match_uptime(t, m.end()) or _FACILITY.match(t, m.end())):
+            out.host = out.host or m.group("host")
+            out.text = t[m.end() :]
+            continue
+        return out
+    return out
+
+
+def _kernel_prefix(text: str, pos: int) -> tuple[_Prefix, bool] | None:
+    """The kernel-log prefix starting at `pos` (stamps, host, uptime, in any of the forms above) and
+    whether it ends in "HOST kernel:" (the syslog header of the kernel's own line); None if none."""
+    f = _FACILITY.match(text, pos)
+    if f:
+        pos = f.end()
+    start = pos
     host: str | None = None
     stamp: Stamp | None = None
-    user_space = False
-    at = match_prefix(text, pos)
-    if at is not None:
-        stamp, pos = at.stamp, at.end
-        if at.form != "dmesg_t":  # syslog and ISO stamps are followed by the host (dmesg's are not)
+    user_space = header = False
+    # A kubectl or collector stamp may stand before the syslog one: read stamps until a host or none.
+    for _ in range(_MAX_LAYERS):
+        at = match_prefix(text, pos)
+        if at is None:
+            break
+        stamp, pos = _dated(stamp, at.stamp), at.end
+        if at.form in ("syslog", "iso", "epoch"):  # followed by the host (dmesg's are not)
             h = _HOST.match(text, pos)
             if h:
-                host, pos = h.group("host"), h.end()
-            else:
-                user_space = _USER_IDENT.match(text, pos) is not None
-    up = match_uptime(text, pos)
+                host, pos, header = h.group("host"), h.end(), True
+                break
+            if _USER_IDENT.match(text, pos) is not None:
+                user_space = True
+                break
     uptime = None
+    up = match_uptime(text, pos)
     if up:
         uptime, pos = up
-    return _Prefix(host=host, time=stamp, uptime_s=uptime, message=text[pos:], user_space=user_space)
+        if not header:  # journalctl -o short-monotonic: "[  219.470994] HOST kernel: "
+            h = _HOST.match(text, pos)
+            if h and h.end() > pos:
+                host, pos, header = h.group("host"), h.end(), True
+                up2 = match_uptime(text, pos)
+                if up2:
+                    pos = up2[1]
+    if pos == start and f is None:
+        return None
+    return _Prefix(host=host, time=stamp, uptime_s=uptime, message=text[pos:], user_space=user_space), header
+
+
+def split_prefix(line: str) -> _Prefix:
+    """Host, time and uptime of a kernel line's prefix (any of the forms above, inside any of the
+    collector framings above), and the message after it. A line that starts with none of them but
+    quotes a kernel line ("... <stamp> HOST kernel: <message>", a monitoring alert) is read at the quote.
+    """
+    peeled = _peel(line.strip())
+    text = peeled.text
+    found = _kernel_prefix(text, 0)
+    if found is None:
+        # A quote: the first place a stamp starts that is followed by "HOST kernel:".
+        for m in _QUOTE_START.finditer(text, 1):
+            q = _kernel_prefix(text, m.start())
+            if q is not None and q[1]:
+                found = q
+                break
+    pre = found[0] if found else _Prefix(host=None, time=None, uptime_s=None, message=text)
+    if peeled.app is not None and peeled.app not in ("kernel", "-") and not (found and found[1]):
+        pre = replace(pre, user_space=True)  # RFC 5424 APP-NAME of a program
+    return replace(pre, host=pre.host or peeled.host, time=_dated(peeled.time, pre.time))
+
+
+def _dated(outer: Stamp | None, inner: Stamp | None) -> Stamp | None:
+    """Of a framing's stamp and the one it wraps, the inner (the writer's time), unless only the
+    outer names the year: a collector's RFC 3339 stamp is seconds from a yearless syslog one."""
+    if inner is None:
+        return outer
+    if inner.year is None and inner.epoch_s is None and outer is not None and (outer.year or outer.epoch_s):
+        return outer
+    return inner
+
+
+# Multi-line kernel messages, joined so that one message is one piece of evidence:
+# - the NVIDIA driver prints a message of several lines as several "NVRM: " lines, the first naming the
+#   GPU: "NVRM: GPU at PCI:%04x:%02x:%02x: %s" then "NVRM: GPU Board Serial Number: %s" (open GPU kernel
+#   modules 570.x, src/nvidia/src/kernel/gpu/rc/kernel_rc.c, before the first Xid), and the lost-GPU
+#   notice, one nv_printf of three lines before NV_ERR_GPU_IS_LOST: "NVRM: The NVIDIA GPU %04x:%02x:%02x.%x"
+#   / "NVRM: (PCI ID: %04x:%04x) installed in this system has" / "NVRM: fallen off the bus and is not
+#   responding to commands."; dmesg prints a record's later lines indented and unstamped, syslog and
+#   journald each with its own prefix. A following NVRM line naming no PCI address of its own belongs
+#   to the one that did;
+# - PCIe AER (Linux 6.x drivers/pci/pcie/aer.c aer_print_error): "PCIe Bus Error: severity=%s, type=%s,
+#   (%s)", then, indented under the same device prefix, "  device [%04x:%04x] error status/mask=%08x/%08x",
+#   "   [%2d] %-22s%s" per status bit, "  TLP Header: ..." and "  Error of this Agent is reported first".
+_NVRM_HEAD = re.compile(r"^NVRM: (?:GPU at PCI:|The NVIDIA GPU )[0-9A-Fa-f]{4}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}")
+_BDF = re.compile(r"[0-9A-Fa-f]{4}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}")
+_AER_HEAD = re.compile(r"^(?P<dev>\S+ [0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]: )(?:AER: )?PCIe Bus Error: severity=")
+
+
+def _continuation(head: _Prefix, line: _Prefix) -> str | None:
+    """The text `line` adds to the multi-line message `head` starts (see above), or None when it is
+    no continuation of it."""
+    if line.host != head.host:
+        return None
+    if _NVRM_HEAD.match(head.message):
+        msg = line.message
+        return msg.strip() if msg.startswith("NVRM: ") and _BDF.search(msg) is None else None
+    aer = _AER_HEAD.match(head.message)
+    if aer and line.message.startswith(aer.group("dev")):
+        rest = line.message[len(aer.group("dev")) :]
+        rest = rest.removeprefix("AER: ")  # newer kernels' dev_fmt puts "AER: " before the indent
+        return rest.strip() if rest.startswith("  ") else None
+    return None
+
+
+def join_continuations(lines: Sequence[str]) -> list[tuple[int, str]]:
+    """Each logical kernel message of `lines`: (index of its first line, that line with the messages of
+    its continuation lines appended, space-separated). Continuation lines are not returned apart."""
+    out: list[tuple[int, str]] = []
+    head: _Prefix | None = None
+    for i, raw in enumerate(lines):
+        if not ("NVRM" in raw or "PCIe Bus Error" in raw or (head is not None and "  " in raw)):
+            head = None  # the cheap path: most kernel lines start no message of either kind
+            out.append((i, raw))
+            continue
+        pre = split_prefix(raw)
+        more = _continuation(head, pre) if head is not None else None
+        if more is not None:
+            j, text = out[-1]
+            out[-1] = (j, f"{text.rstrip()} {more}")
+            continue
+        head = pre if (_NVRM_HEAD.match(pre.message) or _AER_HEAD.match(pre.message)) else None
+        out.append((i, raw))
+    return out
 
 
 def parse_kernel_line(line: str, default_node: str) -> ParsedKernelLine | None:
@@ -233,7 +423,8 @@ class KernelLogProducer:
         lines = self.follower.poll()
         if lines:
             LINES_READ.labels("kernel").inc(len(lines))
-        for line in lines:
+        # A multi-line driver message is joined within one read (the lines of one record arrive together).
+        for _, line in join_continuations(lines):
             parsed = parse_kernel_line(line, self.node)
             if parsed is None:
                 continue

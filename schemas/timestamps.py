@@ -15,8 +15,12 @@ Forms (ASCII digits only; each names month, day and time of day, most also the y
   ``Mar 04 19:10:02.123456``: **no year**;
 - glog (torch's C++ log) ``[W501 10:00:00.123456``: month and day, **no year**;
 - US dates of HF/accelerate loggers: ``06/16/2025 22:30:48``;
-- epoch seconds ``1678060671.123`` (10 digits, at the start of the line);
-- the kernel's monotonic ``[  219.470994]`` (seconds since boot, not a wall clock): `match_uptime`.
+- epoch seconds ``1678060671.123`` (10 digits, at the start of the line; journalctl ``-o short-unix``);
+- ``dmesg -H`` / ``--reltime`` (util-linux 2.38 sys-utils/dmesg.c, print_record and short_ctime):
+  ``[Dec 7 12:00]`` (strftime ``%b%e %H:%M``, so ``[Dec12 12:00]`` from the 10th: minutes, **no year**)
+  on the first line of a minute, then ``[  +0.000123]`` deltas (``"[  %+8.06f] "``), no wall clock;
+- the kernel's monotonic ``[  219.470994]`` (seconds since boot, not a wall clock): `match_uptime`;
+  also what journalctl ``-o short-monotonic`` writes first.
 
 Two ways to read, one set of patterns and one conversion:
 
@@ -84,11 +88,17 @@ _SLURM_AT = re.compile(r"\b(?:CANCELLED|FAILED|PREEMPTED) AT (?=[0-9]{4}-[0-9]{2
 # match_prefix's forms, anchored, with the separator a writer puts after them. Syslog, journald
 # and dmesg write ISO stamps with a 'T': a line starting '2024-05-01 10:00:00,123 ' is some
 # program's logger, whose next word is no host.
-PrefixForm = Literal["syslog", "iso", "dmesg_t"]
+PrefixForm = Literal["syslog", "iso", "dmesg_t", "dmesg_h", "dmesg_delta", "epoch"]
 _PREFIXES: tuple[tuple[PrefixForm, re.Pattern[str]], ...] = (
     ("syslog", re.compile(rf"{_SYSLOG}\s+")),
     ("iso", re.compile(_iso("T") + r"\s+")),
     ("dmesg_t", re.compile(rf"\[{_CTIME}\]\s?")),
+    # dmesg -H's "%b%e %H:%M": the day space-padded, so no space at all from the 10th on.
+    ("dmesg_h", re.compile(rf"\[(?P<mon>{_MON}) ?(?P<d>[0-9]{{1,2}}) (?P<h>[0-9]{{2}}):(?P<mi>[0-9]{{2}})\]\s?")),
+    # dmesg -H's delta from the line before: a shape with no time of its own (stamp None).
+    ("dmesg_delta", re.compile(r"\[\s*[+-][0-9]+\.[0-9]{6}\]\s?")),
+    # journalctl -o short-unix: "1678060671.123456 host kernel: ...".
+    ("epoch", re.compile(r"(?P<sec>1[0-9]{9})\.(?P<frac>[0-9]{1,9})\s+")),
 )
 _UPTIME = re.compile(r"\[\s*(?P<up>[0-9]{1,10}\.[0-9]{1,9})\]\s?")
 
@@ -151,9 +161,15 @@ def _zone(text: str) -> int | None:
 def _stamp(m: re.Match[str]) -> Stamp | None:
     """The stamp a form's match names; None when a field is out of range."""
     g = m.groupdict()
+    if g.get("sec") is not None:
+        frac = g.get("frac")
+        return Stamp(1, 1, 0, 0, 0.0, epoch_s=int(g["sec"]) + (float(f"0.{frac}") if frac else 0.0))
+    if "h" not in g:
+        return None  # a form that names no time of its own (dmesg -H's delta)
     mon = g.get("mon")
     mo = MONTHS[mon] if mon else int(g["mo"])
-    d, h, mi, s = int(g["d"]), int(g["h"]), int(g["mi"]), int(g["s"])
+    # dmesg -H's date names no seconds.
+    d, h, mi, s = int(g["d"]), int(g["h"]), int(g["mi"]), int(g["s"]) if g.get("s") else 0
     if not (1 <= mo <= 12 and 1 <= d <= 31 and h <= 23 and mi <= 59 and s <= 60):  # 60: a leap second
         return None
     tz = g.get("tz")
@@ -191,8 +207,9 @@ def parse_stamp(line: str) -> Stamp | None:
 
 
 def match_prefix(line: str, pos: int = 0) -> PrefixStamp | None:
-    """A syslog / journald short, ISO 8601 or dmesg -T stamp starting exactly at `pos`, with the
-    whitespace after it; None when none starts there."""
+    """A syslog / journald short, ISO 8601, dmesg -T or -H, or epoch-seconds stamp starting exactly
+    at `pos`, with the whitespace after it; None when none starts there. dmesg -H's delta form
+    ``[  +0.000123]`` is matched with stamp None: it dates nothing by itself."""
     for form, rx in _PREFIXES:
         m = rx.match(line, pos)
         if m:

@@ -109,3 +109,21 @@ def test_prose_naming_the_kernel_names_no_node(tmp_path: Path) -> None:
     (tmp_path / "job.out").write_text(JOB + f"the node said through the kernel: {xid}\n")
     report = diagnose_paths([tmp_path / "job.out"])
     assert (report["category"], report["culprit"]) == ("gpu_hardware", None)
+
+
+def test_a_pdsh_collected_multi_line_aer_report_is_one_fault_of_its_node(tmp_path: Path) -> None:
+    """pdsh's "HOST: " before each syslog line (pdsh 2.34 dsh.c) and AER's indented lines under its
+    severity line (drivers/pci/pcie/aer.c aer_print_error): one node fault of the named node, and
+    the indented lines are not read as messages of their own."""
+    kern = "".join(
+        f"gpu05: Dec  7 18:56:47 gpu05 kernel: pcieport 0000:00:03.1: {m}\n"
+        for m in (
+            "PCIe Bus Error: severity=Uncorrectable (Fatal), type=Transaction Layer, (Receiver ID)",
+            "  device [8086:2030] error status/mask=00040000/00000000",
+            "   [18] MalfTLP                (First)",
+        )
+    )
+    report = diagnose_paths(_case(tmp_path, kern))
+    assert (report["category"], report["culprit"], report["action"]) == ("node", "gpu05", "drain_and_requeue")
+    kernel = [e["line"] for e in report["evidence"] if e["source"] == "kernel"]
+    assert kernel and all("error status/mask=00040000/00000000" in line for line in kernel)

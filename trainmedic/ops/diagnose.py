@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from producers.joblogs import RankedText, split_rank_prefix
-from producers.kernel import parse_kernel_line, split_prefix, to_event
+from producers.kernel import join_continuations, parse_kernel_line, split_prefix, to_event
 from producers.progress import ProgressParser
 from producers.tracebacks import FailureTable
 from schemas.errors import UsageError
@@ -85,13 +85,6 @@ STDIN = "-"
 # A line that names no host: a placeholder node for the kernel event (KernelEvent.node must be a node name,
 # schemas.ids), turned back into "no node" on the anomaly.
 _NO_HOST = "trainmedic-no-host"
-# A syslog/journald kernel line quoted inside another line (a monitoring alert, a container or kubectl
-# prefix, a "[time] host:" wrapper): "... <syslog or ISO stamp> <host> kernel: [uptime] <message>". The
-# host is the one that logged the message; the stamp keeps prose ("the kernel: ...") from naming one.
-_EMBEDDED_KERNEL_HOST = re.compile(
-    r"(?:\b[A-Z][a-z]{2} +\d{1,2} \d{2}:\d{2}:\d{2}|\b\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2})?)"
-    r" (?P<host>[A-Za-z0-9][A-Za-z0-9._-]*) kernel: "
-)
 _KERNEL_NAMES = re.compile(r"(^|[_.-])(kern\.log|dmesg|syslog|messages)")  # also rotated: kern.log.2.gz
 LINE_STEP_S = 0.001
 BINARY_SNIFF_BYTES = 8192  # line order: a line without a timestamp is this much after the one before
@@ -241,7 +234,12 @@ def _stamps(inp: Input) -> list[tuple[RankedText, Stamp | None]]:
     and its own timestamp; kernel lines are kept whole."""
     out: list[tuple[RankedText, Stamp | None]] = []
     for raw in inp.lines:
-        r = RankedText(None, raw) if inp.kernel else split_rank_prefix(raw)
+        if inp.kernel:
+            # The kernel prefix's own stamp (dmesg -T/-H, syslog, journald, inside collector framings),
+            # else any stamp near the start.
+            out.append((RankedText(None, raw), split_prefix(raw).time or parse_stamp(raw)))
+            continue
+        r = split_rank_prefix(raw)
         out.append((r, parse_stamp(r.text)))
     return out
 
@@ -288,10 +286,16 @@ def _timed(inputs: Sequence[Input]) -> list[list[_Line]]:
 # -- detectors ---------------------------------------------------------------------------------
 
 
+def _messages(lines: Sequence[_Line]) -> list[tuple[_Line, str]]:
+    """Each kernel message of a kernel log with its first line: multi-line driver messages (NVRM, AER)
+    joined (producers.kernel.join_continuations), so one message is one piece of evidence."""
+    return [(lines[i], text) for i, text in join_continuations([ln.raw for ln in lines])]
+
+
 def _kernel_anomalies(lines: Sequence[_Line], xids: XidDetector, text: KernelTextDetector) -> list[Anomaly]:
     out = []
-    for ln in lines:
-        parsed = parse_kernel_line(ln.raw, default_node=_NO_HOST)
+    for ln, raw in _messages(lines):
+        parsed = parse_kernel_line(raw, default_node=_NO_HOST)
         if parsed is None:
             continue
         event = to_event(parsed, ln.ts, reader="file")
@@ -304,10 +308,13 @@ def _kernel_anomalies(lines: Sequence[_Line], xids: XidDetector, text: KernelTex
 
 
 def _embedded_kernel_host(text: str) -> str | None:
-    """The node that logged a kernel line quoted somewhere inside `text`, when the quote keeps its
-    syslog "<host> kernel:" and that host is a node name (the last such quote: the innermost)."""
-    hosts = [m.group("host") for m in _EMBEDDED_KERNEL_HOST.finditer(text)]
-    return next((h for h in reversed(hosts) if is_node_name(h)), None)
+    """The node that logged a kernel line quoted inside `text` (a monitoring alert, a container or
+    kubectl prefix, a "[time] host:" wrapper, pdsh), when the quote keeps its "<stamp> <host> kernel:"
+    header or a framing names the host, and that host is a node name. The kernel producer's
+    `split_prefix` reads it, its stamps through schemas.timestamps: prose ("the kernel: ...") has no
+    stamp before it and names no host."""
+    host = split_prefix(text).host
+    return host if host and is_node_name(host) else None
 
 
 def _quoted_kernel_anomalies(lines: Sequence[_Line], xids: XidDetector) -> list[Anomaly]:
@@ -336,11 +343,11 @@ def _kernel_signature_anomalies(name: str, lines: Sequence[_Line], detector: Sig
     when that is a node name. A program's line in the same file (syslog) counts as the job's words,
     not the kernel's."""
     found: list[Anomaly] = []
-    for ln in lines:
-        pre = split_prefix(ln.raw)
+    for ln, raw in _messages(lines):
+        pre = split_prefix(raw)
         if detector.match_line(pre.message) is None:
             continue
-        node = pre.host if pre.host and is_node_name(pre.host) else _embedded_kernel_host(ln.raw)
+        node = pre.host if pre.host and is_node_name(pre.host) else None
         batch = LogBatch(
             event_id=f"diag-{name}",
             event_time=0.0,
