@@ -32,10 +32,12 @@ from streams.policy import choose_action, load_policy
 
 VOCAB = default_vocabulary()
 ENTRIES = [entry for _em, entry in VOCAB.entries()]
-# A tag, a release or a 40-hex commit in a GitHub blob URL, or a versioned archive of NVIDIA's references.
+# A tag, a release or a 40-hex commit in a GitHub blob URL, or a versioned archive of NVIDIA's references, or a
+# versioned page of IBM Storage Scale's message reference (GPFS is closed source).
 _PINNED = re.compile(
     r"^https://github\.com/[^/]+/[^/]+/blob/(?:[0-9a-f]{40}|v?\d[\w.-]*|slurm-\d[\w-]*)/"
     r"|^https://docs\.nvidia\.com/cuda/archive/\d+\.\d+\.\d+/"
+    r"|^https://www\.ibm\.com/docs/en/storage-scale/\d+\.\d+\.\d+\?topic="
 )
 
 
