@@ -32,10 +32,12 @@ from streams.policy import choose_action, load_policy
 
 VOCAB = default_vocabulary()
 ENTRIES = [entry for _em, entry in VOCAB.entries()]
-# A tag, a release or a 40-hex commit in a GitHub blob URL, or a versioned archive of NVIDIA's references.
+# A tag, a release or a 40-hex commit in a GitHub blob URL, or a versioned archive of NVIDIA's references, or a
+# versioned page of IBM Storage Scale's message reference (GPFS is closed source).
 _PINNED = re.compile(
     r"^https://github\.com/[^/]+/[^/]+/blob/(?:[0-9a-f]{40}|v?\d[\w.-]*|slurm-\d[\w-]*)/"
     r"|^https://docs\.nvidia\.com/cuda/archive/\d+\.\d+\.\d+/"
+    r"|^https://www\.ibm\.com/docs/en/storage-scale/\d+\.\d+\.\d+\?topic="
 )
 
 
@@ -325,3 +327,79 @@ def test_generated_entries_read_their_emitters_lines_only(line: str, want: str |
     hit = SignatureDetector(signatures=()).match_line(line)
     got = hit[0].id if hit is not None and hit[0].id != "python_exception_line" else None
     assert got == want
+
+
+@pytest.mark.parametrize(
+    ("line", "want"),
+    [
+        # PyTorch: the watchdog's teardown lines are collateral of the timeout they follow; a CUDA error inside the
+        # watchdog's exception is still read as CUDA's.
+        (
+            "[rank1]:[E1206 18:44:12.7 ProcessGroupNCCL.cpp:1632] [PG ID 0 PG GUID 0(default_pg) Rank 1] Some NCCL"
+            " operations have failed or timed out. Due to the asynchronous nature of CUDA kernels, subsequent GPU"
+            " operations might run on corrupted/incomplete data.",
+            "torch_nccl_operations_failed",
+        ),
+        (
+            "[PG ID 0 PG GUID 0(default_pg) Rank 3] Process group watchdog thread terminated with exception: CUDA"
+            " error: an illegal memory access was encountered",
+            "cuda_error_illegal_address",
+        ),
+        ("RuntimeError: Socket Timeout", "torch_store_socket_timeout"),
+        # The store's client retrying a server that is not up yet is noise; only its final timeout is read.
+        ("[c10d] The client socket has failed to connect to [gpu01]:29500 (errno: 111 - Connection refused).", None),
+        # SIGTERM to the elastic agent is a decision (error_lines.yaml), not a crash of unknown cause.
+        ("torch.distributed.elastic.multiprocessing.api.SignalException: Process 17912 got signal: 15", None),
+        # Slurm: the signals srun itself sends at cancellation are not read; the node of an unkillable step is named.
+        ("srun: error: gpu03: task 12: Terminated", None),
+        ("srun: error: gpu03: task 12: Segmentation fault (core dumped)", "slurm_srun_task_killed_by_signal"),
+        ("slurmstepd: error: *** JOB 123 ON gpu04 CANCELLED AT 2024-05-01T12:00:00 DUE TO TIME LIMIT ***", None),
+        # Kernel: only the fatal machine check and the memory-failure handler; the MCE notice is also printed for
+        # corrected errors.
+        ("mce: [Hardware Error]: Machine check events logged", None),
+        ("Memory failure: 0x4f3a12: recovery action for dirty LRU page: Recovered", "kernel_memory_failure"),
+        # errno: the network values only in Python's "[Errno N] text" form.
+        ("curl: (7) Failed to connect to 10.0.0.5 port 2379: Connection refused", None),
+        ("ConnectionRefusedError: [Errno 111] Connection refused", "errno_econnrefused"),
+        ("MemoryError", "python_memory_error"),
+        ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.", "torch_cuda_out_of_memory"),
+        # Lustre: a connection lost with recovery pending is a warning; one whose operations fail is an error.
+        (
+            "Lustre: fs1-OST0002-osc-ffff8a: Connection to fs1-OST0002 (at 10.0.0.61@o2ib) was lost; in progress"
+            " operations using this service will wait for recovery to complete",
+            None,
+        ),
+        (
+            "LustreError: 167-0: fs1-OST0002-osc-ffff8a: This client was evicted by fs1-OST0002; in progress"
+            " operations using this service will fail.",
+            "lustre_operations_will_fail",
+        ),
+    ],
+)
+def test_second_round_entries_read_their_emitters_lines_only(line: str, want: str | None) -> None:
+    hit = SignatureDetector(signatures=()).match_line(line)
+    got = hit[0].id if hit is not None and hit[0].id != "python_exception_line" else None
+    assert got == want
+
+
+def test_the_second_rounds_node_faults_name_their_node() -> None:
+    """An unkillable step and a failed prolog isolate the node the line names; an srun task killed by a signal
+    names its node and rank but isolates nothing (the signal's sender is unknown)."""
+    detector = SignatureDetector(signatures=())
+    lines = [
+        "slurmstepd: error: *** STEP 123456.0 STEPD TERMINATED ON gpu04 AT 2024-05-01T12:10:00 DUE TO JOB NOT"
+        " ENDING WITH SIGNALS ***",
+        "srun: error: gpu02: task 9: Killed",
+    ]
+    batch = LogBatch(
+        event_id="b",
+        event_time=0.0,
+        job_id="7",
+        source="s",
+        lines=[LogLine(text=t, ts=float(i), lineno=i + 1) for i, t in enumerate(lines)],
+    )
+    got = [(a.signature, a.category, a.node, a.isolate) for a in detector.detect(batch)]
+    assert got == [
+        ("slurm_stepd_terminated_unkillable", "node", "gpu04", True),
+        ("slurm_srun_task_killed_by_signal", "unknown", "gpu02", False),
+    ]
