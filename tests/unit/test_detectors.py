@@ -19,8 +19,14 @@ def batch_from(path: str, job_id: str = "7") -> LogBatch:
 
 def test_nccl_watchdog_fixture() -> None:
     anomalies = SignatureDetector().detect(batch_from("nccl_watchdog_timeout.log"))
-    assert {a.signature for a in anomalies} == {"nccl_watchdog_timeout"}
-    assert sorted(-1 if a.rank is None else a.rank for a in anomalies) == [0, 3, 4]
+    # The watchdog's timeouts, and PyTorch's "Some NCCL operations have failed or timed out" that
+    # follows them on each rank taken down (streams/catalog/vocabulary.yaml): both collateral.
+    by_sig: dict[str, list[int]] = {}
+    for a in anomalies:
+        by_sig.setdefault(a.signature, []).append(-1 if a.rank is None else a.rank)
+    assert set(by_sig) == {"nccl_watchdog_timeout", "torch_nccl_operations_failed"}
+    assert sorted(by_sig["nccl_watchdog_timeout"]) == [0, 3, 4]
+    assert sorted(by_sig["torch_nccl_operations_failed"]) == [0, 2]
     assert all(a.role == "collateral" and a.category == "interconnect" for a in anomalies)
 
 
