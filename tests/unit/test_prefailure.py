@@ -4,6 +4,7 @@ through producers.gpu_dcgm's scraper."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -338,7 +339,7 @@ def test_node_verdict_summarises_its_gpus() -> None:
     assert nv.failures == ("reset_required",) and nv.confidence == 1.0 and nv.lead_time_s is None
     assert {v.rule_id for v in nv.verdicts} == {"row_remap_pending", "retired_pages_pending"}
     with pytest.raises(ValueError, match="several nodes"):
-        node_verdict([*nv.verdicts, nv.verdicts[0].__class__(**{**nv.verdicts[0].__dict__, "node": "gpu09"})])
+        node_verdict([*nv.verdicts, dataclasses.replace(nv.verdicts[0], node="gpu09")])
 
 
 def test_memory_stays_bounded() -> None:
