@@ -109,6 +109,9 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ.setdefault(RUN_ENV, uuid.uuid4().hex[:12])
 
 
+# First: pytest-xdist's worker turns each item's `xdist_group` mark into its node id in its own
+# modifyitems hook, so the marks must be there before it runs (tests/unit/test_parallel_grouping.py).
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     left_out: list[pytest.Item] = []
     for item in items:
