@@ -20,7 +20,7 @@ from tests.conftest import REPO
 CONFTEST = """
 import os
 import pytest
-from tests.parallel import pytest_addoption, pytest_collection_modifyitems  # noqa: F401  the grouping under test
+pytest_plugins = ["tests.parallel"]  # the grouping under test, as tests/conftest.py loads it
 
 @pytest.fixture
 def slurm_cluster():
@@ -68,7 +68,9 @@ def test_each_group_runs_on_one_worker(tmp_path: Path) -> None:
     (tmp_path / "test_module_group.py").write_text(MODULE_GROUP)
     (tmp_path / "test_clusters.py").write_text(CLUSTERS)
     out = tmp_path / "workers.txt"
-    env = {**os.environ, "GROUPING_OUT": str(out), "PYTHONPATH": str(REPO)}
+    # The outer run's worker, run id and lock folder stay out: this session's cluster locks are its own.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "TMTEST_"))}
+    env |= {"GROUPING_OUT": str(out), "PYTHONPATH": str(REPO), "TMTEST_LOCKS": str(tmp_path / "locks")}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider", "-p",
          "no:randomly", "--rootdir", str(tmp_path), str(tmp_path)],
