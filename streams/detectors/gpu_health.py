@@ -48,6 +48,7 @@ from schemas.ids import stable_id
 from schemas.vocab import Category, Role, Severity
 from schemas.yamlsafe import YamlError, load_yaml
 from streams.catalog import CATALOG_DIR, CatalogError, XidBucket, XidEntry, load_xid_catalog
+from streams.detectors.gpu_streams import GpuSampleStreams
 
 DEFAULT_PATH = CATALOG_DIR / "gpu_health.yaml"
 # Readings kept per counter and GPU within a window: one a second for a 10-minute window.
@@ -208,16 +209,6 @@ class _GpuState:
     settled: bool = False
 
 
-@dataclass
-class _Stream:
-    """One producer's samples of one node."""
-
-    last_id: str = ""
-    last_time: float = float("-inf")
-    last_out: list[Anomaly] = field(default_factory=list)
-    gpus: dict[int, _GpuState] = field(default_factory=dict)
-
-
 @dataclass(frozen=True)
 class _Finding:
     key: str  # condition id or xid_<code>: part of the anomaly's id
@@ -251,7 +242,7 @@ class GpuHealthDetector:
         self._xids = xids
         self._buckets = buckets
         check_against_xids(self._catalog, xids)
-        self._streams: dict[tuple[str, str], _Stream] = {}
+        self._streams: GpuSampleStreams[_GpuState, Anomaly] = GpuSampleStreams(lambda uuid: _GpuState(uuid=uuid))
         # The GpuMetrics fields some condition reads, from the catalog (uuid: a new GPU in the slot).
         self._watched = ("uuid", *_fields_read(self._catalog))
         self._watched_at = {name: i for i, name in enumerate(self._watched)}
@@ -268,38 +259,15 @@ class GpuHealthDetector:
         }
 
     def observe(self, sample: GpuSample) -> list[Anomaly]:
-        key = (sample.node, sample.collector)
-        stream = self._streams.setdefault(key, _Stream())
-        if sample.event_id == stream.last_id:
-            return list(stream.last_out)  # redelivered: the same anomalies, same ids
-        if sample.event_time <= stream.last_time:
-            return []  # older than what was seen: its counters would read as a reset, then a rise
-        out: list[Anomaly] = []
-        present: set[int] = set()
-        for gpu in sample.gpus:
-            if gpu.index in present:
-                continue
-            present.add(gpu.index)
-            out.extend(self._observe_gpu(sample, stream, gpu))
-        for index in [i for i in stream.gpus if i not in present]:
-            del stream.gpus[index]
-        stream.last_id, stream.last_time, stream.last_out = sample.event_id, sample.event_time, out
-        return list(out)
+        return self._streams.observe(sample, self._observe_gpu)
 
     def forget(self, node: str) -> None:
-        for key in [k for k in self._streams if k[0] == node]:
-            del self._streams[key]
+        self._streams.forget(node)
 
     # --- one GPU --------------------------------------------------------------------------
 
-    def _observe_gpu(self, sample: GpuSample, stream: _Stream, gpu: GpuMetrics) -> list[Anomaly]:
+    def _observe_gpu(self, sample: GpuSample, state: _GpuState, gpu: GpuMetrics) -> list[Anomaly]:
         t = sample.event_time
-        state = stream.gpus.get(gpu.index)
-        if state is None or (gpu.uuid and state.uuid and gpu.uuid != state.uuid):
-            # A new GPU in the slot (or the first sight of it): its counters start a new baseline.
-            state = _GpuState(uuid=gpu.uuid)
-            stream.gpus[gpu.index] = state
-        state.uuid = gpu.uuid or state.uuid
         reading: tuple[object, ...] = self._read(gpu)
         if self.SHORTCUT and self._settled(state, reading, gpu):
             # A settled GPU reading what it read last: evaluating every condition would change

@@ -38,6 +38,7 @@ from schemas.events import GpuMetrics, GpuSample
 from schemas.ids import stable_id
 from streams.catalog import CATALOG_DIR, CatalogError, load_catalog_model
 from streams.detectors.gpu_health import CounterField, FlagField, ReasonName
+from streams.detectors.gpu_streams import GpuSampleStreams
 
 DEFAULT_PATH = CATALOG_DIR / "prefailure.yaml"
 # Readings kept per window: a window is kept at a resolution of window_s / SLOTS (a newer reading
@@ -239,16 +240,6 @@ class _GpuState:
     last_time: float | None = None
 
 
-@dataclass
-class _Stream:
-    """One producer's samples of one node."""
-
-    last_id: str = ""
-    last_time: float = float("-inf")
-    last_out: list[PreFailureVerdict] = field(default_factory=list)
-    gpus: dict[int, _GpuState] = field(default_factory=dict)
-
-
 # --- detector -------------------------------------------------------------------------------------
 
 
@@ -259,56 +250,36 @@ class PreFailureDetector:
 
     def __init__(self, catalog: PreFailureCatalog | None = None) -> None:
         self._catalog = catalog if catalog is not None else load_prefailure_catalog()
-        self._streams: dict[tuple[str, str], _Stream] = {}
+        self._streams: GpuSampleStreams[_GpuState, PreFailureVerdict] = GpuSampleStreams(
+            lambda uuid: _GpuState(uuid=uuid)
+        )
 
     def observe(self, sample: GpuSample) -> list[PreFailureVerdict]:
-        stream = self._streams.setdefault((sample.node, sample.collector), _Stream())
-        if sample.event_id == stream.last_id:
-            return list(stream.last_out)  # redelivered: the same verdicts, same ids
-        if sample.event_time <= stream.last_time:
-            return []  # older than what was seen: its counters would read as a reset, then a rise
-        out: list[PreFailureVerdict] = []
-        present: set[int] = set()
-        for gpu in sample.gpus:
-            if gpu.index in present:
-                continue
-            present.add(gpu.index)
-            out.extend(self._observe_gpu(sample, stream, gpu))
-        for index in [i for i in stream.gpus if i not in present]:
-            del stream.gpus[index]  # a GPU gone from the node's sample takes its windows with it
-        stream.last_id, stream.last_time, stream.last_out = sample.event_id, sample.event_time, out
-        return list(out)
+        # A GPU gone from the node's sample takes its windows with it (gpu_streams).
+        return self._streams.observe(sample, self._observe_gpu)
 
     def open_verdicts(self, node: str) -> list[PreFailureVerdict]:
         """The node's verdicts whose condition still holds, over every producer of the node."""
-        return [
-            v for (n, _), s in self._streams.items() if n == node for g in s.gpus.values() for v in g.active.values()
-        ]
+        return [v for g in self._streams.states(node) for v in g.active.values()]
 
     def node_verdict(self, node: str) -> NodeVerdict | None:
         return node_verdict(self.open_verdicts(node))
 
     def retained(self) -> int:
         """Readings held in every window: what bounds this detector's memory per GPU."""
-        gpus = [g for s in self._streams.values() for g in s.gpus.values()]
+        gpus = list(self._streams.states())
         return sum(len(d) for g in gpus for d in g.counters.values()) + sum(
             len(d) for g in gpus for d in g.throttled.values()
         )
 
     def forget(self, node: str) -> None:
-        for key in [k for k in self._streams if k[0] == node]:
-            del self._streams[key]
+        self._streams.forget(node)
 
     # --- one GPU --------------------------------------------------------------------------
 
-    def _observe_gpu(self, sample: GpuSample, stream: _Stream, gpu: GpuMetrics) -> list[PreFailureVerdict]:
+    def _observe_gpu(self, sample: GpuSample, state: _GpuState, gpu: GpuMetrics) -> list[PreFailureVerdict]:
+        # A new GPU in the slot starts with new baselines and no open verdicts (gpu_streams).
         t = sample.event_time
-        state = stream.gpus.get(gpu.index)
-        if state is None or (gpu.uuid and state.uuid and gpu.uuid != state.uuid):
-            # A new GPU in the slot (or the first sight of it): new baselines, no open verdicts.
-            state = _GpuState(uuid=gpu.uuid)
-            stream.gpus[gpu.index] = state
-        state.uuid = gpu.uuid or state.uuid
         out: list[PreFailureVerdict] = []
         for rule in self._catalog.rules:
             if isinstance(rule, StateRule):

@@ -351,11 +351,13 @@ def test_memory_stays_bounded() -> None:
         for _ in range(1800):  # an error every 2 s, one sample every 2 s: every window moves
             rig.step(2.0, errors)
         sizes.append(rig.detector.retained())
-        for gpu in rig.detector._streams[(NODE, "nvml")].gpus.values():
+        for gpu in rig.detector._streams.streams[(NODE, "nvml")].gpus.values():
             assert all(len(d) <= MAX_SAMPLES for d in gpu.counters.values())
             assert all(len(d) <= SLOTS + 2 for d in gpu.throttled.values())
         # Bounded by resolution, not by dropping the window: the acceleration rule still sees two hours.
-        kept = rig.detector._streams[(NODE, "nvml")].gpus[2].counters[("ecc_sbe_acceleration", "ecc_sbe_volatile")]
+        kept = (
+            rig.detector._streams.streams[(NODE, "nvml")].gpus[2].counters[("ecc_sbe_acceleration", "ecc_sbe_volatile")]
+        )
         assert min(rig.t - rig.samples[0].event_time, 7200) - 2 * 3600 / SLOTS <= rig.t - kept[0][0] <= 7200
     # After the longest window (two hours for acceleration) the windows hold what they held.
     assert sizes[2] == sizes[1] and sizes[2] <= 8 * 6 * MAX_SAMPLES
