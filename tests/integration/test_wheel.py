@@ -88,8 +88,12 @@ def _venv(where: Path, requirement: str) -> Path:
     """A fresh venv outside the checkout with `requirement` installed; its bin folder."""
     proc = _run([sys.executable, "-m", "venv", where], where.parent, dict(os.environ))
     assert proc.returncode == 0, proc.stderr
+    # --no-compile: byte-compiling every dependency was half of the server venv's install (75 s -> 39 s
+    # measured 2026-12-08); what is tested is that the installed files run, and they compile on import.
     proc = _run(
-        [where / "bin" / "python", "-m", "pip", "install", "--quiet", requirement], where.parent, dict(os.environ)
+        [where / "bin" / "python", "-m", "pip", "install", "--quiet", "--no-compile", requirement],
+        where.parent,
+        dict(os.environ),
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return where / "bin"
