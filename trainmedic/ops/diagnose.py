@@ -662,6 +662,10 @@ def _healthy_explanation(
     return "; ".join(checked), 0.6
 
 
+# Findings of the progress detectors that need a person: the numbers are wrong, with no known cause.
+_NUMBERS_ONLY = frozenset({"throughput_drop", "throughput_drop_small", "loss_spike_unresolved"})
+
+
 def _unknown_crash(ln: _Line) -> Anomaly:
     return _needs_a_person(
         ln,
@@ -804,10 +808,14 @@ def diagnose_paths(
     explanation = inc.explanation
     own = ("progress_stopped_unexplained", "nothing_recognised")
     stopped = next((a for a in anomalies if a.signature in own), None)
+    numbers = next((a for a in anomalies if a.signature in _NUMBERS_ONLY and a.category == "unknown"), None)
     if stopped is not None and inc.category == "unknown":
         # The attributor words an unknown root as a crash; a log that stops or says nothing known is not one.
         quoted = "first such line" if stopped.signature == own[0] else "its last line"
         explanation = f"{stopped.meaning}; {quoted}: {stopped.line.strip()[:200]!r}"
+    elif numbers is not None and inc.category == "unknown":
+        # Nor is a run whose numbers alone are wrong (a slowdown, a loss jump with no verdict): say what they show.
+        explanation = f"{numbers.meaning}: {numbers.line.strip()[:300]}"
     explanation += where
     if action == "drain_and_requeue" and resolved is None:
         who = f"rank {inc.culprit_rank}" if inc.culprit_rank is not None else "the failing rank"
