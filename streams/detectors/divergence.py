@@ -19,11 +19,11 @@ job.progress, offline from a log's lines); no clock of its own. Per job:
   `jump_rel` (the drift threshold: 1.5x) over every earlier loss opens a spike; it is then
   judged like any other.
 - **End of the log** (`finish`): a spike still open when the log ends is a divergence if the
-  loss is still at its peak (climbing, or no turn back at all). One on its way down - at least
-  `trend_reports` reports after the peak, each lower than the one before (tr1-13B's spike took
-  ~500 iterations to recover) - is not. One that is neither (a single report after the peak, or
-  the jump on the last report) is unresolved: the numbers say neither healthy nor diverged, so
-  it is `unknown` ("needs a person", no action), never healthy.
+  loss is still at its peak (climbing, or no turn back at all). One already coming down after
+  `settle_reports` reports or more is not (tr1-13B's spike took ~500 iterations to recover). One
+  with fewer reports after the jump (a single report after it, or the jump on the last report)
+  is unresolved: too few values to tell a spike on its way down from a new, higher level, so it
+  is `unknown` ("needs a person", no action), never healthy.
 - **Non-finite.** NaN/inf losses for `nonfinite_persist` reports in a row. One NaN or inf (an
   fp16 loss-scale overflow step, skipped by the scaler) is healthy.
 - **Missing loss.** The loss was printed, then `missing_after` training reports of the same
@@ -79,17 +79,17 @@ class DivergenceSettings:
     # (drift_rel_rise) over every earlier loss is a spike. Divergences of the corpus jump more (tr8-104B:
     # 6.4 -> 14, bigscience tr8-104B-wide chronicles); benign early-training bumps are a few percent.
     jump_rel: float = 0.5
-    # Reports after the peak, each lower than the one before, that show a spike on its way down when the
-    # log ends: one report lower than the peak is a single value, no trend.
-    trend_reports: int = 2
+    # Reports after the jump needed to judge a spike still open when the log ends as on its way down: as
+    # many as the baseline needs (min_baseline), the fewest whose median tolerates one stray value.
+    settle_reports: int = 3
 
     def __post_init__(self) -> None:
         if self.window < 2 or self.min_baseline < 2 or self.min_baseline > self.window:
             raise ValueError("DivergenceSettings: need 2 <= min_baseline <= window")
         if min(self.recover_within, self.nonfinite_persist, self.missing_after) < 1:
             raise ValueError("DivergenceSettings: recover_within, nonfinite_persist, missing_after must be >= 1")
-        if self.trend_reports < 1:
-            raise ValueError("DivergenceSettings: trend_reports must be >= 1")
+        if self.settle_reports < 1:
+            raise ValueError("DivergenceSettings: settle_reports must be >= 1")
         if min(self.spike_mads, self.min_rel_rise, self.recover_rel, self.drift_rel_rise, self.jump_rel) <= 0:
             raise ValueError("DivergenceSettings: spike_mads, min_rel_rise, recover_rel, drift_rel_rise must be > 0")
 
@@ -101,8 +101,6 @@ class _Spike:
     baseline: float
     peak: float
     reports: int = 0
-    falling: int = 0  # reports since the peak, each lower than the one before (0: at the peak or rising)
-    last: float = 0.0
 
 
 @dataclass
@@ -160,15 +158,15 @@ class DivergenceDetector:
 
         It is a divergence when the loss was still at its peak when the log ended - climbing, or
         high without any turn back (``last >= (1 - recover_rel) x peak``) for at least
-        `finish_min_reports` reports. A spike on its way down (`trend_reports` falling reports after
-        the peak) stays healthy; any other open spike is unresolved (`unknown`)."""
+        `finish_min_reports` reports. One coming down after `settle_reports` reports stays healthy;
+        one with fewer reports after the jump is unresolved (`unknown`)."""
         job = self._jobs.get(job_id)
         if job is None or job.spike is None or job.last_loss is None or job.last_loss.loss is None:
             return []
         spike, cfg = job.spike, self.settings
         last = job.last_loss.loss
         at_peak = last >= (1 - cfg.recover_rel) * spike.peak
-        if not at_peak and spike.falling >= cfg.trend_reports:
+        if not at_peak and spike.reports >= cfg.settle_reports:
             return []
         if not at_peak or spike.reports + 1 < cfg.finish_min_reports:
             return self._unresolved(job, spike, last)
@@ -184,8 +182,8 @@ class DivergenceDetector:
         line = (
             f"loss {last:.4g} at {self._at(job.last_loss)} when the log ends, still above the pre-spike level "
             f"{spike.baseline:.4g} ({(last / spike.baseline - 1) * 100 if spike.baseline else float('inf'):.0f}% "
-            f"higher; peak {spike.peak:.4g}) {spike.reports} report(s) after the jump at {self._at_spike(spike)}, "
-            f"{spike.falling} falling report(s) after the peak (a recovery needs {self.settings.trend_reports})"
+            f"higher; peak {spike.peak:.4g}), {spike.reports} report(s) after the jump at {self._at_spike(spike)} "
+            f"(judging a recovery needs {self.settings.settle_reports})"
         )
         found = self._fire(job, "loss_spike_unresolved", None, job.last_loss, line, MEANING_UNRESOLVED, spike)
         return [found] if found is not None else []
@@ -245,11 +243,7 @@ class DivergenceDetector:
         if job.spike is not None:
             spike = job.spike
             spike.reports += 1
-            if loss >= spike.peak:
-                spike.peak, spike.falling = loss, 0
-            else:
-                spike.falling = spike.falling + 1 if loss < spike.last else 0
-            spike.last = loss
+            spike.peak = max(spike.peak, loss)
             if self._recovered(job, loss):
                 job.spike = None
                 job.baseline.append(loss)
@@ -264,10 +258,10 @@ class DivergenceDetector:
         if len(job.baseline) >= cfg.min_baseline:
             median, sigma = self._stats(job)
             if loss > median + cfg.spike_mads * sigma and loss > median + cfg.min_rel_rise * abs(median):
-                job.spike = _Spike(s.step, s.ts, median, loss, last=loss)
+                job.spike = _Spike(s.step, s.ts, median, loss)
                 return drift
         elif job.baseline and loss > max(job.baseline) * (1 + cfg.jump_rel) and min(job.baseline) > 0:
-            job.spike = _Spike(s.step, s.ts, statistics.median(job.baseline), loss, last=loss)
+            job.spike = _Spike(s.step, s.ts, statistics.median(job.baseline), loss)
             return drift
         job.baseline.append(loss)
         return drift

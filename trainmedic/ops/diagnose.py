@@ -38,7 +38,9 @@ emitter's known non-fault; one that is not makes the verdict `unknown`, with tha
 Where the log has progress, it must reach the end of the log or a completion line: progress reports
 that stop with `progress_tail_lines` or more lines after them that are neither below error
 level, nor metrics, nor known noise (and no completion or stop after them) make the verdict
-`unknown` too ("progress stopped N lines before the end").
+`unknown` too ("progress stopped N lines before the end"). Numbers alone that say something is wrong
+without saying what - a loss jump still unresolved when the log ends, a small throughput drop that lasts
+to the end - are `unknown` as well (the loss and throughput detectors' `finish`), never `healthy`.
 A run its operator or scheduler ended (scancel, time limit, preemption, a signal to every rank)
 is no fault: what follows the stop (crash markers, collective timeouts, unexplained errors as the
 ranks go down) is its consequence, and only a recognised cause before or after it still counts.
