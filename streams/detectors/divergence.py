@@ -13,8 +13,17 @@ job.progress, offline from a log's lines); no clock of its own. Per job:
 - **Drift.** A loss that climbs slowly never opens a spike (the baseline follows it). The median
   of the last `window` losses is compared with the lowest such median seen: above it by
   `drift_rel_rise` for `recover_within` reports in a row is a divergence too.
+- **Few earlier losses.** The baseline needs `min_baseline` losses: a median and MAD of three
+  values is the least that tolerates one outlier and gives a noise scale. With fewer (a log that
+  prints the loss rarely, or an excerpt), there is no noise scale, so only a jump by
+  `jump_rel` (the drift threshold: 1.5x) over every earlier loss opens a spike; it is then
+  judged like any other.
 - **End of the log** (`finish`): a spike still open when the log ends is a divergence if the
-  loss is still at its peak (climbing, or no turn back at all); one already coming down is not.
+  loss is still at its peak (climbing, or no turn back at all). One already coming down after
+  `settle_reports` reports or more is not (tr1-13B's spike took ~500 iterations to recover). One
+  with fewer reports after the jump (a single report after it, or the jump on the last report)
+  is unresolved: too few values to tell a spike on its way down from a new, higher level, so it
+  is `unknown` ("needs a person", no action), never healthy.
 - **Non-finite.** NaN/inf losses for `nonfinite_persist` reports in a row. One NaN or inf (an
   fp16 loss-scale overflow step, skipped by the scaler) is healthy.
 - **Missing loss.** The loss was printed, then `missing_after` training reports of the same
@@ -43,6 +52,10 @@ MEANING_DIVERGED = (
     "(learning rate, bad data, numerics); a restart from the same checkpoint repeats it"
 )
 MEANING_NONFINITE = "the training loss became NaN/inf and stayed so: the run diverged numerically"
+MEANING_UNRESOLVED = (
+    "the training loss jumped far above its earlier level and had not come back when the log ended, "
+    "with too few reports after the jump to tell a recovering spike from a divergence: needs a person"
+)
 MEANING_MISSING = (
     "training steps go on but the loss is no longer printed: frameworks omit it when every step is "
     "skipped for non-finite gradients"
@@ -62,13 +75,22 @@ class DivergenceSettings:
     nonfinite_persist: int = 3
     missing_after: int = 10
     finish_min_reports: int = 2
+    # With fewer than min_baseline earlier losses there is no MAD: only a jump by the drift threshold
+    # (drift_rel_rise) over every earlier loss is a spike. Divergences of the corpus jump more (tr8-104B:
+    # 6.4 -> 14, bigscience tr8-104B-wide chronicles); benign early-training bumps are a few percent.
+    jump_rel: float = 0.5
+    # Reports after the jump needed to judge a spike still open when the log ends as on its way down: as
+    # many as the baseline needs (min_baseline), the fewest whose median tolerates one stray value.
+    settle_reports: int = 3
 
     def __post_init__(self) -> None:
         if self.window < 2 or self.min_baseline < 2 or self.min_baseline > self.window:
             raise ValueError("DivergenceSettings: need 2 <= min_baseline <= window")
         if min(self.recover_within, self.nonfinite_persist, self.missing_after) < 1:
             raise ValueError("DivergenceSettings: recover_within, nonfinite_persist, missing_after must be >= 1")
-        if min(self.spike_mads, self.min_rel_rise, self.recover_rel, self.drift_rel_rise) <= 0:
+        if self.settle_reports < 1:
+            raise ValueError("DivergenceSettings: settle_reports must be >= 1")
+        if min(self.spike_mads, self.min_rel_rise, self.recover_rel, self.drift_rel_rise, self.jump_rel) <= 0:
             raise ValueError("DivergenceSettings: spike_mads, min_rel_rise, recover_rel, drift_rel_rise must be > 0")
 
 
@@ -136,21 +158,34 @@ class DivergenceDetector:
 
         It is a divergence when the loss was still at its peak when the log ended - climbing, or
         high without any turn back (``last >= (1 - recover_rel) x peak``) for at least
-        `finish_min_reports` reports. A spike already on its way down stays healthy."""
+        `finish_min_reports` reports. One coming down after `settle_reports` reports stays healthy;
+        one with fewer reports after the jump is unresolved (`unknown`)."""
         job = self._jobs.get(job_id)
-        if job is None or job.spike is None or job.last_loss is None:
+        if job is None or job.spike is None or job.last_loss is None or job.last_loss.loss is None:
             return []
         spike, cfg = job.spike, self.settings
-        if spike.reports + 1 < cfg.finish_min_reports or job.last_loss.loss is None:
-            return []
         last = job.last_loss.loss
-        if last < (1 - cfg.recover_rel) * spike.peak:
+        at_peak = last >= (1 - cfg.recover_rel) * spike.peak
+        if not at_peak and spike.reports >= cfg.settle_reports:
             return []
+        if not at_peak or spike.reports + 1 < cfg.finish_min_reports:
+            return self._unresolved(job, spike, last)
         line = (
             f"loss {last:.4g} at {self._at(job.last_loss)} still at its peak when the log ends, "
             f"{spike.reports + 1} reports after it rose from {spike.baseline:.4g} at {self._at_spike(spike)}"
         )
         found = self._fire(job, "loss_divergence", None, job.last_loss, line, MEANING_DIVERGED, spike)
+        return [found] if found is not None else []
+
+    def _unresolved(self, job: _LossJob, spike: _Spike, last: float) -> list[Anomaly]:
+        assert job.last_loss is not None
+        line = (
+            f"loss {last:.4g} at {self._at(job.last_loss)} when the log ends, still above the pre-spike level "
+            f"{spike.baseline:.4g} ({(last / spike.baseline - 1) * 100 if spike.baseline else float('inf'):.0f}% "
+            f"higher; peak {spike.peak:.4g}), {spike.reports} report(s) after the jump at {self._at_spike(spike)} "
+            f"(judging a recovery needs {self.settings.settle_reports})"
+        )
+        found = self._fire(job, "loss_spike_unresolved", None, job.last_loss, line, MEANING_UNRESOLVED, spike)
         return [found] if found is not None else []
 
     def forget(self, job_id: str) -> None:
@@ -225,6 +260,9 @@ class DivergenceDetector:
             if loss > median + cfg.spike_mads * sigma and loss > median + cfg.min_rel_rise * abs(median):
                 job.spike = _Spike(s.step, s.ts, median, loss)
                 return drift
+        elif job.baseline and loss > max(job.baseline) * (1 + cfg.jump_rel) and min(job.baseline) > 0:
+            job.spike = _Spike(s.step, s.ts, statistics.median(job.baseline), loss)
+            return drift
         job.baseline.append(loss)
         return drift
 
@@ -298,8 +336,9 @@ class DivergenceDetector:
             event_time=last.ts,
             detector=self.name,
             signature=kind,
-            category="numerical",
-            severity="error",
+            # An unresolved spike is no finding of a fault: unknown, and weaker than any error line beside it.
+            category="unknown" if kind == "loss_spike_unresolved" else "numerical",
+            severity="warning" if kind == "loss_spike_unresolved" else "error",
             role="root",
             isolate=False,
             source="job_log",

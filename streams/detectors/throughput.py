@@ -13,6 +13,14 @@ then speed comes back. When the log ends (`finish`: offline, or the job ended) a
 lasted to the end over `finish_min_reports` reports counts too. Slow reports never enter the baseline; a speed-up does (the new, faster
 level becomes the baseline).
 
+**Smaller drops to the end of the log** (`finish` only). Below `drop_rel` a drop is not the
+slowdown of a fault by itself (NVRx's straggler detection flags a rank only below a performance
+score of 0.75, a 25% drop); but a run that slows by a few percent and stays slow is no proof of
+health either (BLOOM-176B lost 5% to one slow GPU, "and remained there"). So at the end of the log
+a level shift - the last `notice_min_reports` or more reports each slower than every report before
+them, by `notice_rel` at the median and by `drop_mads` robust sigmas of the earlier ones - is a
+finding of its own, `throughput_drop_small`: `unknown` unless the evidence beside it says why.
+
 What a slowdown means depends on the evidence beside it (`classify_slowdown`): a throttled or
 slow GPU or node named in the logs makes it gpu_hardware, data-loader or I/O waits make it
 storage, and with neither it is `unknown` - it needs a person; no action is taken on it. The
@@ -41,6 +49,11 @@ MEANING_SLOW = (
     "slowed the job; the evidence beside it says what"
 )
 
+MEANING_SMALL = (
+    "training speed dropped by a few percent and stayed down to the end of the log: too small to say which "
+    "fault, too persistent to call healthy (a slow GPU or node costs this much); needs a person"
+)
+
 
 @dataclass(frozen=True)
 class ThroughputSettings:
@@ -51,6 +64,14 @@ class ThroughputSettings:
     drop_mads: float = 4.0
     persist: int = 5
     finish_min_reports: int = 3
+    # A level shift to the end of the log smaller than drop_rel (see the module docstring): above the 2%
+    # that the straggler detector takes as measurement noise between peers (MAD_FLOOR_FRACTION in
+    # streams/detectors/straggler.py), below the 5% that BLOOM-176B's operators traced to one slow GPU
+    # (bigscience tr11-176B-ml chronicles, 2022-04-28) and far below NVRx's straggler threshold (score
+    # 0.75, nvidia-resiliency-ext attribution/straggler/reporting.py identify_stragglers): worth a
+    # person's look, not a verdict.
+    notice_rel: float = 0.03
+    notice_min_reports: int = 2
 
     def __post_init__(self) -> None:
         if self.window < 2 or not 2 <= self.min_baseline <= self.window:
@@ -59,6 +80,8 @@ class ThroughputSettings:
             raise ValueError(
                 "ThroughputSettings: warmup must be >= 0, persist and finish_min_reports >= 2 (one slow report is a dip)"
             )
+        if not 0 < self.notice_rel <= self.drop_rel or self.notice_min_reports < 2:
+            raise ValueError("ThroughputSettings: need 0 < notice_rel <= drop_rel and notice_min_reports >= 2")
         if not 0 < self.drop_rel < 1 or self.drop_mads < 0:
             raise ValueError("ThroughputSettings: drop_rel must be in (0, 1), drop_mads >= 0")
 
@@ -153,6 +176,8 @@ class _SpeedJob:
     seen: int = 0
     baseline: deque[float] = field(default_factory=deque)
     slow: list[tuple[ProgressSample, float]] = field(default_factory=list)
+    # Every report after warmup (the last `window`), for the level shift at the end of the log.
+    series: deque[tuple[ProgressSample, float]] = field(default_factory=deque)
     last_step: int | None = None
     fired: bool = False
 
@@ -179,7 +204,8 @@ class ThroughputDetector:
     def observe(self, batch: ProgressBatch) -> list[Anomaly]:
         job = self._jobs.get(batch.job_id)
         if job is None:
-            job = self._jobs[batch.job_id] = _SpeedJob(batch.job_id, baseline=deque(maxlen=self.settings.window))
+            w = self.settings.window
+            job = self._jobs[batch.job_id] = _SpeedJob(batch.job_id, baseline=deque(maxlen=w), series=deque(maxlen=w))
         job.partition = batch.partition or job.partition
         job.nodes = tuple(batch.job_nodes) or job.nodes
         out = []
@@ -193,10 +219,36 @@ class ThroughputDetector:
         """The job's log has ended (offline, or the job ended): a slowdown that lasted to the end,
         over at least `finish_min_reports` reports with no recovery, is a finding too."""
         job = self._jobs.get(job_id)
-        if job is None or job.fired or len(job.slow) < self.settings.finish_min_reports:
+        if job is None or job.fired:
+            return []
+        if len(job.slow) >= self.settings.finish_min_reports:
+            job.fired = True
+            return [self._anomaly(job, statistics.median(job.baseline))]
+        shift = self._level_shift(job)
+        if shift is None:
             return []
         job.fired = True
-        return [self._anomaly(job, statistics.median(job.baseline))]
+        before, after = shift
+        job.slow = after
+        return [self._anomaly(job, before, small=True)]
+
+    def _level_shift(self, job: _SpeedJob) -> tuple[float, list[tuple[ProgressSample, float]]] | None:
+        """(median speed before, the reports after) of the longest tail of the series that is a drop
+        of `notice_rel` or more: each report slower than every one before it, the medians apart by
+        `notice_rel` and by `drop_mads` robust sigmas of the reports before. None if there is none."""
+        cfg, series = self.settings, list(job.series)
+        # Two reports before at least: the median and MAD of one value say nothing about its noise.
+        for k in range(2, len(series) - cfg.notice_min_reports + 1):
+            head, tail = [v for _, v in series[:k]], [v for _, v in series[k:]]
+            before, after = statistics.median(head), statistics.median(tail)
+            sigma = MAD_TO_SIGMA * statistics.median(abs(v - before) for v in head)
+            if (
+                max(tail) < min(head)
+                and after <= before * (1 - cfg.notice_rel)
+                and before - after >= cfg.drop_mads * sigma
+            ):
+                return before, series[k:]
+        return None
 
     def forget(self, job_id: str) -> None:
         self._jobs.pop(job_id, None)
@@ -216,6 +268,7 @@ class ThroughputDetector:
         job.seen += 1
         if job.seen <= cfg.warmup:
             return None
+        job.series.append((s, speed))
         if len(job.baseline) < cfg.min_baseline:
             job.baseline.append(speed)
             return None
@@ -232,7 +285,7 @@ class ThroughputDetector:
         job.baseline.append(speed)
         return None
 
-    def _anomaly(self, job: _SpeedJob, median: float) -> Anomaly:
+    def _anomaly(self, job: _SpeedJob, median: float, small: bool = False) -> Anomaly:
         first, last = job.slow[0][0], job.slow[-1][0]
         now = statistics.median(v for _, v in job.slow)
         unit = "tokens/s" if job.unit == "tokens_per_s" else "steps/s"
@@ -240,13 +293,19 @@ class ThroughputDetector:
         line = (
             f"throughput {now:.4g} {unit} over {len(job.slow)} reports since {where}, "
             f"{(1 - now / median) * 100:.0f}% below the baseline {median:.4g} {unit} "
-            f"(threshold {self.settings.drop_rel * 100:.0f}% for {self.settings.persist} reports)"
+            + (
+                f"to the end of the log, each slower than every report before (noticed from "
+                f"{self.settings.notice_rel * 100:.0f}%; a slowdown needs {self.settings.drop_rel * 100:.0f}% for "
+                f"{self.settings.persist} reports)"
+                if small
+                else f"(threshold {self.settings.drop_rel * 100:.0f}% for {self.settings.persist} reports)"
+            )
         )
         return Anomaly(
             event_id=stable_id("anm", self.name, job.job_id, first.step if first.step is not None else first.ts),
             event_time=last.ts,
             detector=self.name,
-            signature="throughput_drop",
+            signature="throughput_drop_small" if small else "throughput_drop",
             category="unknown",
             severity="warning",
             role="root",
@@ -259,7 +318,7 @@ class ThroughputDetector:
             partition=job.partition,
             job_nodes=list(job.nodes),
             line=line[:4096],
-            meaning=MEANING_SLOW,
+            meaning=MEANING_SMALL if small else MEANING_SLOW,
         )
 
 

@@ -43,8 +43,16 @@ def run(found: list[ProgressSample], settings: DivergenceSettings | None = None,
     batch = ProgressBatch(event_id="b1", event_time=1000.0, job_id="j1", samples=found)
     anomalies = det.observe(batch) + (det.finish("j1") if finish else [])
     for a in anomalies:
-        assert (a.category, a.role, a.job_id, a.detector) == ("numerical", "root", "j1", "divergence")
+        # An unresolved spike is no fault verdict: unknown, and no stronger than a warning.
+        want = ("unknown", "warning") if a.signature == "loss_spike_unresolved" else ("numerical", "error")
+        assert (a.category, a.severity, a.role, a.job_id, a.detector) == (*want, "root", "j1", "divergence")
     return [a.signature for a in anomalies]
+
+
+def series(*losses: float, first_step: int = 7000) -> list[ProgressSample]:
+    return [
+        ProgressSample(ts=1000.0 + i, step=first_step + 10 * i, loss=v, format="megatron") for i, v in enumerate(losses)
+    ]
 
 
 def test_bloom_spike_that_recovers_is_healthy() -> None:
@@ -71,6 +79,43 @@ def test_loss_that_climbs_and_keeps_climbing_diverged() -> None:
     found = samples(DEV / "num_tr8_104b_loss_climbing_divergence" / "job.out")
     assert run(found, finish=False) == []  # online, 2 reports into the spike: too early to say
     assert run(found) == ["loss_divergence"]  # the log ends at the peak
+
+
+def test_a_jump_after_one_sample_that_stays_high_is_a_divergence() -> None:
+    # tr8-104B's jump (6.44 -> 11.42 between iterations 7000 and 7010) with one earlier loss, no MAD:
+    # the jump is 1.77x, over jump_rel; if the loss stays at that level to the end it diverged.
+    assert run(series(6.445, 11.42, 11.3)) == ["loss_divergence"]
+    assert run(series(6.445, 11.42, 11.3), DivergenceSettings(jump_rel=1.0)) == []  # a 1.77x jump under 2x
+    # A rise of a quarter over one earlier loss says nothing without a noise scale.
+    assert run(series(6.445, 8.0, 8.1)) == []
+
+
+def test_a_transient_bump_after_one_sample_stays_healthy() -> None:
+    # The same jump, back within recover_rel at the next report: a spike that recovered.
+    assert run(series(6.445, 11.42, 6.5, 6.4)) == []
+
+
+def test_a_jump_with_too_few_reports_after_it_is_unresolved() -> None:
+    # tr8-104B as the chronicle prints it: 6.44, 11.42, then 7.16 at 7220, one report after the peak.
+    # Neither at the peak nor a falling trend: unknown, not healthy.
+    found = samples(DEV / "num_tr8_104b_loss_jump_stays_high" / "job.out")
+    assert [round(s.loss or 0, 2) for s in found if s.phase == "train"] == [6.44, 11.42, 7.16]
+    assert run(found, finish=False) == []
+    assert run(found) == ["loss_spike_unresolved"]
+    # Were one report after the jump enough to judge, the same log would be a spike on its way down.
+    assert run(found, DivergenceSettings(settle_reports=1)) == []
+
+
+def test_a_spike_coming_down_for_reports_after_the_jump_stays_healthy() -> None:
+    # tr1-13B: 2.77 -> 7.34, 8.72 at 29060, then 7.65, 7.19, 6.85 (the chronicle: "took some 500
+    # iterations to recover"). Four reports after the jump, coming down when the log ends.
+    found = samples(DEV / "healthy_tr1_fp16_loss_spike_recovering" / "job.out")
+    assert run(found) == []
+    # Cut one report after the peak (two after the jump), too few to judge: unresolved.
+    losses = [s.loss or 0.0 for s in found]
+    peak = losses.index(max(losses))
+    assert losses[peak] == pytest.approx(8.716, abs=1e-3)
+    assert run(found[: peak + 2]) == ["loss_spike_unresolved"]
 
 
 def test_nan_that_stays_is_a_divergence_and_one_infinity_is_not() -> None:
@@ -112,7 +157,17 @@ def test_one_anomaly_per_kind_and_stable_ids() -> None:
     assert other[0].event_id == first[0].event_id
 
 
-@pytest.mark.parametrize("kwargs", [{"window": 1}, {"min_baseline": 30}, {"nonfinite_persist": 0}, {"spike_mads": 0.0}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"window": 1},
+        {"min_baseline": 30},
+        {"nonfinite_persist": 0},
+        {"spike_mads": 0.0},
+        {"jump_rel": 0.0},
+        {"settle_reports": 0},
+    ],
+)
 def test_bad_settings_are_refused(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError, match="DivergenceSettings"):
         DivergenceSettings(**kwargs)  # type: ignore[arg-type]

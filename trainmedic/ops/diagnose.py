@@ -38,7 +38,9 @@ emitter's known non-fault; one that is not makes the verdict `unknown`, with tha
 Where the log has progress, it must reach the end of the log or a completion line: progress reports
 that stop with `progress_tail_lines` or more lines after them that are neither below error
 level, nor metrics, nor known noise (and no completion or stop after them) make the verdict
-`unknown` too ("progress stopped N lines before the end").
+`unknown` too ("progress stopped N lines before the end"). Numbers alone that say something is wrong
+without saying what - a loss jump still unresolved when the log ends, a small throughput drop that lasts
+to the end - are `unknown` as well (the loss and throughput detectors' `finish`), never `healthy`.
 A run its operator or scheduler ended (scancel, time limit, preemption, a signal to every rank)
 is no fault: what follows the stop (crash markers, collective timeouts, unexplained errors as the
 ranks go down) is its consequence, and only a recognised cause before or after it still counts.
@@ -662,6 +664,10 @@ def _healthy_explanation(
     return "; ".join(checked), 0.6
 
 
+# Findings of the progress detectors that need a person: the numbers are wrong, with no known cause.
+_NUMBERS_ONLY = frozenset({"throughput_drop", "throughput_drop_small", "loss_spike_unresolved"})
+
+
 def _unknown_crash(ln: _Line) -> Anomaly:
     return _needs_a_person(
         ln,
@@ -804,10 +810,14 @@ def diagnose_paths(
     explanation = inc.explanation
     own = ("progress_stopped_unexplained", "nothing_recognised")
     stopped = next((a for a in anomalies if a.signature in own), None)
+    numbers = next((a for a in anomalies if a.signature in _NUMBERS_ONLY and a.category == "unknown"), None)
     if stopped is not None and inc.category == "unknown":
         # The attributor words an unknown root as a crash; a log that stops or says nothing known is not one.
         quoted = "first such line" if stopped.signature == own[0] else "its last line"
         explanation = f"{stopped.meaning}; {quoted}: {stopped.line.strip()[:200]!r}"
+    elif numbers is not None and inc.category == "unknown":
+        # Nor is a run whose numbers alone are wrong (a slowdown, a loss jump with no verdict): say what they show.
+        explanation = f"{numbers.meaning}: {numbers.line.strip()[:300]}"
     explanation += where
     if action == "drain_and_requeue" and resolved is None:
         who = f"rank {inc.culprit_rank}" if inc.culprit_rank is not None else "the failing rank"
