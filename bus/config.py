@@ -51,6 +51,26 @@ class KafkaSecurity:
 
 
 _security = KafkaSecurity()
+# Kafka's own floor (group.min.session.timeout.ms) is 6000 by default; the embedded broker has none.
+DEFAULT_SESSION_TIMEOUT_MS = 6000
+_session_timeout_ms = DEFAULT_SESSION_TIMEOUT_MS
+
+
+def configure_session_timeout(ms: int) -> None:
+    """The consumer-group session timeout of every consumer of the process (and the Faust worker's)."""
+    global _session_timeout_ms
+    if ms < 1500:
+        raise ValueError(f"session timeout {ms} ms: at least 1500 (three heartbeats of 500 ms)")
+    _session_timeout_ms = ms
+
+
+def session_timeout_ms() -> int:
+    return _session_timeout_ms
+
+
+def heartbeat_interval_ms() -> int:
+    """A third of the session timeout, at most 1 s: three heartbeats may be missed before eviction."""
+    return min(1000, _session_timeout_ms // 3)
 
 
 def configure_security(security: KafkaSecurity) -> None:
@@ -104,8 +124,8 @@ def consumer_config(bootstrap: str, group: str, client_id: str, *, background: b
         # earliest are exact.
         "auto.offset.reset": "earliest",
         "enable.auto.commit": False,
-        "session.timeout.ms": 6000,
-        "heartbeat.interval.ms": 1000,
+        "session.timeout.ms": _session_timeout_ms,
+        "heartbeat.interval.ms": heartbeat_interval_ms(),
         "max.poll.interval.ms": 300_000,
         "fetch.wait.max.ms": BACKGROUND_FETCH_WAIT_MS if background else PROMPT_FETCH_WAIT_MS,
     }

@@ -21,7 +21,7 @@ from aiokafka.partitioner import murmur2  # type: ignore[import-untyped]
 from confluent_kafka import KafkaException
 
 from bus import health
-from bus.config import security
+from bus.config import heartbeat_interval_ms, security, session_timeout_ms
 from bus.deadletter import make_dead_letter
 from bus.fit import fits
 from bus.identity import (
@@ -142,9 +142,9 @@ app = faust.App(
     store="memory://",
     topic_partitions=PARTITIONS,
     consumer_auto_offset_reset="earliest",
-    # Without these, a worker start takes ~32 s on the embedded broker.
-    broker_session_timeout=6,
-    broker_heartbeat_interval=1,
+    # Without these, a worker start takes ~32 s on the embedded broker (the settings' session timeout).
+    broker_session_timeout=session_timeout_ms() / 1000,
+    broker_heartbeat_interval=heartbeat_interval_ms() / 1000,
     broker_rebalance_timeout=20,
     # Faust's default (0) sends each forward and anomaly as soon as it is made: at fleet scale that
     # is a produce request per record, paid in the worker's socket writes and the broker's request

@@ -26,7 +26,17 @@ import pytest
 from hypothesis import settings as hypothesis_settings
 
 from bus.admin import ensure_topics
+from bus.config import configure_session_timeout
 from trainmedic.stack.broker import EmbeddedBroker
+
+# Every consumer group join on the embedded broker takes about half the session timeout, and the
+# suite starts a few hundred groups (each worker, executor and sink, each restart). Tests run on the
+# embedded broker only, which has no floor for it (Kafka's default floor, 6000 ms, stays the default):
+# 3000 ms halves each join; heartbeats every second still leave three to miss before an eviction.
+# Processes the tests start inherit it; those that must not (a clean environment) keep the default.
+TEST_SESSION_TIMEOUT_MS = 3000
+os.environ.setdefault("TRAINMEDIC_KAFKA_SESSION_TIMEOUT_MS", str(TEST_SESSION_TIMEOUT_MS))
+configure_session_timeout(int(os.environ["TRAINMEDIC_KAFKA_SESSION_TIMEOUT_MS"]))
 
 # Property tests check behaviour, not speed: no per-example deadline (on a loaded 2-core CI machine
 # one slow example failed an otherwise passing run), and a fixed example sequence per test, so a

@@ -26,7 +26,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 from pydantic_settings import SettingsError as PydanticSettingsError
 
-from bus.config import KafkaSecurity, configure_security
+from bus.config import KafkaSecurity, configure_security, configure_session_timeout
 from bus.watchdog import StallSettings
 from bus.watchdog import configure as configure_watchdog
 from schemas.errors import ConfigError
@@ -94,6 +94,14 @@ class Settings(BaseSettings):
     kafka_ssl_ca: Path | None = Field(default=None, description="CA bundle (PEM) that signed the brokers' certificates")
     kafka_ssl_certificate: Path | None = Field(default=None, description="client certificate (PEM), mutual TLS")
     kafka_ssl_key: Path | None = Field(default=None, description="client key (PEM), mutual TLS")
+    kafka_session_timeout_ms: int = Field(
+        default=6000,
+        ge=1500,
+        le=300_000,
+        description="consumer-group session timeout of every consumer and the streams worker; a group join on the "
+        "embedded broker takes about half of it; Kafka brokers refuse less than their group.min.session.timeout.ms "
+        "(6000 unless configured)",
+    )
     consumer_stall_s: float = Field(
         default=20.0,
         gt=0,
@@ -531,6 +539,7 @@ def apply(settings: Settings) -> None:
         configure_security(kafka_security(settings))
     except ValueError as exc:
         raise SettingsError(f"kafka_security_protocol {settings.kafka_security_protocol}: {exc}") from None
+    configure_session_timeout(settings.kafka_session_timeout_ms)
     try:
         configure_watchdog(StallSettings(settings.consumer_stall_s, settings.consumer_stall_give_up_s))
     except ValueError as exc:
