@@ -446,6 +446,9 @@ def repeat_faults(doc: Mapping[str, Any]) -> Summary:
         }
     )
     for name, ev in (doc.get("scenarios") or {}).items():
+        if name == "predictive":
+            _predictive(s, ev)
+            continue
         tm, sq = ev["trainmedic"], ev.get("status_quo") or {}
         victim = (tm.get("jobs") or {}).get(tm.get("victim")) or {}
         for check, ok in (ev.get("checks") or {}).items():
@@ -472,6 +475,36 @@ def repeat_faults(doc: Mapping[str, Any]) -> Summary:
             s.figure("faults", q.get("faults"), "count", scenario=name, world=world)
             s.figure("restarts", q.get("restarts"), "count", scenario=name, world=world)
     return s
+
+
+def _predictive(s: Summary, ev: Mapping[str, Any]) -> None:
+    """bench.repeat_faults' predictive scenario (a model): reactive and migration side by side at the cited
+    precisions for every lead time, and the break-even precision per lead time."""
+    cited = {c["value"] for c in ev["parameters"]["precisions"].get("cited", [])}
+    for check, ok in (ev.get("checks") or {}).items():
+        s.verdict(check.replace("_", " "), bool(ok), "", scenario="predictive")
+    points = ev.get("points") or []
+    if points:
+        s.figure("GPU-hours lost", points[0]["reactive_gpu_h"], "GPU-h", scenario="predictive", world="reactive")
+    for pt in points:
+        if pt["precision"] not in cited:
+            continue
+        at = {"lead_time_s": pt["lead_time_s"], "precision": pt["precision"]}
+        s.figure("GPU-hours lost", pt["migration_gpu_h"], "GPU-h", scenario="predictive", world="migration", **at)
+        s.figure(
+            "needless drains", pt["needless_drain_node_h"], "node-h", scenario="predictive", world="migration", **at
+        )
+        s.figure("GPU-hours saved", pt["saved_gpu_h"], "GPU-h", scenario="predictive", world="migration", **at)
+    for be in ev.get("break_even") or []:
+        at = {"lead_time_s": be["lead_time_s"]}
+        s.figure("break-even precision", be["break_even_precision"], "ratio", scenario="predictive", **at)
+        s.figure(
+            "break-even precision, drains counted",
+            be["break_even_precision_with_drains"],
+            "ratio",
+            scenario="predictive",
+            **at,
+        )
 
 
 def slurm_rpc(doc: Mapping[str, Any]) -> Summary:

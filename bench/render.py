@@ -41,7 +41,8 @@ BENCHES: dict[str, str] = {
     "test split by collection batch, leave-one-source-out on dev",
     "audit": "the audit trail at fleet scale on chDB: operator and Grafana queries on the old and the new layout",
     "repeat_faults": "GPU-hours lost to repeat faults (no progress, a bad node, a cause that follows the job) with "
-    "trainmedic and in two status-quo worlds",
+    "trainmedic and in two status-quo worlds; and a model of predictive migration (reactive against migration at "
+    "the next checkpoint, swept over lead time and precision)",
     "reliability": "the fault-injection tests of tests/reliability/ and what each measured after its assertions held",
     "producers": "the GPU producers' CPU and memory, the job-log tailer's throughput",
     "detectors": "the progress parser's and the hang and straggler detectors' throughput, in memory",

@@ -17,6 +17,10 @@ injects faults that recur:
 - ``follows_job``: an Xid 79 on a different node of one job in every attempt (the cause travels
   with the job). trainmedic drains the first node, and on the second fault recommends a stop
   instead of draining node after node.
+- ``predictive`` (issue 44): GPU faults with a warning ahead of some of them, on a simulated
+  fleet in virtual time (bench/predictive.py, sim/prefailure_fleet.py), not on the stack. Reactive
+  path against a migration at the next checkpoint, with the drains and requeues that false
+  warnings cost, swept over lead time and precision: where migration stops paying.
 
 Every trainmedic figure (faults, restarts, decisions, detection, action, downtime, GPU-hours) is
 read from the audit trail (incidents, decisions, action_results, job_attempts) and the simulated
@@ -29,7 +33,7 @@ checkpoint pauses, how long an attempt runs before it fails) are simulated and c
 same on both sides. NCCL's watchdog keeps its real 600 s in the simulator (trainmedic acts
 before it fires), except in ``follows_job``'s last stall, which is not waited for (see there).
 
-Run: .venv/bin/python -m bench.repeat_faults [--scenarios no_progress,bad_node,follows_job] [--limit N]
+Run: .venv/bin/python -m bench.repeat_faults [--scenarios no_progress,bad_node,follows_job,predictive] [--limit N]
 Writes bench/results/repeat-faults.json and repeat-faults.md (see --out, --prefix), and the result in the common
 format, bench/results/repeat_faults/<date>-<commit>.json (bench/results.py).
 """
@@ -57,10 +61,13 @@ from typing import Any
 import orjson
 import yaml
 
+from bench import predictive
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 GPUS_PER_NODE = 8
-SCENARIOS = ("no_progress", "bad_node", "follows_job")
+SCENARIOS = ("no_progress", "bad_node", "follows_job", "predictive")
+STACK_SCENARIOS = SCENARIOS[:3]  # run against the real stack; predictive is a model (bench/predictive.py)
 
 log = logging.getLogger("trainmedic.bench.repeat")
 
@@ -1103,6 +1110,7 @@ TITLES = {
     "no_progress": "1. A job that keeps failing without progress",
     "bad_node": "2. A node that fails every job it gets",
     "follows_job": "3. The same cause following a job to other nodes",
+    "predictive": "4. " + predictive.TITLE,
 }
 
 
@@ -1196,10 +1204,14 @@ def render(doc: dict[str, Any], out: Path, prefix: str) -> Path:
         f"`{doc['command']}`. The real stack (embedded broker, Faust streams worker, executor, chDB audit) in "
         "autonomous mode against the simulated Slurm of `sim/`, job output through real files and the real "
         "job-log and kernel-log tailers. One run per scenario. Status quo: a model (assumptions below), replayed "
-        "over the same job timings.",
+        "over the same job timings. Scenario 4 (predictive migration) is a model on a simulated fleet, not a run "
+        "of the stack; its parameters and their sources are in its section.",
         "",
     ]
     for name, ev in doc["scenarios"].items():
+        if name == predictive.NAME:
+            lines += predictive.report(ev, TITLES[name])
+            continue
         tm = ev["trainmedic"]
         c = ev["config"]
         setup = SETUPS[name].format(
@@ -1277,7 +1289,9 @@ def render(doc: dict[str, Any], out: Path, prefix: str) -> Path:
         "## Reproduce",
         "",
         "`.venv/bin/python -m bench.repeat_faults` (all three scenarios, about 6 minutes on 2 cores; "
-        "`--scenarios`, `--limit`, `--silent-notice-s`, `--manual-response-s`, `--max-batch-requeue`, `--out`). "
+        "`--scenarios`, `--limit`, `--silent-notice-s`, `--manual-response-s`, `--max-batch-requeue`, `--out`; "
+        "for scenario 4 `--lead-times`, `--precisions`, `--predictive-jobs`, `--restart-s`, `--drain-hold-h`, "
+        "`--recall`; `--scenarios predictive` alone takes about a second). "
         "Each scenario runs in its own process with its own stack under `--data-dir` (default "
         "`var/bench-repeat/`, where `raw.json` keeps the run's records). "
         "`tests/e2e/test_repeat_faults_bench.py` runs scenario 1 with `--limit 1` and checks the outcome.",
@@ -1346,6 +1360,14 @@ def run_bench(a: argparse.Namespace, say: Callable[[str], None] = print) -> dict
         "scenarios": {},
     }
     for name in names:
+        if name == predictive.NAME:
+            t = time.time()
+            ev = predictive.run(predictive_config(a))
+            doc["scenarios"][name] = ev
+            failed = [k for k, v in ev["checks"].items() if not v]
+            verdict = f"FAILED {failed}" if failed else "checks passed"
+            say(f"[repeat] {name} (a model) done in {time.time() - t:.1f} s: {verdict}")
+            continue
         cfg = scenario_config(name, limit, a.data_dir, a.seed)
         say(f"[repeat] {name}: {cfg.nodes} nodes, jobs of {cfg.sizes} nodes; no_progress_limit {limit}")
         t = time.time()
@@ -1376,10 +1398,30 @@ def run_bench(a: argparse.Namespace, say: Callable[[str], None] = print) -> dict
     for name, ev in doc["scenarios"].items():
         say("")
         say(TITLES[name])
-        for line in table(ev):
+        for line in predictive.table(ev) if name == predictive.NAME else table(ev):
             say(line)
     say(f"\n[repeat] wrote {json_path}, {md} and {common}")
     return doc
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of numbers: {text!r}") from e
+
+
+def predictive_config(a: argparse.Namespace) -> predictive.PredictiveConfig:
+    base = predictive.PredictiveConfig(seed=a.seed)
+    return dataclasses.replace(
+        base,
+        jobs=a.predictive_jobs if a.predictive_jobs is not None else base.jobs,
+        lead_times_s=a.lead_times or base.lead_times_s,
+        precisions=a.precisions or base.precisions,
+        restart_s=a.restart_s if a.restart_s is not None else base.restart_s,
+        drain_hold_h=a.drain_hold_h if a.drain_hold_h is not None else base.drain_hold_h,
+        recall=a.recall if a.recall is not None else base.recall,
+    )
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -1395,6 +1437,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--max-batch-requeue", type=int, default=0, help="status quo: Slurm's cap on automatic requeues (0: none)"
     )
+    p.add_argument(
+        "--lead-times", type=_floats, default=None, help="predictive: lead times in seconds, comma-separated"
+    )
+    p.add_argument("--precisions", type=_floats, default=None, help="predictive: precisions in (0, 1], comma-separated")
+    p.add_argument("--predictive-jobs", type=int, default=None, help="predictive: job slots in the fleet")
+    p.add_argument("--restart-s", type=float, default=None, help="predictive: one restart of a job, seconds")
+    p.add_argument("--drain-hold-h", type=float, default=None, help="predictive: a falsely warned node's drain")
+    p.add_argument("--recall", type=float, default=None, help="predictive: share of faults warned")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--prefix", default="repeat-faults")
     p.add_argument("--data-dir", type=Path, default=REPO / "var" / "bench-repeat")
@@ -1417,6 +1467,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise SystemExit(f"--scenarios: unknown {s.strip()!r} (known: {', '.join(SCENARIOS)})")
     if a.limit is not None and a.limit < 1:
         raise SystemExit("--limit: at least 1")
+    if any(not 0.0 < x <= 1.0 for x in a.precisions or ()):
+        raise SystemExit("--precisions: each in (0, 1]")
+    if any(x < 0.0 for x in a.lead_times or ()):
+        raise SystemExit("--lead-times: each at least 0")
+    if a.recall is not None and not 0.0 <= a.recall <= 1.0:
+        raise SystemExit("--recall: in [0, 1]")
+    if a.predictive_jobs is not None and a.predictive_jobs < 1:
+        raise SystemExit("--predictive-jobs: at least 1")
     doc = run_bench(a)
     failed = {n: [k for k, v in ev["checks"].items() if not v] for n, ev in doc["scenarios"].items()}
     return 1 if any(failed.values()) else 0
