@@ -377,6 +377,12 @@ def default_xids() -> dict[int, XidEntry]:
 
 
 @lru_cache(maxsize=1)
+def default_xid_catalog() -> XidCatalog:
+    """xid.yaml as shipped, read once per process (an XidDetector is built per offline diagnosis)."""
+    return load_xid_catalog()
+
+
+@lru_cache(maxsize=1)
 def default_sxids() -> SxidCatalog:
     return load_sxid_catalog()
 

@@ -23,6 +23,7 @@ import re._constants as sre  # re's own parser; private, but stable across 3.11-
 import re._parser as sre_parse
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
 MIN_LITERAL = 3  # shorter runs ("a", ": ") are in nearly every line and cost more than they save
 
@@ -154,6 +155,9 @@ def required(pattern: str) -> _Need | None:
     return need
 
 
+# Parsing a pattern costs ~1 ms and every SignatureDetector asks for each of its ~300: offline
+# diagnosis builds two per run and the accuracy benchmark one per case, so each pattern's test is kept.
+@lru_cache(maxsize=4096)
 def may_match(pattern: str) -> Callable[[str], bool] | None:
     """A test that is False only for lines `pattern` cannot match (see the module docstring);
     None where the pattern starts with a literal, which `re` already scans for quickly."""

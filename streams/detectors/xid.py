@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from schemas.events import Anomaly, KernelEvent, kernel_provenance
 from schemas.ids import stable_id
 from schemas.vocab import Role, Severity
-from streams.catalog import SxidCatalog, XidBucket, XidEntry, default_sxids, load_xid_catalog
+from streams.catalog import SxidCatalog, XidBucket, XidEntry, default_sxids, default_xid_catalog
 
 # The NVLink5 Xids (144-150) say in the line whether the condition is fatal:
 #   "NVRM: Xid (PCI:0000:00:00): 149, NETIR_LINK_EVT Fatal XC0 i0 Link 00 (0x025001c6 ...)".
@@ -39,7 +39,7 @@ class XidDetector:
     def __init__(
         self, xids: Mapping[int, XidEntry] | None = None, buckets: Mapping[str, XidBucket] | None = None
     ) -> None:
-        catalog = load_xid_catalog() if xids is None or buckets is None else None
+        catalog = default_xid_catalog() if xids is None or buckets is None else None
         self._xids = xids if xids is not None else catalog.xids if catalog else {}
         self._buckets = buckets if buckets is not None else catalog.buckets if catalog else {}
 

@@ -1,6 +1,6 @@
 """The pipeline benchmark, small: `python -m bench.pipeline --quick` against the real stack.
 
-A 48-node simulated cluster writes real files that the real tailers read; one fault of each
+A 40-node simulated cluster writes real files that the real tailers read; one fault of each
 kind that shows in a short run (every explicit one, and a hang) goes in. The report must have
 its structure, and every injected fault must have been detected with the right category. No
 wall-clock assertions: latencies are reported, not judged, here.
@@ -115,7 +115,7 @@ def test_edge_aggregation_in_the_simulator_sends_summaries_and_faults_at_once(pa
 
 @pytest.mark.timeout(420)
 @pytest.mark.slow(
-    reason="every fault kind and a hang injected into a 48-node simulated cluster on the real stack: the one "
+    reason="every fault kind and a hang injected into a 40-node simulated cluster on the real stack: the one "
     "end-to-end check of every detector together; a hang is only seen after ~30 s of silence"
 )
 def test_bench_quick_detects_every_fault(tmp_path: Path) -> None:
@@ -125,6 +125,9 @@ def test_bench_quick_detects_every_fault(tmp_path: Path) -> None:
             "-m",
             "bench.pipeline",
             "--quick",
+            # The fewest nodes whose jobs (seed 7) take one fault of each kind and leave two healthy.
+            "--nodes",
+            "40",
             "--out",
             str(tmp_path),
             "--data-dir",
@@ -177,12 +180,17 @@ def test_bench_quick_detects_every_fault(tmp_path: Path) -> None:
     assert "status quo" in md
 
 
+# The plumbing (atheris, both harnesses, the report) on a short run: the logs harness costs ~9 ms an
+# input under atheris here, and the long runs are bench/fuzz.py's defaults.
+FUZZ_RUNS = 1500
+
+
 def test_fuzz_run_of_the_log_and_kernel_parsers_finds_nothing(tmp_path: Path) -> None:
     """A short atheris run (bench/fuzz.py): any exception a parser lets out is a finding and
     fails this test, with the crashing input saved for `--reproduce`."""
     report = tmp_path / "fuzz.md"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.fuzz", "--runs", "3000", "--report", str(report)],
+        [sys.executable, "-m", "bench.fuzz", "--runs", str(FUZZ_RUNS), "--report", str(report)],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -193,9 +201,9 @@ def test_fuzz_run_of_the_log_and_kernel_parsers_finds_nothing(tmp_path: Path) ->
     doc = json.loads(report.with_suffix(".json").read_text())
     assert {name: t["result"] for name, t in doc["targets"].items()} == {"logs": "ok", "kernel": "ok"}
     # The fuzzer must have done real work; the exact count is libFuzzer's to report (CI once read
-    # fewer than requested from a loaded machine's output, with no finding), so a floor, not 3000.
+    # fewer than requested from a loaded machine's output, with no finding), so a floor, a third of it.
     figures = {
         name: {k: t[k] for k in ("runs", "runs_requested", "seconds", "exit_code")}
         for name, t in doc["targets"].items()
     }
-    assert all(t["runs"] >= 1000 for t in doc["targets"].values()), figures
+    assert all(t["runs"] >= FUZZ_RUNS // 3 for t in doc["targets"].values()), figures
