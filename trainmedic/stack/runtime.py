@@ -378,7 +378,7 @@ class Stack:
         # before ensure_topics can create them with ours (seen in CI: 4 partitions, not 12).
         for i in range(self.config.workers):
             self._stop_worker(i)
-        self.broker.stop()
+        self.broker.stop(grace_s=0)  # memory-only: a graceful exit (about 5 s) keeps nothing more
         self.broker.start()
         report = ensure_topics(self.bootstrap, Settings.load().topic_partitions)
         if report.mismatched:
@@ -614,7 +614,8 @@ class Stack:
                 proc.wait()
         self._workers.clear()
         if self.broker is not None:
-            self.broker.stop()
+            # Memory-only and its clients gone: Tansu's graceful exit (about 5 s) would keep nothing.
+            self.broker.stop(grace_s=0)
         if self.store is not None:
             PENDING.release(self.store)
             self.store.close()
