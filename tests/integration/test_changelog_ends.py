@@ -31,7 +31,9 @@ from streams.changelog_ends import fix_highwaters
 fix_highwaters(os.environ["BOOTSTRAP"])
 app = faust.App("recov", broker="kafka://" + os.environ["BOOTSTRAP"], store="memory://",
                 datadir=os.environ["DATADIR"], web_enabled=False, topic_partitions=1,
-                recovery_consistency_check=False)
+                recovery_consistency_check=False,
+                # Faust's default session timeout (60 s) made the group join take half a minute.
+                broker_session_timeout=3, broker_heartbeat_interval=1, broker_rebalance_timeout=20)
 table = app.Table("t", partitions=1)
 source = app.topic("recov-source", value_serializer="raw")
 
