@@ -587,6 +587,7 @@ class ExecutorService:
             action=action.action,
             call=call,
             executor=self.replica,
+            predicted=action.predicted,
         )
         # Counted before it is written: if the record fails, this replica still errs on counting.
         self.guardrails.count(attempt)

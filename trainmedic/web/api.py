@@ -49,6 +49,7 @@ from streams.policy import (
     with_drain_set,
 )
 from trainmedic.limits import MAX_LOOKBACK_DAYS
+from trainmedic.ops.migrations import CancelRefused, cancel_migration
 from trainmedic.ops.readiness import readiness, verdict_for
 from trainmedic.ops.replay import replay
 from trainmedic.ops.return_to_service import ReturnRefused, return_node
@@ -504,6 +505,21 @@ def create_api(
         except ReturnRefused as exc:
             raise HTTPException(status_code=exc.status, detail=exc.detail) from None
         return {"node": node, "incident_id": done.incident_id, "status": "resumed", "check": done.verdict.reason}
+
+    @api.post("/api/migrations/{job_id}/cancel", dependencies=auth)
+    def cancel(job_id: str, body: ResumeBody) -> dict[str, Any]:
+        """Cancel a job's pending checkpoint-aligned migration; the node it drained is resumed."""
+        try:
+            done = cancel_migration(backend, store, publisher, job_id, body.operator, body.comment)
+        except CancelRefused as exc:
+            raise HTTPException(status_code=exc.status, detail=exc.detail) from None
+        return {
+            "job_id": job_id,
+            "migration_id": done.migration_id,
+            "node": done.node,
+            "resumed": done.resumed,
+            "detail": done.detail,
+        }
 
     # The Recovery Console: its page, its live event stream and the reads it needs.
     api.include_router(
