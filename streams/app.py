@@ -90,7 +90,7 @@ from streams.fetching import cap_fetch_wait, pace_fetches
 from streams.fleet import DomainCorrelator, TopologyCache, watched
 from streams.gpu_batches import BATCH_EVERY_S, GpuBatches
 from streams.lineage import Lineages
-from streams.migration import MigrationBook, predicted_incident, requeue_action
+from streams.migration import MigrationBook, absorbed_decision, answered_by, predicted_incident, requeue_action
 from streams.modes import ModeState
 from streams.placement import PlacementIndex, placement_change
 from streams.policy import RESTARTS
@@ -876,8 +876,14 @@ async def apply_policy(stream: faust.StreamT[bytes]) -> None:
         if incident.kind == "predicted":
             await apply_prediction(incident)
             continue
-        if superseded := migrations.finish(incident.job_id or "", "superseded", time.time(), _superseded(incident)):
-            await publish(MIGRATIONS, superseded)
+        if (pending := migrations.pending(incident.job_id)) is not None:
+            if answered_by(pending, incident):
+                # gpu_health's own reading of the condition the migration answers: nothing more to do.
+                await publish(DECISIONS, absorbed_decision(pending, incident, time.time()))
+                continue
+            job = str(pending["incident"]["job_id"])
+            if (superseded := migrations.finish(job, "superseded", time.time(), _superseded(incident))) is not None:
+                await publish(MIGRATIONS, superseded)
         decision, action = policies.decide(incident, time.time(), lineages.history(incident.job_id))
         metrics.DECISIONS.labels(decision.action, "action" if decision.executed else "recommendation").inc()
         if incident.isolate and action is None:

@@ -28,6 +28,7 @@ from typing import Any
 
 from schemas.events import Action, Decision, Evidence, Incident, Migration, MigrationState, ProgressBatch
 from schemas.ids import stable_id
+from schemas.vocab import SEVERITY_RANK
 from streams.detectors.prefailure import PreFailureVerdict
 from streams.lineage import completed_save
 from streams.placement import Placement
@@ -111,6 +112,38 @@ def requeue_action(record: dict[str, Any], now: float, step: int | None) -> Acti
         first_signal_time=incident.first_signal_time,
         node_reported_fault=True,
         exclude_node=True,
+    )
+
+
+def answered_by(record: dict[str, Any], incident: Incident) -> bool:
+    """Whether a reactive incident of the job is the condition the pending migration already answers:
+    a warning (no failure) about the migration's node, such as gpu_health's own reading of the same
+    pending row remap. A failure there (error or critical), or anything about another node, is not:
+    the node failed first, and the reactive path acts."""
+    return incident.culprit_node == record["node"] and SEVERITY_RANK[incident.severity] < SEVERITY_RANK["error"]
+
+
+def absorbed_decision(record: dict[str, Any], incident: Incident, now: float) -> Decision:
+    """The decision for a reactive incident a pending migration answers: nothing more is done."""
+    decision_id = stable_id("dec", incident.incident_id)
+    return Decision(
+        event_id=decision_id,
+        event_time=now,
+        decision_id=decision_id,
+        incident_id=incident.incident_id,
+        job_id=incident.job_id,
+        partition=incident.partition,
+        category=incident.category,
+        culprit_node=incident.culprit_node,
+        culprit_rank=incident.culprit_rank,
+        culprit_gpu=incident.culprit_gpu,
+        action="none",
+        mode="autonomous",
+        executed=False,
+        rule=f"prediction: migration {record['migration_id']} of job {incident.job_id} off {record['node']} answers it",
+        reason=f"{incident.severity} about {record['node']}, no failure: the job moves at its next checkpoint",
+        first_signal_time=incident.first_signal_time,
+        incident_time=incident.event_time,
     )
 
 
