@@ -530,7 +530,8 @@ class Action(Event):
 # Scheduler calls that may change the cluster, as recorded before they are made.
 # reset_gpu: the command to the node's agent (sinks/node_agent.py) is published, not a Slurm call, but
 # it is recorded and counted the same way before it is made.
-AttemptCall = Literal["drain", "requeue", "cancel", "hold", "reboot", "relabel", "reset_gpu"]
+# signal: a job asked for a checkpoint before a migration (the signal its comment declares).
+AttemptCall = Literal["drain", "requeue", "cancel", "hold", "reboot", "relabel", "reset_gpu", "signal"]
 
 
 class ActionAttempt(Event):

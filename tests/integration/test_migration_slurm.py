@@ -97,25 +97,28 @@ class Rig:
             self.stack.stop()
         self.pub.close()
 
-    def submit(self, node: str | None = None) -> str:
+    def submit(self, node: str | None = None, *script: str) -> str:
         """A job on `node` alone, or (None) on 3 or 4 of the cluster's 4 nodes, gpu03 among them:
-        a requeue excluding gpu03 can run again on the other three."""
+        a requeue excluding gpu03 can run again on the other three. `script`: sbatch's script and
+        options instead of a plain sleep."""
         where = [f"--nodelist={node}", "--nodes=1"] if node else ["--nodes=3-4"]
         out = _sh(
             self.cluster, "sbatch", "--parsable", *where, "--requeue", "--job-name=train", "--output=/dev/null",
-            "--wrap", "sleep 600",
+            *(script or ("--wrap", "sleep 600")),
         )  # fmt: skip
         job = out.strip().split(";")[0]
         on = node or NODE
         wait_for(f"job {job} RUNNING on {on}", lambda: on in self.backend.job_state(job).nodes, timeout=60)
         return job
 
-    def log(self, job: str, *lines: str, node: str = NODE) -> None:
-        """The job's output gains `lines`; the real job-log producer reads them (progress included)."""
+    def log(self, job: str, *lines: str, node: str = NODE, written_by_job: Path | None = None) -> None:
+        """The job's output gains `lines`; the real job-log producer reads them (progress included),
+        and what the job writes itself to `written_by_job` (named on the first call)."""
         if job not in self.logs:
             path = self.tmp / f"{job}.out"
             path.write_text("")
-            self.logs[job] = path, JobLogProducer(self.pub, job, [path], JobLayout((node,), 8), partition="gpu")
+            paths = [path, *([written_by_job] if written_by_job else [])]
+            self.logs[job] = path, JobLogProducer(self.pub, job, paths, JobLayout((node,), 8), partition="gpu")
         path, producer = self.logs[job]
         with path.open("a") as f:
             f.write("".join(x + "\n" for x in lines))
@@ -129,9 +132,9 @@ class Rig:
         self.pub.publish(GPU_SAMPLES, sample)
         assert self.pub.flush(10) == 0
 
-    def placed(self, job: str, store: AuditStore, node: str = NODE) -> None:
+    def placed(self, job: str, store: AuditStore, node: str = NODE, written_by_job: Path | None = None) -> None:
         """The worker knows the job checkpoints (its lineage) and runs on `node` (its placement)."""
-        self.log(job, SAVED.format(step=400), node=node)
+        self.log(job, SAVED.format(step=400), node=node, written_by_job=written_by_job)
         wait_for(
             f"job {job}'s lineage",
             lambda: store.query("SELECT 1 FROM {db}.job_attempts FINAL WHERE job_id = {j:String}", {"j": job}),
@@ -217,6 +220,46 @@ def test_a_predicted_reset_drains_at_once_and_requeues_off_the_node_after_the_ne
 
         wait_for("both results in the audit", lambda: len(results()) == 2, timeout=30)
         assert results() == [("drain", "done"), ("requeue", "done")]
+    finally:
+        rig.stop()
+
+
+def test_a_job_that_declares_its_checkpoint_signal_is_asked_for_one_and_moves_after_it(
+    broker: EmbeddedBroker, cluster: Cluster, chdb_url: str, database: str, tmp_path: Path
+) -> None:
+    """The job's comment says its batch shell saves a checkpoint on USR1 (as sbatch --signal=B:USR1
+    would): the drain is followed by that signal, the job writes its save line, and it is requeued."""
+    rig = Rig(broker, cluster, tmp_path)
+    written = tmp_path / "saves.out"
+    written.write_text("")
+    script = tmp_path / "train.sh"
+    saved = SAVED.format(step=600)
+    script.write_text(f"#!/bin/sh\ntrap 'echo \"{saved}\" >> {written}' USR1\nwhile :; do sleep 0.2; done\n")
+    try:
+        store = rig.start(chdb_url, database, _policy(tmp_path))
+        job = rig.submit(None, "--comment=exp42 trainmedic=checkpoint_signal=B:USR1", str(script))
+        rig.placed(job, store, written_by_job=written)
+        rig.remap_pending()
+        incident = str(_migration(store, job, "waiting")["incident_id"])
+        wait_for("the job's save after the signal", lambda: saved in written.read_text(), timeout=30)
+        rig.log(job)  # the producer reads what the job wrote
+        assert _migration(store, job, "requeued")["checkpoint_step"] == 600
+        drain = wait_for(
+            "the drain's result",
+            lambda: store.query(
+                "SELECT steps FROM {db}.action_results FINAL WHERE incident_id = {i:String} AND action = 'drain'",
+                {"i": incident},
+            ),
+            timeout=30,
+        )[0]
+        assert f"job {job}: asked for a checkpoint now (B:USR1, as its comment declares)" in drain["steps"]
+        wait_for(
+            f"job {job} RUNNING again off {NODE}",
+            lambda: (
+                (s := rig.backend.job_state(job)).state == "RUNNING" and s.restart_count == 1 and NODE not in s.nodes
+            ),
+            timeout=60,
+        )
     finally:
         rig.stop()
 

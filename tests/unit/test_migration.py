@@ -13,7 +13,9 @@ from producers.gpu_nvml import NvmlCollector
 from producers.progress import ProgressParser
 from schemas.events import Action, ActionAttempt, GpuSample, Incident, ProgressBatch
 from schemas.ids import stable_id
+from schemas.job_settings import JobSettingError, checkpoint_signal, parse_value
 from sinks.backends.simulated import SimulatedScheduler
+from sinks.executor import Executor, ExecutorSettings
 from sinks.guardrails import Guardrails, GuardrailSettings
 from streams.detectors.prefailure import PreFailureDetector, PreFailureVerdict
 from streams.lineage import Lineages
@@ -219,3 +221,43 @@ def test_predictive_drains_have_their_own_cap_and_leave_the_reactive_ones_alone(
     restored.restore([_attempt(first, T0), _attempt(reactive, T0 + 2)])
     assert restored.check(_drain("gpu05", "inc-p3", predicted=True), T0 + 4) is not None
     assert restored.check(_drain("gpu06", "inc-r3", predicted=False), T0 + 4) is not None
+
+
+def _predicted_drain(job: str, node: str) -> Action:
+    return _drain(node, f"inc-{job}", predicted=True).model_copy(update={"job_id": job, "node_reported_fault": True})
+
+
+@pytest.mark.parametrize(
+    ("comment", "sent"),
+    [
+        ("exp42 trainmedic=checkpoint_signal=USR1", "USR1"),
+        ("trainmedic=restarts=2,checkpoint_signal=B:USR2", "B:USR2"),
+        ("exp42", None),
+        ("trainmedic=checkpoint_signal=TERM", None),  # unreadable: never sent
+    ],
+)
+def test_a_migrations_drain_asks_the_job_for_a_checkpoint_only_with_the_signal_it_declares(
+    comment: str, sent: str | None
+) -> None:
+    sched = SimulatedScheduler(["gpu01", "gpu02"])
+    job = sched.submit("train", 2)
+    sched.annotate_job(job, comment)
+    node = sched.job_state(job).nodes[0]
+    calls: list[str] = []
+    executor = Executor(sched, ExecutorSettings(verify_timeout_s=5, poll_interval_s=0.01))
+    result = executor.execute(_predicted_drain(job, node), lambda a, call: calls.append(call))
+    assert result.status == "done", result
+    signals = [c for c in sched.calls if c.startswith("signal")]
+    assert signals == ([f"signal {job} {sent}"] if sent else [])
+    assert calls == ["drain", "signal"] if sent else calls == ["drain"]
+    # Delivered again: the node is drained for the incident already, nothing is sent twice.
+    again = executor.execute(_predicted_drain(job, node), lambda a, call: calls.append(call))
+    assert again.status == "done" and [c for c in sched.calls if c.startswith("signal")] == signals
+
+
+def test_the_checkpoint_signal_setting_reads_only_the_user_signals() -> None:
+    assert parse_value("checkpoint_signal=USR1", "x").checkpoint_signal == "USR1"
+    with pytest.raises(JobSettingError, match="checkpoint_signal=SIG"):
+        parse_value("checkpoint_signal=KILL", "x")
+    assert checkpoint_signal("trainmedic=monitor,checkpoint_signal=B:USR1") == "B:USR1"
+    assert checkpoint_signal("trainmedic=checkpoint_signal=INT") is None
