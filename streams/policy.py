@@ -861,17 +861,27 @@ def decide_predicted(
     The node is drained at once (Slurm lets the job run on; nothing new lands there); the job is
     requeued off it at its next completed checkpoint, which `streams.migration` watches for. A job
     not known to save checkpoints gets `prediction.without_checkpoints`. A job whose restart budget
-    is spent is not moved: the node is drained, and a failure is handled as any other."""
+    is spent is not moved: the node is drained, and a failure is handled as any other. The job's
+    settings (its comment's trainmedic=, the policy's job rules) govern the job, not the node: with
+    off or monitor the node is drained and the job is not moved."""
     decision_id = stable_id("dec", incident.incident_id)
     node = incident.culprit_node or "?"
     pred = policy.prediction
     reasons = [incident.explanation, f"confidence {incident.confidence:.2f}"]
     migrate = False
     action: ActionKind
-    if not checkpoints_known:
+    job = job_settings(policy, incident)
+    limit = policy.restart_budget.max_restarts
+    if job.max_restarts is not None:
+        limit = min(limit, job.max_restarts)
+    if job.mode is not None or job.errors:
+        why = f"trainmedic={job.mode} by {job.mode_source()}" if job.mode else f"unreadable {job.errors[0]}"
+        action = "drain"
+        rule = f"prediction: drain {node} only ({why}: job {incident.job_id} is not moved)"
+    elif not checkpoints_known:
         action = pred.without_checkpoints
         rule = f"prediction.without_checkpoints={action} (job {incident.job_id} never reported a completed checkpoint)"
-    elif incident.job_id and recent_restarts >= policy.restart_budget.max_restarts:
+    elif incident.job_id and recent_restarts >= limit:
         action = "drain"
         rule = (
             f"prediction: drain {node} only (restart budget spent: {recent_restarts} restarts in "

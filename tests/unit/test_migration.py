@@ -261,3 +261,26 @@ def test_the_checkpoint_signal_setting_reads_only_the_user_signals() -> None:
         parse_value("checkpoint_signal=KILL", "x")
     assert checkpoint_signal("trainmedic=monitor,checkpoint_signal=B:USR1") == "B:USR1"
     assert checkpoint_signal("trainmedic=checkpoint_signal=INT") is None
+
+
+@pytest.mark.parametrize(
+    ("comment", "moved"),
+    [
+        ("exp42 trainmedic=checkpoint_signal=USR1", True),
+        ("trainmedic=off", False),
+        ("trainmedic=monitor", False),
+        ("trainmedic=of", False),  # unreadable: the job is not touched
+        ("trainmedic=restarts=0", False),  # its own limit, below the budget
+    ],
+)
+def test_the_jobs_settings_govern_the_move_not_the_drain(comment: str, moved: bool) -> None:
+    placement = Placement(
+        "4242", (NODE,), "gpu", T0 - 600, "sched-1", job_name="train", user="alice", account="ml", comment=comment
+    )
+    assert Placement.from_dict(placement.to_dict()) == placement
+    incident = predicted_incident(verdict_of(), placement, T0 + 11)
+    assert (incident.job_name, incident.user, incident.job_comment) == ("train", "alice", comment)
+    decision, action, migrate = decide_predicted(policy(), incident, T0 + 12, True)
+    assert action is not None and action.action == "drain" and migrate is moved, decision.rule
+    if not moved:
+        assert "is not moved" in decision.rule
