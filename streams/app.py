@@ -95,7 +95,7 @@ from streams.modes import ModeState
 from streams.placement import PlacementIndex, placement_change
 from streams.policy import RESTARTS
 from streams.policy_store import PolicyStore
-from streams.recovery import read_actions, read_history
+from streams.recovery import read_actions, read_history, read_migrations
 from streams.seeking import rewind_uncommitted
 from streams.watermark import PartitionClocks, Watermark
 from trainmedic.settings import Settings
@@ -309,6 +309,20 @@ async def _restart_budget_recovered() -> None:
         log.error("could not read the actions back (%s): the restart budget is the table's alone", exc)
         return
     log.info("restart budget recovered: %d restarts read back that the table lacked", policies.restore(actions))
+
+
+@job_migrations.on_recover
+async def _migrations_recovered() -> None:
+    """After each recovery of the table: the migrations on the topic that the table lacks (the floor
+    for the embedded broker, as the restart budget's). Older than the wait bound, a migration has
+    ended (or its deadline has passed), so that is as far back as it reads."""
+    since = time.time() - policies.policy.prediction.checkpoint_wait_s - 600.0
+    try:
+        states, incidents = await asyncio.get_running_loop().run_in_executor(None, read_migrations, BOOTSTRAP, since)
+    except (KafkaException, TimeoutError) as exc:
+        log.error("could not read the migrations back (%s): pending migrations are the table's alone", exc)
+        return
+    log.info("migrations recovered: %d read back that the table lacked", migrations.restore(states, incidents, owns))
 
 
 _recovery_lock = asyncio.Lock()

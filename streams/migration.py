@@ -23,7 +23,7 @@ restarted detector reading a condition that still holds) does not start another.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
 from schemas.events import Action, Decision, Evidence, Incident, Migration, MigrationState, ProgressBatch
@@ -200,6 +200,41 @@ class MigrationBook:
         return self.event(
             record, "waiting", now, f"{node} drained; waiting for a checkpoint beyond {checkpoint_before}"
         )
+
+    def restore(
+        self, states: list[Migration], incidents: list[Incident], keep: Callable[[str], bool] = lambda _: True
+    ) -> int:
+        """Migrations read back from the topics that the table lacks (a table whose recovery a broker
+        cut short: the floor, as the restart budget's): each as its latest state says, a waiting one
+        with its deadline. One the table holds, whose incident was not found, or whose job `keep`
+        refuses (another worker's: only a job's owner writes its key), is left alone. Returns how
+        many were added."""
+        by_incident = {i.incident_id: i for i in incidents}
+        latest: dict[str, Migration] = {}
+        for m in sorted(states, key=lambda m: m.event_time):
+            latest[m.migration_id] = m
+        added = 0
+        for m in sorted(latest.values(), key=lambda m: m.decided_at):
+            incident = by_incident.get(m.incident_id)
+            if incident is None or not keep(m.job_id) or self.seen(m.job_id, m.node):
+                continue
+            previous = self._store.get(m.job_id) or {}
+            self._store[m.job_id] = {
+                "migration_id": m.migration_id,
+                "incident": incident.model_dump(mode="json"),
+                "decision_id": m.decision_id,
+                "node": m.node,
+                "gpu": m.gpu,
+                "rule": m.rule,
+                "decided_at": m.decided_at,
+                "deadline": m.deadline,
+                "checkpoint_before": m.checkpoint_before,
+                "first_seen": incident.first_signal_time,
+                "state": m.state,
+                "nodes": [*previous.get("nodes", []), m.node],
+            }
+            added += 1
+        return added
 
     def checkpoint(self, batch: ProgressBatch) -> tuple[dict[str, Any], int | None] | None:
         """The pending migration of the batch's job and the step of the completed save that ends its

@@ -284,3 +284,23 @@ def test_the_jobs_settings_govern_the_move_not_the_drain(comment: str, moved: bo
     assert action is not None and action.action == "drain" and migrate is moved, decision.rule
     if not moved:
         assert "is not moved" in decision.rule
+
+
+def test_migrations_the_table_lost_are_read_back_from_the_topics() -> None:
+    book = MigrationBook()
+    incident = _begun(book)
+    waiting = next(iter(book.waiting()))[1]
+    states = [MigrationBook.event(waiting, "waiting", T0 + 12, "drained")]
+    # A table cut short: nothing of the job. The topic's latest state comes back, with its deadline.
+    lost = MigrationBook()
+    assert lost.restore(states, [incident], keep=lambda job: job != "4242") == 0  # another worker's job
+    assert lost.restore(states, [incident]) == 1
+    back = lost.pending("4242")
+    assert back is not None and (back["deadline"], back["checkpoint_before"], back["node"]) == (T0 + 612, 400, NODE)
+    assert lost.restore(states, [incident]) == 0  # held now: left alone
+    # A migration that ended comes back as its tombstone: the same verdict begins nothing again.
+    ended = MigrationBook()
+    done = [*states, MigrationBook.event(waiting, "requeued", T0 + 30, "saved", 600)]
+    assert ended.restore(done, [incident]) == 1 and ended.pending("4242") is None and ended.seen("4242", NODE)
+    # Without the incident it began with, nothing is made up.
+    assert MigrationBook().restore(states, []) == 0
