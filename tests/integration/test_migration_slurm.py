@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from bus.publish import Publisher
@@ -30,9 +31,9 @@ from producers.joblogs import JobLayout, JobLogProducer
 from producers.kernel import KernelLogProducer
 from producers.slurm import SlurmProducer
 from schemas.codec import decode
-from schemas.events import GpuSampleBatch
+from schemas.events import Action, GpuSampleBatch
 from schemas.ids import stable_id
-from schemas.topics import GPU_SAMPLES, GPU_SAMPLES_BY_JOB
+from schemas.topics import ACTIONS, GPU_SAMPLES, GPU_SAMPLES_BY_JOB
 from sinks.audit import AuditStore
 from sinks.audit_queries import job_migrations, job_timeline
 from sinks.backends.slurm_cli import SlurmCliBackend
@@ -43,7 +44,7 @@ from tests.integration.test_slurm_coexistence import _clean, _sh
 from trainmedic.cli.audit import migration_line
 from trainmedic.ops.migrations import cancel_migration
 from trainmedic.stack.broker import EmbeddedBroker
-from trainmedic.stack.runtime import Stack
+from trainmedic.stack.runtime import Stack, StackConfig
 
 pytestmark = pytest.mark.slurm
 NODE = "gpu03"
@@ -87,8 +88,17 @@ class Rig:
         self.logs: dict[str, tuple[Path, JobLogProducer]] = {}
         self.stack: Stack | None = None
 
-    def start(self, chdb_url: str, database: str, policy: Path) -> AuditStore:
-        self.stack = start_stack(self.bootstrap, chdb_url, database, self.backend, self.tmp / "stack", policy=policy)
+    def start(self, chdb_url: str, database: str, policy: Path, api: bool = False) -> AuditStore:
+        if api:
+            config = StackConfig(
+                data_dir=self.tmp / "stack", bootstrap=self.bootstrap, clickhouse=chdb_url, database=database,
+                policy=policy, settle_s=1.0, collateral_wait_s=3.0, api_port=0,
+            )  # fmt: skip
+            self.stack = Stack(config, self.backend).start()
+        else:
+            self.stack = start_stack(
+                self.bootstrap, chdb_url, database, self.backend, self.tmp / "stack", policy=policy
+            )
         assert self.stack.store is not None
         return self.stack.store
 
@@ -288,12 +298,12 @@ def test_a_job_that_saves_no_checkpoint_falls_back_at_the_bound(
         rig.stop()
 
 
-def test_monitor_mode_only_recommends_the_migration(
+def test_monitor_mode_only_recommends_and_an_approval_drains_the_node_only(
     broker: EmbeddedBroker, cluster: Cluster, chdb_url: str, database: str, tmp_path: Path
 ) -> None:
     rig = Rig(broker, cluster, tmp_path)
     try:
-        store = rig.start(chdb_url, database, _policy(tmp_path, mode="monitor"))
+        store = rig.start(chdb_url, database, _policy(tmp_path, mode="monitor"), api=True)
         job = rig.submit()
         rig.placed(job, store)
         rig.remap_pending()
@@ -310,6 +320,22 @@ def test_monitor_mode_only_recommends_the_migration(
         assert not rig.backend.node_state(NODE).drained
         assert job_migrations(store, job) == []
         assert store.query("SELECT 1 FROM {db}.actions FINAL WHERE job_id = {j:String}", {"j": job}) == []
+        # An operator approves it: gpu03 is drained as a predictive drain; the job is not moved.
+        assert rig.stack is not None and rig.stack.api is not None
+        token = rig.stack.config.token_file.read_text().strip()
+        with httpx.Client(base_url=rig.stack.api.url, timeout=30) as http:
+            r = http.post(
+                f"/api/recommendations/{decision['decision_id']}/approve",
+                json={"operator": "alice"},
+                headers={"Authorization": f"Bearer {token}"},
+            )
+            assert r.status_code == 202, r.text
+        wait_for(f"{NODE} drained on approval", lambda: rig.backend.node_state(NODE).drained, timeout=30)
+        (action,) = [
+            a for a in (decode(Action, v) for v in read_topic(rig.bootstrap, ACTIONS.name, 1.0)) if a.job_id == job
+        ]
+        assert (action.action, action.predicted, action.requested_by) == ("drain", True, "operator:alice")
+        assert job_migrations(store, job) == [] and rig.backend.job_state(job).restart_count == 0
     finally:
         rig.stop()
 

@@ -303,6 +303,10 @@ def create_api(
             {**r, "event_time": r["event_time"].isoformat(), "verdict": decided.get(r["decision_id"])} for r in rows
         ]
 
+    def predicted(incident_id: str) -> bool:
+        rows = store.query("SELECT kind FROM {db}.incidents FINAL WHERE incident_id = {i:String}", {"i": incident_id})
+        return bool(rows) and rows[0]["kind"] == "predicted"
+
     def fleet_action(action: Action) -> Action:
         """An approved fleet drain: the incident's drain set, as policy would have sent it."""
         rows = store.query(
@@ -328,6 +332,9 @@ def create_api(
             action = make_action(d, d.incident_id, requested_by=f"operator:{body.operator}", now=time.time())
             if d.job_id is None and d.culprit_node is None and d.action in DRAINS:
                 action = fleet_action(action)
+            elif d.action in DRAINS and predicted(d.incident_id):
+                # A predicted failure's drain counts against the predictive cap, approved or not.
+                action = action.model_copy(update={"predicted": True})
             publisher.publish(ACTIONS, action)
             if publisher.flush(10):
                 raise HTTPException(status_code=503, detail="Kafka did not confirm the approval; retry")
