@@ -715,3 +715,30 @@ def test_console_shows_a_pending_migration_and_cancels_it(migration_console: dic
             assert console_errors == []
         finally:
             browser.close()
+
+
+def test_the_cli_shows_the_pending_migration_and_cancels_it(migration_console: dict[str, Any]) -> None:
+    """`trainmedic audit job`'s line for the pending migration; `trainmedic migrations cancel` (through the
+    operator API) resumes the node, and a cancel repeated before the audit saw the first resumes nothing."""
+    from typer.testing import CliRunner
+
+    from sinks.audit_queries import job_migrations
+    from trainmedic.cli.audit import migration_line
+    from trainmedic.cli.main import app
+
+    (pending,) = job_migrations(migration_console["store"], "7001")
+    line = migration_line(pending)
+    assert line.startswith(
+        "migration mig-1: PENDING - gpu03 GPU 2 (row_remap_pending) drained, waiting for checkpoint 401"
+    )
+    env = {"TRAINMEDIC_TOKEN": migration_console["token"]}
+    args = ["migrations", "cancel", "7001", "--operator", "bob", "--api", migration_console["url"]]
+    result = CliRunner().invoke(app, [*args, "--comment", "false alarm"], env=env)
+    assert result.exit_code == 0, result.output
+    assert "cancelled mig-1 of job 7001: gpu03 resumed" in result.output
+    sched = migration_console["sched"]
+    assert not sched.node_state("gpu03").drained
+    again = CliRunner().invoke(app, args, env=env)
+    assert again.exit_code == 0, again.output
+    assert "gpu03 is not drained for inc-pred1" in again.output and "left as it is" in again.output
+    assert [c for c in sched.calls if c.startswith("resume")] == ["resume gpu03"]
