@@ -893,7 +893,8 @@ async def apply_policy(stream: faust.StreamT[bytes]) -> None:
         if (pending := migrations.pending(incident.job_id)) is not None:
             if answered_by(pending, incident):
                 # gpu_health's own reading of the condition the migration answers: nothing more to do.
-                await publish(DECISIONS, absorbed_decision(pending, incident, time.time()))
+                mode = policies.policy.mode_for(incident.partition, incident.category)
+                await publish(DECISIONS, absorbed_decision(pending, incident, mode, time.time()))
                 continue
             job = str(pending["incident"]["job_id"])
             if (superseded := migrations.finish(job, "superseded", time.time(), _superseded(incident))) is not None:

@@ -28,7 +28,7 @@ from typing import Any
 
 from schemas.events import Action, Decision, Evidence, Incident, Migration, MigrationState, ProgressBatch
 from schemas.ids import stable_id
-from schemas.vocab import SEVERITY_RANK
+from schemas.vocab import SEVERITY_RANK, Mode
 from streams.detectors.prefailure import PreFailureVerdict
 from streams.lineage import completed_save
 from streams.placement import Placement
@@ -127,7 +127,7 @@ def answered_by(record: dict[str, Any], incident: Incident) -> bool:
     return incident.culprit_node == record["node"] and SEVERITY_RANK[incident.severity] < SEVERITY_RANK["error"]
 
 
-def absorbed_decision(record: dict[str, Any], incident: Incident, now: float) -> Decision:
+def absorbed_decision(record: dict[str, Any], incident: Incident, mode: Mode, now: float) -> Decision:
     """The decision for a reactive incident a pending migration answers: nothing more is done."""
     decision_id = stable_id("dec", incident.incident_id)
     return Decision(
@@ -142,7 +142,7 @@ def absorbed_decision(record: dict[str, Any], incident: Incident, now: float) ->
         culprit_rank=incident.culprit_rank,
         culprit_gpu=incident.culprit_gpu,
         action="none",
-        mode="autonomous",
+        mode=mode,
         executed=False,
         rule=f"prediction: migration {record['migration_id']} of job {incident.job_id} off {record['node']} answers it",
         reason=f"{incident.severity} about {record['node']}, no failure: the job moves at its next checkpoint",

@@ -19,7 +19,7 @@ from sinks.executor import Executor, ExecutorSettings
 from sinks.guardrails import Guardrails, GuardrailSettings
 from streams.detectors.prefailure import PreFailureDetector, PreFailureVerdict
 from streams.lineage import Lineages
-from streams.migration import MigrationBook, predicted_incident, requeue_action
+from streams.migration import MigrationBook, absorbed_decision, answered_by, predicted_incident, requeue_action
 from streams.placement import Placement
 from streams.policy import decide, decide_predicted, load_policy
 from tests.fakes.fake_pynvml import FakeNvml
@@ -304,3 +304,21 @@ def test_migrations_the_table_lost_are_read_back_from_the_topics() -> None:
     assert ended.restore(done, [incident]) == 1 and ended.pending("4242") is None and ended.seen("4242", NODE)
     # Without the incident it began with, nothing is made up.
     assert MigrationBook().restore(states, []) == 0
+
+
+def test_a_warning_about_the_migrating_node_is_answered_a_failure_supersedes() -> None:
+    book = MigrationBook()
+    predicted = _begun(book)
+    record = book.pending("4242")
+    assert record is not None
+    # gpu_health's own warning about the same pending remap, as attribution makes it.
+    warning = predicted.model_copy(
+        update={"kind": "reactive", "incident_id": "inc-warn", "isolate": False, "severity": "warning"}
+    )
+    assert answered_by(record, warning)
+    decision = absorbed_decision(record, warning, "autonomous", T0 + 13)
+    assert (decision.action, decision.executed, decision.incident_id) == ("none", False, "inc-warn")
+    assert decision.rule.startswith(f"prediction: migration {record['migration_id']} of job 4242 off {NODE}")
+    # The node fails first (an Xid 79 is critical), or something about another node: not answered.
+    assert not answered_by(record, warning.model_copy(update={"severity": "critical", "isolate": True}))
+    assert not answered_by(record, warning.model_copy(update={"culprit_node": "gpu02"}))
