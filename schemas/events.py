@@ -457,6 +457,10 @@ class Incident(Event):
     evidence: list[Evidence]
     anomaly_ids: list[str]
     first_signal_time: Timestamp  # earliest evidence: the start of detection latency
+    # reactive: a fault that happened (attribution); predicted: a pre-failure verdict about a GPU
+    # of one of the job's nodes (streams/migration.py), whose answer is a migration at the job's
+    # next checkpoint, not a restart now.
+    kind: Literal["reactive", "predicted"] = "reactive"
 
 
 class Decision(Event):
@@ -515,14 +519,19 @@ class Action(Event):
     # again), and needs no placement: Slurm may already have requeued the job off the node.
     node_failed: bool = False
     # A requeue that keeps the job off `node`: the job's own evidence blamed it, which may restart
-    # the job but not isolate the node (streams/policy.py, "job evidence only").
+    # the job but not isolate the node (streams/policy.py, "job evidence only"); or a migration's
+    # requeue off the node it drained (streams/migration.py).
     exclude_node: bool = False
+    # A drain for a predicted failure (a migration): counted against the guardrails' cap on
+    # predictive drains, never against the drains reactive incidents need (sinks/guardrails.py).
+    predicted: bool = False
 
 
 # Scheduler calls that may change the cluster, as recorded before they are made.
 # reset_gpu: the command to the node's agent (sinks/node_agent.py) is published, not a Slurm call, but
 # it is recorded and counted the same way before it is made.
-AttemptCall = Literal["drain", "requeue", "cancel", "hold", "reboot", "relabel", "reset_gpu"]
+# signal: a job asked for a checkpoint before a migration (the signal its comment declares).
+AttemptCall = Literal["drain", "requeue", "cancel", "hold", "reboot", "relabel", "reset_gpu", "signal"]
 
 
 class ActionAttempt(Event):
@@ -541,6 +550,7 @@ class ActionAttempt(Event):
     action: ActionKind
     call: AttemptCall
     executor: str = Field(min_length=1, max_length=200)  # the replica (client id) that held the lease
+    predicted: bool = False  # the action's: which drain cap the call counts against
 
 
 class ActionResult(Event):
@@ -671,6 +681,36 @@ class JobAttempt(Event):
     progressed: bool | None = None
 
 
+MigrationState = Literal["waiting", "requeued", "fell_back", "superseded", "ended", "cancelled"]
+
+
+class Migration(Event):
+    """One state of a checkpoint-aligned migration (streams/migration.py): a job moved off a node
+    with a pre-failure verdict at its next completed checkpoint. `waiting`: the node is drained,
+    the job runs on until it saves a checkpoint beyond `checkpoint_before` or `deadline` passes;
+    then `requeued` (off the node), `fell_back` (no checkpoint in time: the reactive path stays),
+    `superseded` (the node failed first: the reactive incident acts), `ended` (the job ended), or
+    `cancelled` (by an operator, who resumes the node). The latest record of a migration is its state."""
+
+    type_name: ClassVar[str] = "migration"
+    migration_id: str = Field(min_length=1, max_length=200)
+    incident_id: str
+    decision_id: str
+    job_id: str = Field(min_length=1, max_length=64)
+    node: NodeName
+    gpu: int | None = Field(default=None, ge=0)
+    rule: str = Field(max_length=128)  # the pre-failure rule that raised the verdict
+    state: MigrationState
+    decided_at: Timestamp
+    deadline: Timestamp
+    # The job's last completed checkpoint when the migration began (None: none seen), and the one
+    # that ended the wait.
+    checkpoint_before: int | None = Field(default=None, ge=0)
+    checkpoint_step: int | None = Field(default=None, ge=0)
+    requested_by: str = Field(min_length=1, max_length=128)  # "policy", or the operator who cancelled
+    detail: str = Field(default="", max_length=4096)
+
+
 NodeCommandKind = Literal["gpu_reset"]
 
 
@@ -734,4 +774,5 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     JobAttempt,
     NodeCommand,
     NodeCommandResult,
+    Migration,
 )

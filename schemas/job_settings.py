@@ -8,6 +8,9 @@ one token `trainmedic=VALUE`, VALUE a comma list of
                   endangers the jobs it would get next: the node only, the job is left alone)
     monitor       actions on the job are recommendations only (the node drain as above)
     restarts=N    at most N restarts of the job (capped by the policy's restart budget)
+    checkpoint_signal=SIG   the job saves a checkpoint when sent SIG (USR1 or USR2; B:USR1 or
+                  B:USR2 for the batch shell only, as sbatch --signal writes it): before a migration
+                  waits for the job's next checkpoint (streams/migration.py), the executor sends it
 
 Operators set the same values by job name, user, account or partition (the policy's
 `job_settings.rules`). Every setting that applies counts, and the strictest wins: off over
@@ -35,6 +38,9 @@ TOKEN_RE = re.compile(r"(?:^|\s)trainmedic=(\S*)")
 # "trainmedic:off"): read as an error, so a near miss makes the job recommend-only, never autonomous.
 _ATTEMPT_RE = re.compile(r"(?<![A-Za-z0-9_])trainmedic\s*[=:]", re.IGNORECASE)
 _RESTARTS_RE = re.compile(r"restarts=(\d{1,4})")
+# Only the user signals: a signal a job does not handle ends it, and these two are the ones sbatch's
+# --signal convention and the frameworks' checkpoint-on-signal hooks use.
+_SIGNAL_RE = re.compile(r"checkpoint_signal=((?:B:)?USR[12])")
 
 
 class JobSettingError(ConfigError, ValueError):
@@ -48,12 +54,14 @@ class JobSetting:
     source: str  # "the job's comment", "job_settings.rules.NAME"
     mode: JobMode | None = None
     max_restarts: int | None = None
+    checkpoint_signal: str | None = None
 
 
 def parse_value(value: str, source: str) -> JobSetting:
     """`off`, `monitor`, `restarts=N`, or a comma list of them. JobSettingError names what is wrong."""
     mode: JobMode | None = None
     max_restarts: int | None = None
+    signal: str | None = None
     items = [v.strip() for v in value.split(",")]
     if not value.strip() or any(not v for v in items):
         raise JobSettingError(f"{source}: trainmedic={value!r}: empty item (expected off, monitor or restarts=N)")
@@ -64,11 +72,14 @@ def parse_value(value: str, source: str) -> JobSetting:
             mode = item  # type: ignore[assignment]
         elif m := _RESTARTS_RE.fullmatch(item):
             max_restarts = int(m.group(1))
+        elif m := _SIGNAL_RE.fullmatch(item):
+            signal = m.group(1)
         else:
             raise JobSettingError(
-                f"{source}: trainmedic={value}: {item!r} is not off, monitor or restarts=N (N a whole number)"
+                f"{source}: trainmedic={value}: {item!r} is not off, monitor, restarts=N (N a whole number) or "
+                "checkpoint_signal=SIG (USR1, USR2, B:USR1, B:USR2)"
             )
-    return JobSetting(source, mode, max_restarts)
+    return JobSetting(source, mode, max_restarts, signal)
 
 
 def from_comment(comment: str | None) -> list[JobSetting]:
@@ -86,6 +97,15 @@ def from_comment(comment: str | None) -> list[JobSetting]:
                 "trainmedic=restarts=N as a word of its own, lower case)"
             )
     return [parse_value(v, "the job's comment") for v in TOKEN_RE.findall(text)]
+
+
+def checkpoint_signal(comment: str | None) -> str | None:
+    """The signal the job's comment says makes it save a checkpoint; None when it declares none or
+    its setting cannot be read (a signal the job may not handle is never sent)."""
+    try:
+        return next((s.checkpoint_signal for s in from_comment(comment) if s.checkpoint_signal), None)
+    except JobSettingError:
+        return None
 
 
 def job_mode(comment: str | None) -> tuple[JobMode | None, str | None]:

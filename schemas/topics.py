@@ -21,6 +21,7 @@ from schemas.events import (
     JobAttempt,
     KernelEvent,
     LogBatch,
+    Migration,
     ModeChange,
     NetPortSample,
     NodeCommand,
@@ -85,6 +86,8 @@ JOB_ATTEMPTS = Topic("job.attempts", JobAttempt, "job id")
 # keyed by node, so one node's commands and results stay in order.
 NODE_COMMANDS = Topic("node.commands", NodeCommand, "node")
 NODE_COMMAND_RESULTS = Topic("node.command.results", NodeCommandResult, "node")
+# Checkpoint-aligned migrations (streams/migration.py): each state change, and an operator's cancel.
+MIGRATIONS = Topic("migrations", Migration, "job id")
 
 ALL_TOPICS: tuple[Topic, ...] = (
     GPU_SAMPLES,
@@ -111,6 +114,7 @@ ALL_TOPICS: tuple[Topic, ...] = (
     JOB_ATTEMPTS,
     NODE_COMMANDS,
     NODE_COMMAND_RESULTS,
+    MIGRATIONS,
 )
 TOPIC_BY_NAME = {t.name: t for t in ALL_TOPICS}
 INPUT_TOPICS = (GPU_SAMPLES, NODE_KERNEL, NET_PORTS, JOB_LOGS, JOB_PROGRESS, SCHED_EVENTS, HEALTH_EXTERNAL)

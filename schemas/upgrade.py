@@ -73,6 +73,7 @@ INTRODUCED: dict[str, int] = {
     "node_command_result": 2,
     "gpu_sample_batch": 2,
     "net_port_sample": 2,
+    "migration": 2,
 }
 
 

@@ -130,7 +130,7 @@ def check_schema(store: AuditStore) -> None:
         )
 
 
-_INCIDENT_COLUMNS = """incident_id, detected_at, first_signal_time, job_id, partition, job_nodes, category, severity,
+_INCIDENT_COLUMNS = """incident_id, kind, detected_at, first_signal_time, job_id, partition, job_nodes, category, severity,
     culprit_node, confidence, decision_kind, decision_action, decision_mode, verdict,
     actions, actions_done, actions_failed, guardrail_trips, verified_at,
     detection_latency_s, action_latency_s, recovery_s"""
@@ -152,7 +152,7 @@ def summary_sql(where: str, child_where: str = "1") -> str:
     ids = f"SELECT incident_id FROM {{db}}.incidents FINAL WHERE {where}"
     child = f"({child_where}) AND incident_id IN ({ids})"
     return f"""SELECT
-    i.incident_id AS incident_id, i.event_time AS detected_at, i.first_signal_time AS first_signal_time,
+    i.incident_id AS incident_id, i.kind AS kind, i.event_time AS detected_at, i.first_signal_time AS first_signal_time,
     nullIf(i.job_id, '') AS job_id, nullIf(i.partition, '') AS partition, i.job_nodes AS job_nodes,
     toUInt32(length(i.job_nodes)) AS job_node_count, i.category AS category, i.severity AS severity,
     nullIf(i.culprit_node, '') AS culprit_node, i.confidence AS confidence,
@@ -381,6 +381,7 @@ def job_timeline(store: AuditStore, job_id: str, cluster: str | None = None) -> 
         "incidents": incs,
         "restarts": restarts[0]["restarts"] if restarts else 0,
         "attempts": job_attempts(store, job_id, cluster),
+        "migrations": job_migrations(store, job_id, cluster),
         "timeline": timeline,
     }
 
@@ -401,6 +402,23 @@ def job_attempts(store: AuditStore, job_id: str, cluster: str | None = None) -> 
         "argMax(new_checkpoint, event_time) AS new_checkpoint, argMax(progressed, event_time) AS progressed "
         f"FROM {{db}}.job_attempts FINAL WHERE {job} "
         "GROUP BY lineage_id, first_seen, attempt ORDER BY first_seen, attempt",
+        params,
+    )
+
+
+def job_migrations(store: AuditStore, job_id: str, cluster: str | None = None) -> list[dict[str, Any]]:
+    """The job's checkpoint-aligned migrations (streams/migration.py), each as its latest row says:
+    `state` waiting is a pending one (the node drained, the job not yet requeued)."""
+    params: dict[str, Any] = {"j": job_id}
+    job = _in_cluster("job_id = {j:String}", cluster, params)
+    return _rows(
+        store,
+        "SELECT migration_id, any(incident_id) AS incident_id, any(decision_id) AS decision_id, any(node) AS node, "
+        "any(gpu) AS gpu, any(rule) AS rule, argMax(state, event_time) AS state, min(decided_at) AS decided_at, "
+        "any(deadline) AS deadline, any(checkpoint_before) AS checkpoint_before, "
+        "argMax(checkpoint_step, event_time) AS checkpoint_step, argMax(requested_by, event_time) AS requested_by, "
+        "argMax(detail, event_time) AS detail, max(event_time) AS updated_at "
+        f"FROM {{db}}.migrations FINAL WHERE {job} GROUP BY migration_id ORDER BY decided_at",
         params,
     )
 

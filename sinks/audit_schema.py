@@ -34,6 +34,7 @@ from schemas.topics import (
     HEALTH_EXTERNAL,
     INCIDENTS,
     JOB_ATTEMPTS,
+    MIGRATIONS,
     MODE_CHANGES,
     NODE_COMMAND_RESULTS,
     NODE_COMMANDS,
@@ -276,6 +277,8 @@ INCIDENTS_T = Table(
         Column("domain", "Nullable(String)", _a("domain")),
         Column("domain_nodes", "Array(String)", _a("domain_nodes")),
         Column("domain_failed_nodes", "Array(String)", _a("domain_failed_nodes")),  # migration 022
+        # migration 024: reactive (a fault that happened) or predicted (a pre-failure verdict)
+        Column("kind", LC, _a("kind"), default="'reactive'"),
     ),
     ("event_time", "incident_id"),
     (_bf("job_id"), _bf("culprit_node"), _bf("incident_id")),
@@ -628,6 +631,36 @@ NODE_COMMANDS_T = Table(
     granularity=1024,
 )
 
+# migration 024: checkpoint-aligned migrations (streams/migration.py), one row per state; the latest
+# row of a migration is where it stands (waiting: the node drained, the job not yet requeued).
+MIGRATIONS_T = Table(
+    "migrations",
+    MIGRATIONS,
+    "event_id",
+    (
+        Column("event_id", "String", _a("event_id")),
+        Column("event_time", T64, _t("event_time")),
+        Column("migration_id", "String", _a("migration_id")),
+        Column("incident_id", "String", _a("incident_id")),
+        Column("decision_id", "String", _a("decision_id")),
+        key("job_id", low=False),
+        key("node"),
+        Column("gpu", "Nullable(Int32)", _a("gpu")),
+        Column("rule", LC, _a("rule")),
+        Column("state", LC, _a("state")),
+        Column("decided_at", T64, _t("decided_at")),
+        Column("deadline", T64, _t("deadline")),
+        Column("checkpoint_before", "Nullable(Int64)", _a("checkpoint_before")),
+        Column("checkpoint_step", "Nullable(Int64)", _a("checkpoint_step")),
+        Column("requested_by", "String", _a("requested_by")),
+        Column("detail", "String", _a("detail"), codec=ZSTD),
+    ),
+    ("event_time", "event_id"),
+    (_bf("job_id"), _bf("node"), _bf("migration_id")),
+    "record",
+    granularity=1024,
+)
+
 # Topic name -> table, for every topic the sink audits.
 DECLARED: dict[str, Table] = {
     t.topic.name: t
@@ -647,6 +680,7 @@ DECLARED: dict[str, Table] = {
         HEALTH_EVENTS_T,
         JOB_ATTEMPTS_T,
         NODE_COMMANDS_T,
+        MIGRATIONS_T,
     )
 }
 # The agents' results land in the commands' table (the `issued` row's columns they lack stay empty).

@@ -46,7 +46,7 @@ from schemas.events import (
     incident_in_reason,
 )
 from schemas.ids import cluster_scoped, current_cluster, stable_id
-from schemas.job_settings import job_mode
+from schemas.job_settings import checkpoint_signal, job_mode
 from schemas.topics import (
     ACTION_ATTEMPTS,
     ACTION_RESULTS,
@@ -188,7 +188,9 @@ class Executor:
                 # drain lets it run on (Slurm drains a node once its jobs end).
                 if not action.node:
                     raise BackendError("drain needs the culprit's node; none is known")
-                self._drain(run)
+                drained_now = self._drain(run)
+                if action.predicted and action.job_id and drained_now:
+                    self._ask_checkpoint(run)
                 self._remediate(run)
             elif action.action == "requeue":
                 if not action.job_id:
@@ -243,18 +245,19 @@ class Executor:
                 f"({','.join(nodes) or 'none'}); the job's output named it, the node itself reported nothing",
             )
 
-    def _drain(self, run: _Run) -> None:
+    def _drain(self, run: _Run) -> bool:
+        """Drain the action's node; whether this call drained it (False: it already was)."""
         a = run.action
         assert a.node
         state = self.backend.node_state(a.node)
         if state.drained and state.reason and a.incident_id in state.reason:
             run.steps.append(f"drain {a.node}: already drained for {a.incident_id}")
-            return
+            return False
         if state.drained:
             # Someone else drained it: leave their reason alone, it is out of service either way.
             by = f" by {state.reason_user}" if state.reason_user else ""
             run.steps.append(f"drain {a.node}: already drained by someone else ({state.reason}{by})")
-            return
+            return False
         # Checked here, just before the call, not only when the action arrived: a redelivered
         # action is not re-checked by the guardrails, and the job may have moved since.
         self._check_culprit(a)
@@ -267,6 +270,27 @@ class Executor:
 
         self._wait(f"{a.node} DRAIN with reason naming {a.incident_id}", drained)
         run.steps.append(f"drain {a.node}: verified DRAIN, reason {a.reason!r}")
+        return True
+
+    def _ask_checkpoint(self, run: _Run) -> None:
+        """A migration's drain (streams/migration.py): the job is asked for a checkpoint now, when its
+        comment declares the signal it saves on - its checkpoint interval may be longer than the
+        warning's lead time. Sent once: a redelivered action finds the node drained and sends nothing.
+        Failing to send it fails nothing: the migration waits for the job's own next save."""
+        a = run.action
+        assert a.job_id
+        comment = self.backend.job_state(a.job_id).comment
+        signal = checkpoint_signal(comment)
+        if signal is None:
+            run.steps.append(f"job {a.job_id}: declares no checkpoint_signal, its own next save is awaited")
+            return
+        run.before_call(a, "signal")
+        try:
+            self.backend.signal_job(a.job_id, signal)
+        except BackendError as exc:
+            run.steps.append(f"job {a.job_id}: asking for a checkpoint ({signal}) failed: {exc}")
+            return
+        run.steps.append(f"job {a.job_id}: asked for a checkpoint now ({signal}, as its comment declares)")
 
     def _drain_set(self, run: _Run) -> None:
         """A fleet incident's drain set: each node of the shared component not yet out of service
@@ -587,6 +611,7 @@ class ExecutorService:
             action=action.action,
             call=call,
             executor=self.replica,
+            predicted=action.predicted,
         )
         # Counted before it is written: if the record fails, this replica still errs on counting.
         self.guardrails.count(attempt)

@@ -78,6 +78,10 @@ class GuardrailSettings(BaseModel):
     # Operator-approved actions are not limited by it.
     autonomy_partitions: list[str] | None = None
     max_drains_per_window: int = Field(default=2, ge=0)
+    # Drains for predicted failures (a migration, streams/migration.py), per the same window: a cap
+    # of their own, and they never count against max_drains_per_window, so predictions can never
+    # spend the drains that failures need.
+    max_predictive_drains_per_window: int = Field(default=1, ge=0)
     max_drain_fraction: float = Field(default=0.1, ge=0.0, le=1.0)
     drain_window_s: float = Field(default=3600.0, gt=0)
     node_cooldown_s: float = Field(default=600.0, ge=0)
@@ -182,6 +186,7 @@ class Guardrails:
             metrics.watch_kill_switch(_kill_switch_of(settings))
         self._lock = threading.Lock()
         self._drains: list[tuple[float, str]] = []  # (when, node), in time order
+        self._predicted_drains: list[tuple[float, str]] = []  # the same, for predicted failures
         self._node_acted: dict[str, float] = {}
         self._attempted: set[str] = set()  # action ids with at least one counted call
         # (action id, call, node): each counts once; a drain set's drains count one per node.
@@ -208,7 +213,7 @@ class Guardrails:
             self._counted.add(key)
             at = attempt.event_time
             if attempt.call == "drain" and attempt.node:
-                bisect.insort(self._drains, (at, attempt.node))
+                bisect.insort(self._predicted_drains if attempt.predicted else self._drains, (at, attempt.node))
                 self._node_acted[attempt.node] = max(at, self._node_acted.get(attempt.node, 0.0))
             # requeue, cancel and hold are recorded (and mark the action as attempted) but no
             # guardrail counts them: restarts per job are the policy's restart budget.
@@ -241,6 +246,7 @@ class Guardrails:
                     action=action.action,
                     call=call,
                     executor="replay",
+                    predicted=action.predicted,
                 )
             )
 
@@ -281,6 +287,8 @@ class Guardrails:
         with self._lock:
             if action.nodes and action.action in DRAINS:
                 return self._check_drain_set(s, action, now)
+            if action.node and action.action in DRAINS and action.predicted:
+                return self._check_predictive_drain(s, action.node, now)
             if action.node and action.action in DRAINS:
                 return self._check_drain(s, action.node, now)
         return None
@@ -331,6 +339,21 @@ class Guardrails:
                 )
         return None
 
+    def _check_predictive_drain(self, s: GuardrailSettings, node: str, now: float) -> Trip | None:
+        """A drain for a predicted failure: the node cooldown and the partition's share as any drain,
+        and the cap on predictive drains per window instead of max_drains_per_window."""
+        last = self._node_acted.get(node)
+        if last is not None and now - last < s.node_cooldown_s:
+            return "node_cooldown", f"{node} was acted on {now - last:.0f} s ago (cooldown {s.node_cooldown_s:.0f} s)"
+        self._predicted_drains = [(at, n) for at, n in self._predicted_drains if now - at <= s.drain_window_s]
+        recent = [n for _, n in self._predicted_drains]
+        if len(recent) >= s.max_predictive_drains_per_window:
+            return "blast_radius", (
+                f"{len(recent)} predictive drain(s) attempted in the last {s.drain_window_s:.0f} s ({', '.join(recent)}); "
+                f"max_predictive_drains_per_window is {s.max_predictive_drains_per_window}: not draining {node}"
+            )
+        return self._check_fraction(s, node)
+
     def _check_drain(self, s: GuardrailSettings, node: str, now: float) -> Trip | None:
         last = self._node_acted.get(node)
         if last is not None and now - last < s.node_cooldown_s:
@@ -343,6 +366,9 @@ class Guardrails:
                 f"{len(recent)} drain(s) attempted in the last {s.drain_window_s:.0f} s ({', '.join(recent)}); "
                 f"max_drains_per_window is {s.max_drains_per_window}: not draining {node}"
             )
+        return self._check_fraction(s, node)
+
+    def _check_fraction(self, s: GuardrailSettings, node: str) -> Trip | None:
         nodes = self.backend.list_nodes()
         target = next((n for n in nodes if n.name == node), None)
         if target is not None and target.partitions:

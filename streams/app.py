@@ -43,6 +43,7 @@ from schemas.events import (
     JobAttempt,
     KernelEvent,
     LogBatch,
+    Migration,
     NetPortSample,
     ProgressBatch,
     SchedEvent,
@@ -62,6 +63,7 @@ from schemas.topics import (
     JOB_ATTEMPTS,
     JOB_LOGS,
     JOB_PROGRESS,
+    MIGRATIONS,
     MODE_CHANGES,
     NET_PORTS,
     NODE_KERNEL,
@@ -79,6 +81,7 @@ from streams.detectors.gpu_health import GpuHealthDetector
 from streams.detectors.hang import HangDetector, job_state_kind
 from streams.detectors.kernel_text import KernelTextDetector
 from streams.detectors.net_ports import NetPortDetector
+from streams.detectors.prefailure import PreFailureDetector
 from streams.detectors.signatures import SignatureDetector
 from streams.detectors.straggler import GPU_SAMPLE_EVERY_S, StragglerDetector
 from streams.detectors.throughput import ThroughputDetector
@@ -87,11 +90,12 @@ from streams.fetching import cap_fetch_wait, pace_fetches
 from streams.fleet import DomainCorrelator, TopologyCache, watched
 from streams.gpu_batches import BATCH_EVERY_S, GpuBatches
 from streams.lineage import Lineages
+from streams.migration import MigrationBook, absorbed_decision, answered_by, predicted_incident, requeue_action
 from streams.modes import ModeState
 from streams.placement import PlacementIndex, placement_change
 from streams.policy import RESTARTS
 from streams.policy_store import PolicyStore
-from streams.recovery import read_actions, read_history
+from streams.recovery import read_actions, read_history, read_migrations
 from streams.seeking import rewind_uncommitted
 from streams.watermark import PartitionClocks, Watermark
 from trainmedic.settings import Settings
@@ -186,6 +190,7 @@ sched_topic = _topic(SCHED_EVENTS.name)
 anomalies_topic = _topic(ANOMALIES.name)
 attribution_topic = _topic(ANOMALIES.name, ANOMALIES_BY_JOB.name, SCHED_EVENTS.name)
 incidents_topic = _topic(INCIDENTS.name)
+migrations_topic = _topic(MIGRATIONS.name)
 domains_topic = _topic(INCIDENTS_BY_DOMAIN.name)
 # What the agents publish to, by topic name (bus.publish.prepare checks each event against its topic).
 _outputs = {INCIDENTS.name: incidents_topic} | {
@@ -199,6 +204,7 @@ _outputs = {INCIDENTS.name: incidents_topic} | {
         DEADLETTER,
         JOB_ATTEMPTS,
         INCIDENTS_BY_DOMAIN,
+        MIGRATIONS,
     )
 }
 
@@ -253,6 +259,10 @@ gpu_health_detector = GpuHealthDetector()
 external_detector = ExternalHealthDetector()
 # SXids and hung-task / D-state reports; keeps one open report per node (bounded, see kernel_signatures.yaml).
 kernel_text_detector = KernelTextDetector()
+# Pre-failure verdicts per GPU (prefailure.yaml): read only while the policy's prediction is enabled.
+prefailure_detector = PreFailureDetector()
+# The policy's prediction.enabled, as of the last beat of follow_mode_changes (not read per sample).
+_prediction_on = False
 # InfiniBand / RoCE ports down after being up, link downs, error-counter bursts (net_ports.yaml).
 net_port_detector = NetPortDetector()
 attributor = Attributor(
@@ -277,6 +287,13 @@ lineages = Lineages(job_lineage)
 # partition of incidents.by_domain, so it moves with the domain.
 domain_faults = app.Table("domain_faults", partitions=PARTITIONS, use_partitioner=True, help="domain -> recent faults")
 correlator = DomainCorrelator(domain_faults)
+# job id -> its checkpoint-aligned migration (streams/migration.py): written by the agents reading the
+# job's incidents, progress and job states, all on the job's partition, so it moves with the job and
+# a pending migration outlives any restart of the worker.
+job_migrations = app.Table(
+    "migrations", partitions=PARTITIONS, use_partitioner=True, help="job id -> checkpoint-aligned migration"
+)
+migrations = MigrationBook(job_migrations)
 topologies = TopologyCache()
 
 
@@ -292,6 +309,20 @@ async def _restart_budget_recovered() -> None:
         log.error("could not read the actions back (%s): the restart budget is the table's alone", exc)
         return
     log.info("restart budget recovered: %d restarts read back that the table lacked", policies.restore(actions))
+
+
+@job_migrations.on_recover
+async def _migrations_recovered() -> None:
+    """After each recovery of the table: the migrations on the topic that the table lacks (the floor
+    for the embedded broker, as the restart budget's). Older than the wait bound, a migration has
+    ended (or its deadline has passed), so that is as far back as it reads."""
+    since = time.time() - policies.policy.prediction.checkpoint_wait_s - 600.0
+    try:
+        states, incidents = await asyncio.get_running_loop().run_in_executor(None, read_migrations, BOOTSTRAP, since)
+    except (KafkaException, TimeoutError) as exc:
+        log.error("could not read the migrations back (%s): pending migrations are the table's alone", exc)
+        return
+    log.info("migrations recovered: %d read back that the table lacked", migrations.restore(states, incidents, owns))
 
 
 _recovery_lock = asyncio.Lock()
@@ -330,7 +361,9 @@ async def _read_back() -> None:
     history = await asyncio.get_running_loop().run_in_executor(
         None, read_history, BOOTSTRAP, now, attributor.hold_s, ALLOCATION_TTL_S
     )
-    holding = attributor.restore(history.incidents, history.sched, now, history.anomalies)
+    # A predicted incident holds no job: the failure it foretells is judged as its own incident.
+    reactive = [i for i in history.incidents if i.kind == "reactive"]
+    holding = attributor.restore(reactive, history.sched, now, history.anomalies)
     for ev in history.sched:  # the placements' floor, as the restart budget's (docs/scaling.md)
         change = placement_change(ev)
         if change is not None and change != "ended":
@@ -644,6 +677,8 @@ async def detect_gpu(stream: faust.StreamT[bytes]) -> None:
         sample, payload = got
         for anomaly in gpu_health_detector.observe(sample):
             await publish(ANOMALIES, anomaly)
+        if _prediction_on:
+            await predict(sample)
         jobs = placement_index.jobs_on(sample.node)
         if jobs and _forward_due(sample):
             for job in jobs:
@@ -651,6 +686,18 @@ async def detect_gpu(stream: faust.StreamT[bytes]) -> None:
             if GpuBatches.urgent(sample):
                 for job in jobs:
                     await send_gpu_batches(gpu_batches.take(job))
+
+
+async def predict(sample: GpuSample) -> None:
+    """Pre-failure verdicts about the sample's GPUs: one predicted incident per job on its node (a
+    node running no job has nothing to migrate; its verdicts are not acted on)."""
+    for verdict in prefailure_detector.observe(sample):
+        for job in placement_index.jobs_on(sample.node):
+            placement = placement_index.get(job)
+            if placement is not None:
+                incident = predicted_incident(verdict, placement, time.time())
+                log.info("predicted incident %s job=%s: %s", incident.incident_id, job, incident.explanation)
+                await publish(INCIDENTS, incident)
 
 
 @app.timer(interval=BATCH_EVERY_S)
@@ -681,6 +728,7 @@ async def detect_signals(stream: faust.StreamT[bytes]) -> None:
         found: list[Anomaly] = []
         attempts: list[JobAttempt] = []
         if isinstance(signal, ProgressBatch):
+            await migrate_at_checkpoint(signal)
             attempts = lineages.observe_progress(signal)
             hang_detector.observe_progress(signal, now)
             straggler_detector.observe_progress(signal, now)
@@ -697,10 +745,61 @@ async def detect_signals(stream: faust.StreamT[bytes]) -> None:
                 # A requeued or finished run starts a new loss and speed history.
                 divergence_detector.forget(signal.job_id)
                 throughput_detector.forget(signal.job_id)
+                if (closed := migrations.forget(signal.job_id, now)) is not None:
+                    await publish(MIGRATIONS, closed)
         for anomaly in found:
             await publish(ANOMALIES, anomaly)
         for attempt in attempts:
             await publish(JOB_ATTEMPTS, attempt)
+
+
+async def migrate_at_checkpoint(batch: ProgressBatch) -> None:
+    """A completed save of a job with a pending migration: the job is requeued off the drained node."""
+    found = migrations.checkpoint(batch)
+    if found is None:
+        return
+    record, step = found
+    now = time.time()
+    action = requeue_action(record, now, step)
+    incident = migrations.incident(record)
+    policies.count_restart(batch.job_id, action.action_id, now)
+    saved = f"checkpoint {step}" if step is not None else "a checkpoint (no step stated)"
+    if done := migrations.finish(batch.job_id, "requeued", now, f"{saved} saved: requeue off {record['node']}", step):
+        log.info("migration %s job=%s: %s", done.migration_id, batch.job_id, done.detail)
+        await publish(ACTIONS, action)
+        await publish(MIGRATIONS, done)
+        for attempt in lineages.ended_by(incident, record["node"]):
+            await publish(JOB_ATTEMPTS, attempt)
+
+
+@app.timer(interval=1.0)
+async def expire_migrations() -> None:
+    """A migration whose job saved no checkpoint in time falls back: the node stays drained, the job
+    runs on, and a failure is handled as any other."""
+    now = time.time()
+    for job_id in migrations.expired(now):
+        if not owns(job_id):
+            continue  # another worker's job (a standby copy of its table partition)
+        closed = migrations.finish(
+            job_id, "fell_back", now, "no completed checkpoint before the deadline: the reactive path stays"
+        )
+        if closed is not None:
+            log.info("migration %s job=%s fell back: %s", closed.migration_id, job_id, closed.detail)
+            await publish(MIGRATIONS, closed)
+
+
+@app.agent(migrations_topic)
+async def follow_migrations(stream: faust.StreamT[bytes]) -> None:
+    """An operator's cancel (the API resumes the node): the pending migration is dropped unanswered."""
+    async for event in stream.events():
+        if (record := await accept(event, Migration, "follow_migrations", "streams.migrations")) is None:
+            continue
+        if record.state != "cancelled" or record.requested_by == "policy":
+            continue
+        pending = migrations.pending(record.job_id)
+        if pending is not None and pending["migration_id"] == record.migration_id:
+            migrations.finish(record.job_id, "cancelled", record.event_time, record.detail, by=record.requested_by)
+            log.info("migration %s job=%s cancelled by %s", record.migration_id, record.job_id, record.requested_by)
 
 
 @app.timer(interval=10.0)
@@ -711,6 +810,8 @@ async def flush_lineages() -> None:
 
 @app.timer(interval=1.0)
 async def follow_mode_changes() -> None:
+    global _prediction_on
+    _prediction_on = policies.policy.prediction.enabled
     # In a thread: the follower's read blocks up to its poll timeout.
     await asyncio.get_running_loop().run_in_executor(None, modes.poll)
     metrics.MODES_IN_DOUBT.set(1 if modes.in_doubt else 0)
@@ -786,6 +887,18 @@ async def apply_policy(stream: faust.StreamT[bytes]) -> None:
     async for event in stream.events():
         if (incident := await accept(event, Incident, "apply_policy", "streams.policy")) is None:
             continue
+        if incident.kind == "predicted":
+            await apply_prediction(incident)
+            continue
+        if (pending := migrations.pending(incident.job_id)) is not None:
+            if answered_by(pending, incident):
+                # gpu_health's own reading of the condition the migration answers: nothing more to do.
+                mode = policies.policy.mode_for(incident.partition, incident.category)
+                await publish(DECISIONS, absorbed_decision(pending, incident, mode, time.time()))
+                continue
+            job = str(pending["incident"]["job_id"])
+            if (superseded := migrations.finish(job, "superseded", time.time(), _superseded(incident))) is not None:
+                await publish(MIGRATIONS, superseded)
         decision, action = policies.decide(incident, time.time(), lineages.history(incident.job_id))
         metrics.DECISIONS.labels(decision.action, "action" if decision.executed else "recommendation").inc()
         if incident.isolate and action is None:
@@ -807,6 +920,29 @@ async def apply_policy(stream: faust.StreamT[bytes]) -> None:
             # Spans jobs: counted by the worker owning each of the node's domains (correlate_domains).
             for domain in topologies.get(fleet).domains_of(incident.culprit_node):
                 await publish(INCIDENTS_BY_DOMAIN, incident, domain.encode())
+
+
+def _superseded(incident: Incident) -> str:
+    return f"{incident.category} incident {incident.incident_id} before the checkpoint: the reactive path acts"
+
+
+async def apply_prediction(incident: Incident) -> None:
+    """A predicted incident: drain now and wait for the job's next checkpoint, or what policy says
+    instead (monitor mode: a recommendation)."""
+    if migrations.seen(incident.job_id, incident.culprit_node):
+        return  # this job already migrates (or migrated) off this node: a verdict raised again
+    known, last = lineages.checkpoints(incident.job_id)
+    now = time.time()
+    decision, action, migrate = policies.decide_predicted(incident, now, known)
+    metrics.DECISIONS.labels(decision.action, "action" if decision.executed else "recommendation").inc()
+    log.info("decision %s job=%s (predicted): %s", decision.decision_id, decision.job_id, decision.rule)
+    await publish(DECISIONS, decision)
+    if action is not None:
+        await publish(ACTIONS, action)
+    if migrate and action is not None:
+        wait_s = policies.policy.prediction.checkpoint_wait_s
+        if (begun := migrations.begin(incident, decision, wait_s, last, now)) is not None:
+            await publish(MIGRATIONS, begun)
 
 
 @app.agent(domains_topic)

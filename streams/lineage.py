@@ -155,7 +155,7 @@ class Lineages:
             if not att["reported"]:
                 att["reported"] = changed = True
             if s.phase == "checkpoint":
-                if not _saved(s.format):
+                if not completed_save(s.format):
                     continue
                 if s.step is not None and (lin["checkpoint_step"] is None or s.step > lin["checkpoint_step"]):
                     lin["checkpoint_step"] = s.step
@@ -217,6 +217,14 @@ class Lineages:
         if len(lin["attempts"]) >= 2 and (cause := lin["attempts"][-2]["cause"]) is not None:
             previous = Cause(cause["incident_id"], cause["category"], cause["signature"], cause["node"])
         return RestartHistory(streak, previous, lin["attempts"][-1]["n"])
+
+    def checkpoints(self, job_id: str | None) -> tuple[bool, int | None]:
+        """Whether the job ever reported a completed checkpoint, and the highest step one stated."""
+        lin = self.get(job_id) if job_id else None
+        if lin is None:
+            return False, None
+        known = lin["checkpoint_step"] is not None or any(a["new_checkpoint"] for a in lin["attempts"])
+        return known, lin["checkpoint_step"]
 
     # -- internals ------------------------------------------------------------------------
 
@@ -319,7 +327,9 @@ class Lineages:
 _END_LINE_FORMATS = frozenset({"megatron", "deepspeed", "torchtitan", "dcp"})
 
 
-def _saved(fmt: str) -> bool:
-    """Whether a checkpoint sample (format '<parser>:checkpoint_start|end') means a save was made."""
+def completed_save(fmt: str) -> bool:
+    """Whether a checkpoint sample (format '<parser>:checkpoint_start|end') means a save was made:
+    its end line where the framework prints one (an asynchronous save prints its start before the
+    write is done), its one line otherwise."""
     parser, _, marker = fmt.partition(":")
     return marker == _CHECKPOINT_END_SUFFIX or parser not in _END_LINE_FORMATS

@@ -68,6 +68,7 @@ DEAD_LETTER_COMPONENTS = (
     "streams.detect_net",
     "streams.detect_signals",
     "streams.fleet",
+    "streams.migrations",
     "streams.placements",
     "streams.policy",
     "streams.route",

@@ -36,6 +36,12 @@ class Placement:
     partition: str | None
     since: float  # the RUNNING event's time
     event_id: str  # the RUNNING event that placed it
+    # Who runs the job, as the RUNNING event said: what a predicted incident (streams/migration.py),
+    # made from a node's reading and not from the job's events, carries for policy's job settings.
+    job_name: str | None = None
+    user: str | None = None
+    account: str | None = None
+    comment: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The table's value (JSON)."""
@@ -45,16 +51,25 @@ class Placement:
             "partition": self.partition,
             "since": self.since,
             "event_id": self.event_id,
+            "job_name": self.job_name,
+            "user": self.user,
+            "account": self.account,
+            "comment": self.comment,
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Placement:
+        # A value written before the job's owner was kept lacks those keys: None.
         return cls(
             job_id=str(data["job_id"]),
             nodes=tuple(str(n) for n in data["nodes"]),
             partition=data.get("partition"),
             since=float(data["since"]),
             event_id=str(data["event_id"]),
+            job_name=data.get("job_name"),
+            user=data.get("user"),
+            account=data.get("account"),
+            comment=data.get("comment"),
         )
 
 
@@ -65,7 +80,10 @@ def placement_change(ev: SchedEvent) -> Placement | Literal["ended"] | None:
         return None
     kind = job_state_kind(ev.state)
     if kind == "running" and ev.nodes:
-        return Placement(ev.job_id, tuple(ev.nodes), ev.partition, ev.event_time, ev.event_id)
+        return Placement(
+            ev.job_id, tuple(ev.nodes), ev.partition, ev.event_time, ev.event_id, ev.job_name, ev.user, ev.account,
+            ev.comment,
+        )  # fmt: skip
     if kind == "ended":
         return "ended"
     return None

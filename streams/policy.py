@@ -302,6 +302,24 @@ class JobSettingsPolicy(BaseModel):
     rules: list[JobRule] = Field(default_factory=list, max_length=256)
 
 
+class PredictionPolicy(BaseModel):
+    """What a pre-failure verdict about a GPU of a running job's node does (streams/migration.py,
+    docs/prediction.md). Off by default: the catalog's thresholds and confidences are placeholders
+    until readiness has scored them (issue 44, deliverable 3)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = False
+    # How long a migration waits for the job's next completed checkpoint after draining the node;
+    # past it the migration falls back: the node stays drained, the job runs on, and a failure is
+    # handled as any other (the reactive path).
+    checkpoint_wait_s: float = Field(default=3600.0, gt=0, le=7 * 86400)
+    # A job that never reported a completed checkpoint (no parser for its saves, or none yet):
+    # drain (the node only, the job runs on until it ends or fails), drain_and_requeue (move it
+    # now, losing the steps since its start or last save), or none (recommend only).
+    without_checkpoints: Literal["drain", "drain_and_requeue", "none"] = "drain"
+
+
 class Policy(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -325,6 +343,7 @@ class Policy(BaseModel):
     return_to_service: ReturnToService = Field(default_factory=ReturnToService)
     fleet: FleetPolicy = Field(default_factory=FleetPolicy)
     remediation: RemediationPolicy = Field(default_factory=RemediationPolicy)
+    prediction: PredictionPolicy = Field(default_factory=PredictionPolicy)
     provenance: ProvenancePolicy = Field(default_factory=ProvenancePolicy)
     # Categories whose node-local fault isolates only a node the evidence names (issue 42, interconnect
     # by locality: NVLink/NVSwitch on the node, the node's own adapter or port). With no node named the
@@ -613,6 +632,9 @@ def decide(
     """
     if incident.domain is not None:
         return _fleet_decision(policy, incident, now)
+    if incident.kind == "predicted":
+        predicted, act, _ = decide_predicted(policy, incident, now, True, recent_restarts)
+        return predicted, act
     matched = next((r for r in policy.rules if r.match.matches(incident)), None)
     action: ActionKind
     if matched is not None:
@@ -828,6 +850,78 @@ def _fleet_decision(policy: Policy, incident: Incident, now: float) -> tuple[Dec
         return decision, None
     act = make_action(decision, incident.incident_id, requested_by="policy", now=now)
     return decision, with_drain_set(act, incident.domain or "", drain_set)
+
+
+def decide_predicted(
+    policy: Policy, incident: Incident, now: float, checkpoints_known: bool, recent_restarts: int = 0
+) -> tuple[Decision, Action | None, bool]:
+    """A predicted failure (a pre-failure verdict, streams/migration.py): the decision, the action
+    when autonomy allows it, and whether a migration waits for the job's next checkpoint.
+
+    The node is drained at once (Slurm lets the job run on; nothing new lands there); the job is
+    requeued off it at its next completed checkpoint, which `streams.migration` watches for. A job
+    not known to save checkpoints gets `prediction.without_checkpoints`. A job whose restart budget
+    is spent is not moved: the node is drained, and a failure is handled as any other. The job's
+    settings (its comment's trainmedic=, the policy's job rules) govern the job, not the node: with
+    off or monitor the node is drained and the job is not moved."""
+    decision_id = stable_id("dec", incident.incident_id)
+    node = incident.culprit_node or "?"
+    pred = policy.prediction
+    reasons = [incident.explanation, f"confidence {incident.confidence:.2f}"]
+    migrate = False
+    action: ActionKind
+    job = job_settings(policy, incident)
+    limit = policy.restart_budget.max_restarts
+    if job.max_restarts is not None:
+        limit = min(limit, job.max_restarts)
+    if job.mode is not None or job.errors:
+        why = f"trainmedic={job.mode} by {job.mode_source()}" if job.mode else f"unreadable {job.errors[0]}"
+        action = "drain"
+        rule = f"prediction: drain {node} only ({why}: job {incident.job_id} is not moved)"
+    elif not checkpoints_known:
+        action = pred.without_checkpoints
+        rule = f"prediction.without_checkpoints={action} (job {incident.job_id} never reported a completed checkpoint)"
+    elif incident.job_id and recent_restarts >= limit:
+        action = "drain"
+        rule = (
+            f"prediction: drain {node} only (restart budget spent: {recent_restarts} restarts in "
+            f"{policy.restart_budget.window_h:g} h; the job is not moved)"
+        )
+    else:
+        action, migrate = "drain", True
+        rule = (
+            f"prediction: drain {node} now, requeue job {incident.job_id} off it at its next completed checkpoint "
+            f"(wait at most {pred.checkpoint_wait_s:g} s)"
+        )
+    mode = policy.mode_for(incident.partition, incident.category)
+    executed = mode == "autonomous" and action != "none" and bool(incident.culprit_node)
+    if executed and incident.confidence < policy.min_confidence:
+        executed = False
+        reasons.append(f"below min_confidence {policy.min_confidence:.2f}: recommendation only")
+    if mode == "monitor":
+        reasons.append(f"mode monitor for partition {incident.partition or '(default)'}: recommendation only")
+    decision = Decision(
+        event_id=decision_id,
+        event_time=now,
+        decision_id=decision_id,
+        incident_id=incident.incident_id,
+        job_id=incident.job_id,
+        partition=incident.partition,
+        category=incident.category,
+        culprit_node=incident.culprit_node,
+        culprit_gpu=incident.culprit_gpu,
+        action=action,
+        mode=mode,
+        executed=executed,
+        rule=rule,
+        reason="; ".join(reasons),
+        first_signal_time=incident.first_signal_time,
+        incident_time=incident.event_time,
+    )
+    if not executed:
+        return decision, None, False
+    act = make_action(decision, incident.incident_id, requested_by="policy", now=now, node_reported_fault=True)
+    return decision, act.model_copy(update={"predicted": True}), migrate
 
 
 def fleet_drain_set(domain_nodes: list[str], failed_nodes: list[str]) -> list[str]:

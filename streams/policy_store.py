@@ -13,7 +13,7 @@ from schemas.vocab import MODES, Mode
 from streams import metrics
 from streams.lineage import RestartHistory
 from streams.modes import ModeState
-from streams.policy import DEFAULT_POLICY, RESTARTS, Policy, PolicyError, decide, load_policy
+from streams.policy import DEFAULT_POLICY, RESTARTS, Policy, PolicyError, decide, decide_predicted, load_policy
 
 log = logging.getLogger("trainmedic.policy")
 
@@ -141,3 +141,19 @@ class PolicyStore:
             # An incident delivered twice decides the same action id: one restart, not two.
             self.restarts.count(incident.job_id, action.action_id, now)
         return decision, action
+
+    def decide_predicted(
+        self, incident: Incident, now: float, checkpoints_known: bool
+    ) -> tuple[Decision, Action | None, bool]:
+        """A predicted incident (streams/policy.py decide_predicted), its restart counted like decide's."""
+        policy = self.policy
+        window_s = policy.restart_budget.window_h * 3600
+        recent = self.restarts.recent(incident.job_id, now, window_s) if incident.job_id else 0
+        decision, action, migrate = decide_predicted(policy, incident, now, checkpoints_known, recent)
+        if action is not None and action.action in RESTARTS and incident.job_id:
+            self.restarts.count(incident.job_id, action.action_id, now)
+        return decision, action, migrate
+
+    def count_restart(self, job_id: str, action_id: str, now: float) -> bool:
+        """A restart policy ordered outside `decide` (a migration's requeue): the budget counts it."""
+        return self.restarts.count(job_id, action_id, now)

@@ -24,9 +24,9 @@ from typing import TypeVar
 
 from bus.consume import read_records
 from schemas.codec import DecodeError, decode
-from schemas.events import Action, Anomaly, Event, Incident, SchedEvent
+from schemas.events import Action, Anomaly, Event, Incident, Migration, SchedEvent
 from schemas.ids import current_cluster
-from schemas.topics import ACTIONS, ANOMALIES, INCIDENTS, SCHED_EVENTS
+from schemas.topics import ACTIONS, ANOMALIES, INCIDENTS, MIGRATIONS, SCHED_EVENTS
 
 log = logging.getLogger("trainmedic.streams.recovery")
 E = TypeVar("E", bound=Event)
@@ -63,6 +63,18 @@ def read_actions(bootstrap: str, since: float) -> list[Action]:
     """The actions published since `since`: the restart budget's floor (streams/app.py reads them
     when its table has recovered)."""
     return _decoded(Action, read_records(bootstrap, ACTIONS.name, since), History())
+
+
+def read_migrations(bootstrap: str, since: float) -> tuple[list[Migration], list[Incident]]:
+    """The migration states published since `since`, and the predicted incidents they began with:
+    the migrations table's floor (streams/app.py reads them when the table has recovered)."""
+    history = History()
+    states = _decoded(Migration, read_records(bootstrap, MIGRATIONS.name, since), history)
+    begun = {m.incident_id for m in states}
+    incidents = [
+        i for i in _decoded(Incident, read_records(bootstrap, INCIDENTS.name, since), history) if i.incident_id in begun
+    ]
+    return states, incidents
 
 
 def read_history(bootstrap: str, now: float, incidents_s: float, sched_s: float) -> History:

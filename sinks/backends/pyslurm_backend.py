@@ -262,6 +262,12 @@ class PyslurmBackend:
         self.job_state(job_id)
         self._call(f"cancel job {job_id}", lambda: self._job(job_id).cancel())
 
+    def signal_job(self, job_id: str, signal: str) -> None:
+        # Not read through pyslurm yet: refused, nothing sent (the migration waits for the job's own save).
+        raise BackendError(
+            f"not signalling job {job_id}: the pyslurm backend does not send signals; use the CLI backend"
+        )
+
     def hold_job(self, job_id: str) -> None:
         job_id = validate_job_id(job_id)
         # A hold only applies to pending jobs; a running one must be requeued held to stop it.

@@ -186,6 +186,14 @@ class SimulatedScheduler:
             self._emit("job", "CANCELLED", self._job_view(job))
             self._schedule(time.time())
 
+    def signal_job(self, job_id: str, signal: str) -> None:
+        self._slow()
+        with self._lock:
+            job = self._job(job_id)
+            if job.state != "RUNNING":
+                raise BackendError(f"simulated: job {job_id} is {job.state}, not signalled")
+            self._called(f"signal {job_id} {signal}")
+
     def hold_job(self, job_id: str) -> None:
         self._slow()
         with self._lock:

@@ -63,6 +63,18 @@ def validate_node_name(node: str) -> str:
     return check_node_name(node)
 
 
+_SIGNAL_RE = re.compile(r"(B:)?(USR[12])")
+
+
+def _user_signal(signal: str) -> tuple[bool, str]:
+    """(batch shell only, signal name) of USR1, USR2, B:USR1 or B:USR2; BackendError for anything else:
+    a signal a job does not handle ends it."""
+    m = _SIGNAL_RE.fullmatch(signal)
+    if m is None:
+        raise BackendError(f"not sending {signal!r}: only USR1, USR2, B:USR1 or B:USR2 ask a job for a checkpoint")
+    return bool(m.group(1)), m.group(2)
+
+
 def validate_job_id(job_id: str) -> str:
     """Return ``job_id`` as a string of digits, else raise ValueError."""
     text = str(job_id) if isinstance(job_id, int) and not isinstance(job_id, bool) else job_id
@@ -222,6 +234,13 @@ class SlurmCliBackend:
         # (checking only afterwards would race with MinJobAge purging it).
         self.job_state(job_id)
         self._run(["scancel", job_id])
+
+    def signal_job(self, job_id: str, signal: str) -> None:
+        job_id = validate_job_id(job_id)
+        batch, name = _user_signal(signal)
+        self.job_state(job_id)  # scancel exits 0 for unknown jobs too
+        # --batch: the batch shell only (sbatch --signal=B:SIG); otherwise the job's steps, scancel's default.
+        self._run(["scancel", f"--signal={name}", *(["--batch"] if batch else []), job_id])
 
     def hold_job(self, job_id: str) -> None:
         job_id = validate_job_id(job_id)

@@ -603,3 +603,142 @@ def test_console_times_carry_date_and_zone(goodput_console: dict[str, Any], tmp_
             page.screenshot(path=str(_artifacts(tmp_path) / "console-times-ist.png"), full_page=True)
         finally:
             browser.close()
+
+
+# --- a pending migration (a predicted failure), and its cancel -------------------------------------------
+
+
+@pytest.fixture
+def migration_console(broker: EmbeddedBroker, chdb_url: str, database: str, tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """The operator API (console included) on an audit holding one predicted incident of job 7001 and its
+    pending migration off gpu03, which the simulated scheduler has drained for it."""
+    from schemas.events import Evidence, Migration
+    from sinks.audit import AuditStore
+    from streams.policy import DEFAULT_POLICY
+    from tests.integration.test_audit import insert_events
+    from trainmedic.stack.broker import free_port
+    from trainmedic.web.api import ApiServer, create_api
+
+    now = time.time()
+    incident = _incident(1).model_copy(
+        update={
+            "incident_id": "inc-pred1",
+            "event_id": "inc-pred1",
+            "job_id": "7001",
+            "culprit_node": "gpu03",
+            "culprit_gpu": 2,
+            "severity": "warning",
+            "kind": "predicted",
+            "evidence": [
+                Evidence(
+                    source="gpu", provenance="gpu", signature="prefailure_row_remap_pending", node="gpu03",
+                    time=now, line="remapped_rows_pending=true", role="root", gpu=2,
+                )
+            ],
+        }
+    )  # fmt: skip
+    waiting = Migration(
+        event_id="migst-1",
+        event_time=now,
+        migration_id="mig-1",
+        incident_id="inc-pred1",
+        decision_id="dec-pred1",
+        job_id="7001",
+        node="gpu03",
+        gpu=2,
+        rule="row_remap_pending",
+        state="waiting",
+        decided_at=now,
+        deadline=now + 3600,
+        checkpoint_before=400,
+        requested_by="policy",
+        detail="gpu03 drained; waiting for a checkpoint beyond 400",
+    )
+    store = AuditStore(chdb_url, database)
+    store.migrate()
+    insert_events(store, [incident, waiting])
+    sched = SimulatedScheduler(["gpu01", "gpu02", "gpu03", "gpu04"])
+    sched.drain_node("gpu03", "trainmedic inc-pred1: gpu_hardware")
+    token = "migration-console-token-0123456789"
+    feed = LiveFeed(broker.bootstrap, group_prefix="trainmedic-console-migration").start()
+    publisher = Publisher(broker.bootstrap, "test-console-api")
+    api = create_api(store, publisher, token, sched, DEFAULT_POLICY, tmp_path / "modes.yaml", feed=feed)
+    server = ApiServer(api, "127.0.0.1", free_port()).start()
+    try:
+        yield {"url": server.url, "token": token, "store": store, "sched": sched, "bootstrap": broker.bootstrap}
+    finally:
+        server.stop()
+        feed.stop()
+        publisher.close()
+        store.close()
+
+
+@pytest.mark.skipif(_browser_missing() is not None, reason=_browser_missing() or "")
+def test_console_shows_a_pending_migration_and_cancels_it(migration_console: dict[str, Any], tmp_path: Path) -> None:
+    from playwright.sync_api import expect, sync_playwright
+
+    from schemas.codec import decode
+    from schemas.events import Migration
+    from schemas.topics import MIGRATIONS
+    from tests.conftest import read_topic
+
+    artifacts = _artifacts(tmp_path)
+    expect.set_options(timeout=60_000)
+    sched = migration_console["sched"]
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 800})
+            console_errors: list[str] = []
+            page.on("console", lambda m: console_errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: console_errors.append(str(e)))
+            page.goto(migration_console["url"] + "/")
+            page.get_by_label("Operator token").fill(migration_console["token"])
+            page.get_by_label("Your name").fill("alice")
+            page.get_by_role("button", name="Sign in").click()
+            expect(page.locator("#conn")).to_have_text("Live")
+            page.get_by_label("Job id").fill("7001")
+            page.get_by_role("button", name="Show timeline").click()
+            row = page.locator("#migrations tbody tr")
+            expect(row).to_have_count(1)
+            expect(row).to_contain_text("gpu03 GPU 2")
+            expect(row).to_contain_text("Pending: node drained")
+            expect(row).to_contain_text("checkpoint 401 or later")
+            page.screenshot(path=str(artifacts / "console-migration-pending.png"), full_page=True)
+            page.get_by_role("button", name="Cancel the migration of job 7001 off gpu03 and resume the node").click()
+            expect(
+                page.get_by_role("status").filter(has_text="Cancelled mig-1 of job 7001: gpu03 resumed")
+            ).to_be_visible()
+            assert not sched.node_state("gpu03").drained
+            records = [decode(Migration, v) for v in read_topic(migration_console["bootstrap"], MIGRATIONS.name, 1.0)]
+            assert [(m.migration_id, m.state, m.requested_by) for m in records] == [("mig-1", "cancelled", "alice")]
+            assert console_errors == []
+        finally:
+            browser.close()
+
+
+def test_the_cli_shows_the_pending_migration_and_cancels_it(migration_console: dict[str, Any]) -> None:
+    """`trainmedic audit job`'s line for the pending migration; `trainmedic migrations cancel` (through the
+    operator API) resumes the node, and a cancel repeated before the audit saw the first resumes nothing."""
+    from typer.testing import CliRunner
+
+    from sinks.audit_queries import job_migrations
+    from trainmedic.cli.audit import migration_line
+    from trainmedic.cli.main import app
+
+    (pending,) = job_migrations(migration_console["store"], "7001")
+    line = migration_line(pending)
+    assert line.startswith(
+        "migration mig-1: PENDING - gpu03 GPU 2 (row_remap_pending) drained, waiting for checkpoint 401"
+    )
+    env = {"TRAINMEDIC_TOKEN": migration_console["token"]}
+    args = ["migrations", "cancel", "7001", "--operator", "bob", "--api", migration_console["url"]]
+    result = CliRunner().invoke(app, [*args, "--comment", "false alarm"], env=env)
+    assert result.exit_code == 0, result.output
+    assert "cancelled mig-1 of job 7001: gpu03 resumed" in result.output
+    sched = migration_console["sched"]
+    assert not sched.node_state("gpu03").drained
+    again = CliRunner().invoke(app, args, env=env)
+    assert again.exit_code == 0, again.output
+    assert "gpu03 is not drained for inc-pred1" in again.output and "left as it is" in again.output
+    assert [c for c in sched.calls if c.startswith("resume")] == ["resume gpu03"]

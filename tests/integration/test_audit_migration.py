@@ -46,12 +46,12 @@ def _events(t0: float) -> list[Event]:
     return events
 
 
-# Columns added by migrations after the layout (009, 010, 012, 014, 017, 018, 022, 023), by table ("*": every
+# Columns added by migrations after the layout (009, 010, 012, 014, 017, 018, 022, 023, 024), by table ("*": every
 # table): absent from the old tables, NULL or their default after.
 ADDED_AFTER_LAYOUT = {
     "*": {"cluster"},
     "sched_events": {"reason_user", "reason_time", "reservation"},
-    "incidents": {"isolate", "job_comment", "domain", "domain_nodes", "domain_failed_nodes", "provenance"},
+    "incidents": {"isolate", "job_comment", "domain", "domain_nodes", "domain_failed_nodes", "provenance", "kind"},
     "anomalies": {"provenance"},
     "node_returns": {"outcome", "check", "check_passed", "detail"},
 }
@@ -103,6 +103,7 @@ def test_migration_keeps_every_row_and_a_second_run_changes_nothing(
             "health_events": [],
             "job_attempts": [],
             "node_commands": [],
+            "migrations": [],
         }
         # Rows from before the cluster name are the default cluster's (migration 010).
         assert store.query("SELECT DISTINCT cluster FROM {db}.incidents") == [{"cluster": "default"}]
@@ -181,6 +182,7 @@ def test_a_failed_migration_leaves_the_old_table_serving(chdb_url: str, database
             "health_events": [],
             "job_attempts": [],
             "node_commands": [],
+            "migrations": [],
         }
     finally:
         store.close()

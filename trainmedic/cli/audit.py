@@ -323,6 +323,19 @@ def _attempt_rows(attempts: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def migration_line(m: dict[str, Any]) -> str:
+    """A migration in one line: a pending one says what it waits for and until when."""
+    where = f"{_show(m['node'])} GPU {_show(m['gpu'])} ({_show(m['rule'])})"
+    before = m["checkpoint_before"]
+    if m["state"] == "waiting":
+        wanted = f"checkpoint {before + 1} or later" if before is not None else "its first completed checkpoint"
+        return (
+            f"migration {_show(m['migration_id'])}: PENDING - {where} drained, waiting for {wanted}, "
+            f"deadline {_show(m['deadline'])} (cancel: trainmedic migrations cancel JOBID)"
+        )
+    return f"migration {_show(m['migration_id'])}: {_show(m['state'])} - {where}: {_show(m['detail'])}"
+
+
 @audit_app.command()
 def job(
     job_id: Annotated[str, typer.Argument(metavar="JOBID", help="Scheduler job id.")],
@@ -344,14 +357,17 @@ def job(
         return
     console = Console()
     for inc in data["incidents"]:
+        kind = "  (predicted)" if inc.get("kind") == "predicted" else ""
         console.print(
-            f"[bold]{_show(inc['incident_id'])}[/]  {_show(inc['category'])}  culprit {_show(inc['culprit_node'])}  "
+            f"[bold]{_show(inc['incident_id'])}[/]{kind}  {_show(inc['category'])}  culprit {_show(inc['culprit_node'])}  "
             f"decision {_show(inc['decision_action'])} ({_show(inc['decision_kind'])})  "
             f"detection {_show(inc['detection_latency_s'])} s  action {_show(inc['action_latency_s'])} s"
         )
     console.print(f"restarts by trainmedic: {_show(data['restarts'])}")
     if data["attempts"]:
         console.print(_table("attempts (lineage across restarts)", _attempt_rows(data["attempts"]), _ATTEMPT_COLUMNS))
+    for m in data["migrations"]:
+        console.print(migration_line(m))
     console.print(
         _table(
             f"job {job_id}: {len(data['timeline'])} event(s)",

@@ -35,6 +35,7 @@ from trainmedic.cli.base import new_app, settings, use_config
 from trainmedic.cli.bench import bench_app
 from trainmedic.cli.config import config_app
 from trainmedic.cli.ingest import ingest_app
+from trainmedic.cli.migrations import migrations_app
 from trainmedic.cli.mode import mode_app
 from trainmedic.cli.nodes import nodes_app
 from trainmedic.cli.policy import policy_app
@@ -327,6 +328,7 @@ def diagnose(
 app.add_typer(recommendations_app, name="recommendations")
 app.add_typer(policy_app, name="policy")
 app.add_typer(nodes_app, name="nodes")
+app.add_typer(migrations_app, name="migrations")
 app.add_typer(mode_app, name="mode")
 app.add_typer(audit_app, name="audit")
 app.add_typer(produce_app, name="produce")

@@ -49,6 +49,7 @@ from streams.policy import (
     with_drain_set,
 )
 from trainmedic.limits import MAX_LOOKBACK_DAYS
+from trainmedic.ops.migrations import CancelRefused, cancel_migration
 from trainmedic.ops.readiness import readiness, verdict_for
 from trainmedic.ops.replay import replay
 from trainmedic.ops.return_to_service import ReturnRefused, return_node
@@ -302,6 +303,10 @@ def create_api(
             {**r, "event_time": r["event_time"].isoformat(), "verdict": decided.get(r["decision_id"])} for r in rows
         ]
 
+    def predicted(incident_id: str) -> bool:
+        rows = store.query("SELECT kind FROM {db}.incidents FINAL WHERE incident_id = {i:String}", {"i": incident_id})
+        return bool(rows) and rows[0]["kind"] == "predicted"
+
     def fleet_action(action: Action) -> Action:
         """An approved fleet drain: the incident's drain set, as policy would have sent it."""
         rows = store.query(
@@ -327,6 +332,9 @@ def create_api(
             action = make_action(d, d.incident_id, requested_by=f"operator:{body.operator}", now=time.time())
             if d.job_id is None and d.culprit_node is None and d.action in DRAINS:
                 action = fleet_action(action)
+            elif d.action in DRAINS and predicted(d.incident_id):
+                # A predicted failure's drain counts against the predictive cap, approved or not.
+                action = action.model_copy(update={"predicted": True})
             publisher.publish(ACTIONS, action)
             if publisher.flush(10):
                 raise HTTPException(status_code=503, detail="Kafka did not confirm the approval; retry")
@@ -504,6 +512,21 @@ def create_api(
         except ReturnRefused as exc:
             raise HTTPException(status_code=exc.status, detail=exc.detail) from None
         return {"node": node, "incident_id": done.incident_id, "status": "resumed", "check": done.verdict.reason}
+
+    @api.post("/api/migrations/{job_id}/cancel", dependencies=auth)
+    def cancel(job_id: str, body: ResumeBody) -> dict[str, Any]:
+        """Cancel a job's pending checkpoint-aligned migration; the node it drained is resumed."""
+        try:
+            done = cancel_migration(backend, store, publisher, job_id, body.operator, body.comment)
+        except CancelRefused as exc:
+            raise HTTPException(status_code=exc.status, detail=exc.detail) from None
+        return {
+            "job_id": job_id,
+            "migration_id": done.migration_id,
+            "node": done.node,
+            "resumed": done.resumed,
+            "detail": done.detail,
+        }
 
     # The Recovery Console: its page, its live event stream and the reads it needs.
     api.include_router(

@@ -943,6 +943,45 @@
     table.hidden = attempts.length === 0;
   }
 
+  function renderMigrations(jobId, migrations) {
+    const table = $("migrations");
+    const tbody = table.tBodies[0];
+    tbody.replaceChildren();
+    for (const m of migrations) {
+      const tr = tbody.insertRow();
+      rowHeader(tr, `${m.node} GPU ${m.gpu ?? "?"}`);
+      const state = tr.insertCell();
+      state.append(text("span", m.state === "waiting" ? "Pending: node drained" : m.state));
+      state.append(text("span", m.detail, "why"));
+      const wanted = m.checkpoint_before === null || m.checkpoint_before === undefined
+        ? "its first completed checkpoint"
+        : `checkpoint ${m.checkpoint_before + 1} or later`;
+      tr.insertCell().textContent = m.state === "waiting" ? wanted : (m.checkpoint_step ?? "\u2014");
+      tr.insertCell().appendChild(timeEl(toSeconds(m.deadline)));
+      const cell = tr.insertCell();
+      if (m.state !== "waiting") continue;
+      const b = text("button", "Cancel migration");
+      b.type = "button";
+      b.setAttribute("aria-label", `Cancel the migration of job ${jobId} off ${m.node} and resume the node`);
+      b.addEventListener("click", () => cancelMigration(jobId, cell));
+      cell.append(b);
+    }
+    table.hidden = migrations.length === 0;
+  }
+
+  async function cancelMigration(jobId, cell) {
+    if (!operator) return askName("Enter your name: it is recorded with the cancel.");
+    setBusy(cell, true);
+    notice(`Cancelling the migration of job ${jobId}\u2026`);
+    const body = { operator, comment: "cancelled in the console" };
+    const r = await api(`/api/migrations/${encodeURIComponent(jobId)}/cancel`, { method: "POST", body });
+    if (r.status === 401) return;
+    setBusy(cell, false);
+    if (r.status !== 200) return notice(`The migration of job ${jobId} was not cancelled (${r.status}): ${detail(r)}`);
+    notice(`Cancelled ${r.body.migration_id} of job ${jobId}: ${r.body.detail}`);
+    loadTimeline(jobId, false);
+  }
+
   async function loadTimeline(jobId, focus) {
     if (!jobId) return;
     timelineJob = jobId;
@@ -953,12 +992,14 @@
     if (r.status === 404) {
       table.hidden = true;
       $("attempts").hidden = true;
+      $("migrations").hidden = true;
       summary.textContent = `Nothing recorded for job ${jobId}.`;
       return;
     }
     if (r.status !== 200) {
       table.hidden = true;
       $("attempts").hidden = true;
+      $("migrations").hidden = true;
       summary.textContent = `The timeline of job ${jobId} could not be loaded (${r.status}): ${detail(r)}`;
       return;
     }
@@ -968,6 +1009,7 @@
       `Job ${t.job_id}: ${t.incidents.length} incident(s), ${t.restarts} restart(s), ` +
       `${attempts.length} attempt(s), ${t.timeline.length} events.`;
     renderAttempts(attempts);
+    renderMigrations(t.job_id, t.migrations || []);
     const tbody = table.tBodies[0];
     tbody.replaceChildren();
     for (const item of t.timeline) {
