@@ -50,6 +50,14 @@ DETECTION_S = 30.0
 BASES = ("repair hand-off", "failure followed", "returned healthy", "no failure in window", "pending")
 # A join with no match gives the other side's defaults (0, ''), which the conditions read as "none".
 SETTINGS = " SETTINGS join_use_nulls = 0"
+# Every read's cluster filter, `{in_cluster}` in the SQL: one cluster's rows, or every cluster's
+# (`every`: trainmedic audit --all-clusters).
+_IN_CLUSTER = "({every:Bool} OR cluster = {c:String})"
+
+
+def _query(store: AuditStore, sql: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+    return store.query(sql.replace("{in_cluster}", _IN_CLUSTER), params)
+
 
 _CHILD = f"event_time >= fromUnixTimestamp64Milli({{t:Int64}} - {CHILD_SKEW_S * 1000})"
 # The predicted incidents of the window, and the verdict each belongs to.
@@ -57,10 +65,10 @@ _PREDICTED = (
     "SELECT incident_id, culprit_node AS node, category, "
     "replaceOne(JSONExtractString(evidence, 1, 'signature'), 'prefailure_', '') AS rule, "
     "toUnixTimestamp64Milli(first_signal_time) AS first_ms, toUnixTimestamp64Milli(event_time) AS ms "
-    "FROM {db}.incidents FINAL WHERE kind = 'predicted' AND culprit_node != '' AND cluster = {c:String} "
+    "FROM {db}.incidents FINAL WHERE kind = 'predicted' AND culprit_node != '' AND {in_cluster} "
     "AND event_time >= fromUnixTimestamp64Milli({t:Int64})"
 )
-_IDS = "SELECT incident_id FROM {db}.incidents FINAL WHERE kind = 'predicted' AND cluster = {c:String} AND " + (
+_IDS = "SELECT incident_id FROM {db}.incidents FINAL WHERE kind = 'predicted' AND {in_cluster} AND " + (
     "event_time >= fromUnixTimestamp64Milli({t:Int64})"
 )
 
@@ -69,7 +77,7 @@ def fates_sql() -> str:
     """One row per verdict of the window: node, category, rule, first_ms, ms (its first incident), ids
     (its incidents), fate (true, false, pending) and basis. Parameters: t (window start, ms), now (ms),
     window (ms), c (cluster). The statement reading it ends with `SETTINGS`."""
-    child = f"{_CHILD} AND cluster = {{c:String}} AND incident_id IN ({_IDS})"
+    child = f"{_CHILD} AND {{in_cluster}} AND incident_id IN ({_IDS})"
     per_incident = (
         "SELECT p.*, "
         f"p.incident_id IN (SELECT incident_id FROM {{db}}.approvals FINAL WHERE {child} "
@@ -91,7 +99,7 @@ def fates_sql() -> str:
     failures = (
         "SELECT culprit_node AS node, category, toUnixTimestamp64Milli(event_time) AS ms FROM {db}.incidents FINAL "
         "WHERE kind = 'reactive' AND severity IN ('error', 'critical') AND culprit_node != '' "
-        "AND cluster = {c:String} AND event_time >= fromUnixTimestamp64Milli({t:Int64})"
+        "AND {in_cluster} AND event_time >= fromUnixTimestamp64Milli({t:Int64})"
     )
     followed = (
         "SELECT v.node AS node, v.category AS category, v.rule AS rule, v.first_ms AS first_ms, any(v.ms) AS ms, "
@@ -110,27 +118,36 @@ def fates_sql() -> str:
     )
 
 
-def _params(since_s: float, now: float, window_s: float, cluster: str) -> dict[str, Any]:
-    return {"t": int(since_s * 1000), "now": int(now * 1000), "window": int(window_s * 1000), "c": cluster}
+def _params(since_s: float, now: float, window_s: float, cluster: str | None) -> dict[str, Any]:
+    """Query parameters; cluster None: every cluster."""
+    return {
+        "t": int(since_s * 1000),
+        "now": int(now * 1000),
+        "window": int(window_s * 1000),
+        "c": cluster or "",
+        "every": cluster is None,
+    }
 
 
 def prediction_fates(
-    store: AuditStore, since_s: float, window_s: float, cluster: str, now: float | None = None
+    store: AuditStore, since_s: float, window_s: float, cluster: str | None, now: float | None = None
 ) -> list[dict[str, Any]]:
     """Each verdict of the window with its fate, oldest first (`fates_sql`)."""
     now = time.time() if now is None else now
-    return store.query(
+    return _query(
+        store,
         f"SELECT node, category, rule, ms, ids, fate, basis FROM ({fates_sql()}) ORDER BY ms, node, rule{SETTINGS}",
         _params(since_s, now, window_s, cluster),
     )
 
 
 def prediction_tallies(
-    store: AuditStore, since_s: float, window_s: float, cluster: str, now: float | None = None
+    store: AuditStore, since_s: float, window_s: float, cluster: str | None, now: float | None = None
 ) -> list[dict[str, Any]]:
     """Per rule: predictions (verdicts), true, false, pending, and how many of each basis."""
     now = time.time() if now is None else now
-    return store.query(
+    return _query(
+        store,
         "SELECT rule, count() AS predictions, countIf(fate = 'true') AS true_, countIf(fate = 'false') AS false_, "
         "countIf(fate = 'pending') AS pending, sumMap([basis], [toUInt64(1)]) AS bases "
         f"FROM ({fates_sql()}) GROUP BY rule ORDER BY rule{SETTINGS}",
@@ -142,7 +159,7 @@ def migration_goodput(
     store: AuditStore,
     since_s: float | None,
     window_s: float,
-    cluster: str,
+    cluster: str | None,
     job: str | None = None,
     now: float | None = None,
 ) -> dict[str, Any]:
@@ -156,7 +173,8 @@ def migration_goodput(
     if job is not None:
         job_where = " AND job_id = {job:String}"
         params["job"] = job
-    rows = store.query(
+    rows = _query(
+        store,
         "SELECT m.migration_id AS migration_id, m.job AS job_id, m.node AS node, m.rule AS rule, "
         "m.decided_at AS decided_at, m.requeued_at AS requeued_at, m.checkpoint_before AS checkpoint_before, "
         "m.checkpoint_step AS checkpoint_step, toUInt32(length(i.job_nodes)) * {gpn:UInt32} AS gpus, "
@@ -165,10 +183,10 @@ def migration_goodput(
         "FROM (SELECT migration_id, any(incident_id) AS incident_id, any(job_id) AS job, any(node) AS node, "
         "any(rule) AS rule, min(decided_at) AS decided_at, minIf(event_time, state = 'requeued') AS requeued_at, "
         "any(checkpoint_before) AS checkpoint_before, maxIf(checkpoint_step, state = 'requeued') AS checkpoint_step "
-        "FROM {db}.migrations FINAL WHERE cluster = {c:String} AND event_time >= fromUnixTimestamp64Milli({t:Int64})"
+        "FROM {db}.migrations FINAL WHERE {in_cluster} AND event_time >= fromUnixTimestamp64Milli({t:Int64})"
         f"{job_where} GROUP BY migration_id HAVING countIf(state = 'requeued') > 0) AS m "
-        "LEFT JOIN (SELECT incident_id, job_nodes FROM {db}.incidents FINAL WHERE cluster = {c:String} "
-        "AND incident_id IN (SELECT incident_id FROM {db}.migrations FINAL WHERE cluster = {c:String} "
+        "LEFT JOIN (SELECT incident_id, job_nodes FROM {db}.incidents FINAL WHERE {in_cluster} "
+        "AND incident_id IN (SELECT incident_id FROM {db}.migrations FINAL WHERE {in_cluster} "
         "AND event_time >= fromUnixTimestamp64Milli({t:Int64}))) AS i ON i.incident_id = m.incident_id "
         f"ORDER BY requeued_at{SETTINGS}",
         params,
@@ -195,8 +213,9 @@ def migration_goodput(
 
 def _false_drains(store: AuditStore, params: dict[str, Any]) -> list[dict[str, Any]]:
     """Predictions counted false that drained their node: how long the node was out for them."""
-    child = f"{_CHILD} AND cluster = {{c:String}} AND incident_id IN ({_IDS})"
-    return store.query(
+    child = f"{_CHILD} AND {{in_cluster}} AND incident_id IN ({_IDS})"
+    return _query(
+        store,
         "SELECT v.node AS node, v.rule AS rule, v.first_ms AS first_ms, any(v.basis) AS basis, "
         "min(d.at_ms) AS drained_ms, "
         "minIf(r.at_ms, r.at_ms >= d.at_ms) AS returned_ms, "
