@@ -29,8 +29,8 @@ so none gives a better one; readiness's scores are what will.
 loses the work since the last checkpoint, the detection time and one restart; a migration at a
 checkpoint loses one restart only. So a migration that reached `requeued` saved
 gpus x (work since the previous checkpoint + detection). The audit has no time of the job's previous
-checkpoint, but that checkpoint was written before the verdict (`checkpoint_before`), so the work from
-the verdict to the requeue is the part we know of: a lower bound. Detection is the model's
+checkpoint, but that checkpoint was written before the migration was decided (`checkpoint_before`), so
+the work from the decision to the requeue is the part we know of: a lower bound. Detection is the model's
 `detection_s` (30 s: trainmedic's reactive path as the repeat-fault benchmark measured it). The cost of
 false predictions: the node-hours a predictive drain held a node whose prediction counted false.
 """
@@ -191,7 +191,7 @@ def migration_goodput(
         f"ORDER BY requeued_at{SETTINGS}",
         params,
     )
-    drains = _false_drains(store, params)
+    drains = _false_drains(store, params, job_where)
     return {
         "migrations_requeued": len(rows),
         "gpu_hours_saved": sum(float(r["gpu_hours_saved"]) for r in rows),
@@ -200,10 +200,10 @@ def migration_goodput(
         "migrations": rows,
         "false_drains": drains,
         "assumptions": {
-            "saved": "per migration that reached requeued: gpus x (work from the verdict to the requeue + "
+            "saved": "per migration that reached requeued: gpus x (work from the decision to the requeue + "
             f"detection {DETECTION_S:g} s) / 3600, as bench/predictive.py counts a reactive fault's loss less a "
             "migration's (the restart is in both); a lower bound: the work between the previous checkpoint and "
-            "the verdict is not in the audit",
+            "the decision is not in the audit",
             "false_drain": "per prediction counted false whose predictive drain was done: its node drained (the "
             "drain verified) until it returned to service",
             "window_s": window_s,
@@ -211,8 +211,9 @@ def migration_goodput(
     }
 
 
-def _false_drains(store: AuditStore, params: dict[str, Any]) -> list[dict[str, Any]]:
-    """Predictions counted false that drained their node: how long the node was out for them."""
+def _false_drains(store: AuditStore, params: dict[str, Any], job_where: str = "") -> list[dict[str, Any]]:
+    """Predictions counted false that drained their node (for the job of `job_where`, if any): how long
+    the node was out for them."""
     child = f"{_CHILD} AND {{in_cluster}} AND incident_id IN ({_IDS})"
     return _query(
         store,
@@ -223,7 +224,8 @@ def _false_drains(store: AuditStore, params: dict[str, Any]) -> list[dict[str, A
         "FROM (SELECT node, rule, first_ms, basis, arrayJoin(ids) AS incident_id "
         f"FROM ({fates_sql()}) WHERE fate = 'false') AS v "
         "INNER JOIN (SELECT incident_id, toUnixTimestamp64Milli(coalesce(verified_at, event_time)) AS at_ms "
-        f"FROM {{db}}.action_results FINAL WHERE {child} AND status = 'done' AND startsWith(action, 'drain')) AS d "
+        f"FROM {{db}}.action_results FINAL WHERE {child} AND status = 'done' AND startsWith(action, 'drain')"
+        f"{job_where}) AS d "
         "ON d.incident_id = v.incident_id "
         "LEFT JOIN (SELECT assumeNotNull(incident_id) AS incident_id, toUnixTimestamp64Milli(event_time) AS at_ms "
         f"FROM {{db}}.node_returns FINAL WHERE {child} AND (ifNull(check_passed, false) OR outcome = 'resumed')) AS r "

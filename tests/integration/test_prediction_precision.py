@@ -285,8 +285,14 @@ def test_goodput_saved_by_migration_and_false_drains(store: AuditStore) -> None:
     # gpu02's drain, verified 10 s after its incident, held it until it returned 2 h after the incident.
     assert g["false_predictions_drained"] == 1
     assert g["false_drain_node_hours"] == pytest.approx((2 * HOUR - 10) / 3600)
+    # One cluster's rows, or every cluster's (None).
+    assert migration_goodput(store, None, WINDOW_S, "another", now=NOW)["migrations_requeued"] == 0
+    assert migration_goodput(store, None, WINDOW_S, None, now=NOW)["false_predictions_drained"] == 1
     # The job filter.
-    assert migration_goodput(store, None, WINDOW_S, current_cluster(), job="j-p-fell", now=NOW)["migrations"] == []
+    fell = migration_goodput(store, None, WINDOW_S, current_cluster(), job="j-p-fell", now=NOW)
+    assert fell["migrations"] == [] and fell["false_drains"] == []
+    healthy = migration_goodput(store, None, WINDOW_S, current_cluster(), job="j-p-healthy", now=NOW)
+    assert healthy["migrations"] == [] and [d["node"] for d in healthy["false_drains"]] == ["gpu02"]
 
 
 def test_cli_goodput_shows_saved_by_migration(store: AuditStore, chdb_url: str) -> None:
