@@ -28,6 +28,7 @@ from schemas.printable import printable
 from schemas.vocab import CATEGORIES
 from sinks import audit_queries as q
 from sinks.audit import AuditStore, ChdbFolderLocked, chdb_folder
+from sinks.prediction_audit import DETECTION_S, migration_goodput
 from trainmedic.cli.base import new_app, settings
 from trainmedic.limits import bounded_since
 from trainmedic.settings import audit_layout, clickhouse_dsn
@@ -529,6 +530,33 @@ def _goodput_job_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _print_saved(console: Console, saved: dict[str, Any]) -> None:
+    """Saved by migration, beside the GPU-hours lost (sinks/prediction_audit.py)."""
+    console.print(
+        f"saved by migration: {saved['gpu_hours_saved']:.1f} GPU-hours in {saved['migrations_requeued']} "
+        "migration(s) requeued at a checkpoint (at least: the job's GPUs x (the work from the decision to the requeue + "
+        f"{DETECTION_S:g} s detection)); predictive drains of predictions counted false: "
+        f"{saved['false_drain_node_hours']:.1f} node-hours on {saved['false_predictions_drained']} node(s)"
+    )
+    if saved["migrations"]:
+        console.print(
+            _table(
+                "migrations requeued at a checkpoint",
+                [{**m, "saved": f"{m['gpu_hours_saved']:.2f}"} for m in saved["migrations"]],
+                (
+                    ("job_id", "job"),
+                    ("node", "off node"),
+                    ("rule", "rule"),
+                    ("decided_at", "decided (UTC)"),
+                    ("requeued_at", "requeued (UTC)"),
+                    ("checkpoint_step", "at checkpoint"),
+                    ("gpus", "GPUs"),
+                    ("saved", "GPU-h saved"),
+                ),
+            )
+        )
+
+
 @audit_app.command()
 def goodput(
     since: Since = timedelta(days=7),
@@ -536,17 +564,26 @@ def goodput(
     limit: Annotated[int, typer.Option(min=1, help="At most this many jobs and incidents listed.")] = 20,
     cluster: ClusterOpt = None,
     all_clusters: AllClusters = False,
+    policy: Annotated[
+        Optional[Path],
+        typer.Option(help="Policy whose readiness.expire_after_h scores predictions (default: the built-in one)."),
+    ] = None,
     data_dir: DataDir = Path("var"),
     clickhouse: ClickHouse = None,
     database: Database = "trainmedic",
     as_json: AsJson = False,
 ) -> None:
     """GPU-hours lost per outage (fault -> running again, each outage once, only incidents that stopped
-    their job), time to detect / act / recover, and each job's effective training time across its
-    restarts (docs/audit.md, "Goodput")."""
+    their job), time to detect / act / recover, each job's effective training time across its
+    restarts, and what checkpoint-aligned migrations saved (docs/audit.md, "Goodput")."""
+    from streams.policy import load_policy
+
     scope = _cluster(cluster, all_clusters)
+    window_s = load_policy(policy).readiness.expire_after_h * 3600
     with _store(data_dir, clickhouse, database) as store:
         data = q.goodput(store, since=since, job=job, limit=limit, cluster=scope)
+        since_s = None if since is None else datetime.now().timestamp() - since.total_seconds()
+        data["saved_by_migration"] = migration_goodput(store, since_s, window_s, scope, job=job)
     if as_json:
         _print_json(data)
         return
@@ -568,6 +605,7 @@ def goodput(
         )
         + (f", {f['incidents_no_job']} without a job" if f["incidents_no_job"] else "")
     )
+    _print_saved(console, data["saved_by_migration"])
     ratio = f["effective_ratio"]
     console.print(
         f"{f['jobs']} job(s), {f['restarts'] or 0} restart(s); effective training time "

@@ -19,6 +19,9 @@ from trainmedic.cli.audit import ClickHouse, Database
 from trainmedic.cli.base import AsJson, DataDir, running_api, since_days
 from trainmedic.cli.client import call
 
+#: trainmedic.ops.readiness.PREDICTED_PREFIX (not imported: the command reads the API's answer as well).
+PREDICTED_PREFIX = "predicted: "
+
 
 def readiness_cmd(
     since: Annotated[str, typer.Option(help="History to score: 30d, 7d, 24h.")] = "30d",
@@ -47,6 +50,8 @@ def readiness_cmd(
     if as_json:
         typer.echo(json.dumps(rows, indent=2, default=str))
         return
+    predictions = [r for r in rows if r["category"].startswith(PREDICTED_PREFIX)]
+    rows = [r for r in rows if not r["category"].startswith(PREDICTED_PREFIX)]
     typer.echo(
         f"{'category':13} {'partition':10} {'recs':>5} {'appr':>5} {'rej':>4} {'conf':>5} {'exp':>4} "
         f"{'prec':>5} {'miss':>5} {'det p50':>8} {'act p50':>8}  verdict"
@@ -60,5 +65,22 @@ def readiness_cmd(
             f"{r['category']:13} {r['partition'] or '*':10} {r['recommendations']:5} {r['approved']:5} "
             f"{r['rejected']:4} {r['confirmed']:5} {r['expired']:4} {prec:>5} {r['misses']:5} {det:>8} "
             f"{act:>8}  {r['verdict']}{why}"
+        )
+        typer.echo(printable(line))
+    if predictions:
+        _print_predictions(predictions)
+
+
+def _print_predictions(rows: list[dict[str, Any]]) -> None:
+    """Predictions per pre-failure rule, scored by the facts (docs/prediction.md, "Precision")."""
+    typer.echo("")
+    typer.echo(f"{'predicted (rule)':28} {'preds':>5} {'true':>5} {'false':>5} {'pend':>5} {'prec':>5}  verdict; why")
+    for r in rows:
+        prec = "-" if r["precision"] is None else f"{r['precision']:.0%}"
+        why = f" ({'; '.join(r['missing'])})" if r["missing"] else ""
+        bases = ", ".join(f"{n} {b}" for b, n in sorted(r["bases"].items()))
+        line = (
+            f"{r['category'].removeprefix(PREDICTED_PREFIX):28} {r['recommendations']:5} {r['confirmed']:5} "
+            f"{r['refuted']:5} {r['open']:5} {prec:>5}  {r['verdict']}{why}; {bases}"
         )
         typer.echo(printable(line))

@@ -15,6 +15,13 @@ MAINT reservation (the Slurm producer flags it MAINTENANCE), or a drain reason
 matching the maintenance patterns (shell globs, case-insensitive; the policy's
 ``readiness.maintenance_reasons``). One drain (node, reason) counts once, however
 many node events it makes while it lasts.
+
+Predictions (issue 44) are scored apart, one row per pre-failure rule (category
+``predicted: RULE``, every partition together), from the facts, since a migrated GPU no
+longer gets the chance to fail: true when the repair hand-off finds the fault or the
+failure follows, false when the node returns healthy or, left unacted in monitor mode,
+the window (``expire_after_h``) passes without the failure (sinks/prediction_audit.py).
+Their precision is true / (true + false); a reactive category's rows never count them.
 """
 
 from __future__ import annotations
@@ -28,9 +35,12 @@ from schemas.ids import current_cluster
 from schemas.vocab import CATEGORIES, NEVER_ACTS
 from sinks.audit import AuditStore
 from sinks.audit_queries import CHILD_SKEW_S, summary_sql
+from sinks.prediction_audit import prediction_tallies
 from streams.policy import Policy, ReadinessSettings
 
 MISS_LOOKBACK_S = 3600.0
+#: The category of a rule's prediction scores: "predicted: row_remap_pending".
+PREDICTED_PREFIX = "predicted: "
 #: Drain reasons of planned work, not faults: the policy's default.
 DEFAULT_MAINTENANCE_REASONS = tuple(ReadinessSettings().maintenance_reasons)
 
@@ -54,7 +64,9 @@ class Score:
     rejected: int = 0
     confirmed: int = 0
     expired: int = 0
-    open: int = 0
+    open: int = 0  # a prediction's: pending
+    refuted: int = 0  # predictions only: counted false
+    bases: dict[str, int] = field(default_factory=dict)  # predictions only: the facts behind their fates
     misses: int = 0
     detection_p50_s: float | None = None
     action_p50_s: float | None = None
@@ -64,7 +76,7 @@ class Score:
 
     @property
     def decided(self) -> int:
-        return self.approved + self.rejected + self.confirmed
+        return self.approved + self.rejected + self.confirmed + self.refuted
 
     @property
     def precision(self) -> float | None:
@@ -79,9 +91,11 @@ class Score:
         return f"{self.verdict}{why}: {self.decided} decided, precision {p}"
 
 
-# Incidents whose decision was a recommendation, from the window's decisions (time sort key).
+# Reactive incidents whose decision was a recommendation, from the window's decisions (time sort
+# key). Predicted incidents are scored apart (sinks/prediction_audit.py): an operator's answer to a
+# prediction says nothing of whether the GPU would have failed.
 _RECOMMENDED = (
-    "incident_id IN (SELECT incident_id FROM {db}.decisions FINAL WHERE kind = 'recommendation' "
+    "kind = 'reactive' AND incident_id IN (SELECT incident_id FROM {db}.decisions FINAL WHERE kind = 'recommendation' "
     # This cluster's only: clusters may share the audit, and readiness gates this cluster's autonomy.
     "AND cluster = {c:String} "
     f"AND event_time >= fromUnixTimestamp64Milli({{t:Int64}} - {CHILD_SKEW_S * 1000}))"
@@ -96,7 +110,7 @@ _CONFIRMED = (
     f"AND cluster = {{c:String}} AND job_id != '' AND culprit_node != '' AND {_RECOMMENDED}) AS r "
     "INNER JOIN (SELECT job_id, culprit_node, toUnixTimestamp64Milli(event_time) AS ms "
     "FROM {db}.incidents FINAL WHERE event_time >= fromUnixTimestamp64Milli({t:Int64}) "
-    "AND cluster = {c:String} AND job_id != '' AND culprit_node != '') AS l "
+    "AND cluster = {c:String} AND job_id != '' AND culprit_node != '' AND kind = 'reactive') AS l "
     "ON l.job_id = r.job_id AND l.culprit_node = r.culprit_node "
     "WHERE l.ms > r.ms AND l.ms <= r.ms + {expire:Int64}"
 )
@@ -195,6 +209,19 @@ def readiness(store: AuditStore, policy: Policy, since_s: float, now: float | No
         misses = _misses(store, since_s, maintenance_reasons(policy))
     except Exception:  # no scheduler events recorded (no Slurm producer running): misses unknown
         misses = {}
+    window_s = policy.readiness.expire_after_h * 3600
+    for row in prediction_tallies(store, since_s, window_s, current_cluster(), now):
+        keys, counts = row["bases"]
+        cat = f"{PREDICTED_PREFIX}{row['rule']}"
+        scores[(cat, None)] = Score(
+            cat,
+            None,
+            recommendations=int(row["predictions"]),
+            confirmed=int(row["true_"]),
+            refuted=int(row["false_"]),
+            open=int(row["pending"]),
+            bases={str(k): int(n) for k, n in zip(keys, counts, strict=True)},
+        )
     for s in scores.values():
         if s.partition is not None:
             s.misses = misses.get(s.partition, 0)

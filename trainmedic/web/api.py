@@ -40,6 +40,7 @@ from streams.modes import apply_change
 from streams.policy import (
     Policy,
     PolicyError,
+    ReadinessSettings,
     ReturnToService,
     fleet_drain_set,
     load_overlay,
@@ -282,6 +283,12 @@ def create_api(
         if state.policy is None:
             raise no_policy(state)
         return state.policy, state
+
+    def prediction_window_s() -> float:
+        """The window that scores predictions (readiness.expire_after_h): the policy in force, else the default."""
+        state = policies.reload()
+        settings = state.policy.readiness if state.policy is not None else ReadinessSettings()
+        return settings.expire_after_h * 3600
 
     @api.get("/api/health", response_model=None)
     def get_health() -> dict[str, Any] | JSONResponse:
@@ -537,6 +544,7 @@ def create_api(
             stack_health,
             bootstrap=getattr(publisher, "bootstrap", None),
             audit_problem=audit_problem,
+            prediction_window_s=prediction_window_s,
         )
     )
     return api

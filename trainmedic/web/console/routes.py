@@ -3,7 +3,8 @@ and the read endpoints the page needs. Mounted into the operator API
 (trainmedic/web/api.py), in the process that owns the audit store.
 
 GET /api/goodput serves the goodput panel (GPU-hours lost per incident, time to detect / act /
-recover, each job's effective training time: docs/audit.md "Goodput").
+recover, each job's effective training time: docs/audit.md "Goodput"; and saved by migration:
+sinks/prediction_audit.py).
 
 The page also calls endpoints the API already has: GET /api/nodes, GET
 /api/modes and POST /api/recommendations/{id}/approve|reject (the same path as
@@ -240,10 +241,13 @@ def console_router(
     static_dir: Path = STATIC_DIR,
     bootstrap: str | None = None,
     audit_problem: Callable[[], str | None] | None = None,
+    prediction_window_s: Callable[[], float] | None = None,
 ) -> APIRouter:
     """The console's routes: include with `api.include_router(console_router(store, token, feed))`.
     `audit_problem`: why the audit is behind (its inserts failing), None while it is current; the
-    routes that read the audit answer 503 (audit_behind) while it says something."""
+    routes that read the audit answer 503 (audit_behind) while it says something.
+    `prediction_window_s`: the policy's readiness.expire_after_h in seconds, read per request (the
+    window that scores predictions, sinks/prediction_audit.py); None: the built-in policy's."""
     router = APIRouter()
     files = _static_files(static_dir)
     # The console only reads: the operator's and the viewer's token both open it. Approve
@@ -391,7 +395,16 @@ def console_router(
     ) -> dict[str, Any]:
         """Goodput of the window (sinks/audit_queries.py goodput): fleet totals, the worst jobs, the incidents."""
         window = _since(since)
-        result: dict[str, Any] = _jsonable(_audit_queries().goodput(store, since=window, job=job, limit=limit))
+        out = _audit_queries().goodput(store, since=window, job=job, limit=limit)
+        from sinks.prediction_audit import migration_goodput
+        from streams.policy import ReadinessSettings
+
+        hours = ReadinessSettings().expire_after_h
+        window_s = prediction_window_s() if prediction_window_s is not None else hours * 3600
+        out["saved_by_migration"] = migration_goodput(
+            store, time.time() - window.total_seconds(), window_s, None, job=job
+        )
+        result: dict[str, Any] = _jsonable(out)
         result["since"] = since
         return result
 

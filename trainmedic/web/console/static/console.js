@@ -864,6 +864,13 @@
     const parts = [
       `${f.incidents} incident(s): ${fmtNum(f.gpu_hours_lost, 1)} GPU-hours lost in ${f.outages} outage(s) (fault to running again, overlapping ones charged once, ${gpn} GPUs per node)`,
     ];
+    const saved = r.body.saved_by_migration;
+    if (saved && (saved.migrations_requeued || saved.false_predictions_drained)) {
+      parts.push(
+        `${fmtNum(saved.gpu_hours_saved, 1)} GPU-hours saved by migration (at least; ${saved.migrations_requeued} job(s) moved at a checkpoint), ` +
+          `${fmtNum(saved.false_drain_node_hours, 1)} node-hours drained for ${saved.false_predictions_drained} false prediction(s)`,
+      );
+    }
     if (f.incidents_not_running_again) parts.push(`${f.incidents_not_running_again} not running again (not counted)`);
     if (f.incidents_kept_running) parts.push(`${f.incidents_kept_running} did not stop their job (0)`);
     parts.push(
