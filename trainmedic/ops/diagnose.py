@@ -72,7 +72,7 @@ from schemas.vocab import SEVERITY_RANK
 from streams.attribution import Attributor
 from streams.catalog import Signature
 from streams.causal import tier
-from streams.detectors.divergence import DivergenceDetector, DivergenceSettings
+from streams.detectors.divergence import UNRESOLVED_KINDS, DivergenceDetector, DivergenceSettings
 from streams.detectors.error_lines import ErrorLine, ErrorLineReader
 from streams.detectors.hang import MEANING_DUMP, HangDetector, parked_threads
 from streams.detectors.kernel_text import KernelTextDetector
@@ -726,7 +726,7 @@ def _healthy_explanation(
 
 
 # Findings of the progress detectors that need a person: the numbers are wrong, with no known cause.
-_NUMBERS_ONLY = frozenset({"throughput_drop", "throughput_drop_small", "loss_spike_unresolved"})
+_NUMBERS_ONLY = frozenset({"throughput_drop", "throughput_drop_small"}) | UNRESOLVED_KINDS
 
 
 def _unknown_crash(ln: _Line) -> Anomaly:
