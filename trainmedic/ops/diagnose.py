@@ -726,7 +726,7 @@ def _healthy_explanation(
 
 
 # Findings of the progress detectors that need a person: the numbers are wrong, with no known cause.
-_NUMBERS_ONLY = frozenset({"throughput_drop", "throughput_drop_small"}) | UNRESOLVED_KINDS
+_NUMBERS_ONLY = frozenset({"throughput_drop", "throughput_drop_small", "throughput_decline"}) | UNRESOLVED_KINDS
 
 
 def _unknown_crash(ln: _Line) -> Anomaly:
