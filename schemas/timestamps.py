@@ -84,6 +84,9 @@ _GLOG = re.compile(rf"\[?[IWEF](?P<mo>[0-9]{{1,2}})(?P<d>[0-9]{{2}}) {_HMS}(?:\.
 _EPOCH = re.compile(r"\[?(?P<sec>1[0-9]{9})(?:\.(?P<frac>[0-9]{1,9}))?\]?(?![0-9-])")
 # Slurm's own end-of-step line puts its ISO time mid-line.
 _SLURM_AT = re.compile(r"\b(?:CANCELLED|FAILED|PREEMPTED) AT (?=[0-9]{4}-[0-9]{2}-[0-9]{2}T)")
+# Megatron's print_datetime: '[after training is done] datetime: 2025-12-03 14:45:03' (its label can
+# push the stamp past SEARCH_CHARS; megatron/training/training.py, print_datetime).
+_MEGATRON_DATETIME = re.compile(r"^\[[^\]]{1,80}\] datetime: (?=[0-9]{4}-[0-9]{2}-[0-9]{2} )")
 
 # match_prefix's forms, anchored, with the separator a writer puts after them. Syslog, journald
 # and dmesg write ISO stamps with a 'T': a line starting '2024-05-01 10:00:00,123 ' is some
@@ -186,10 +189,11 @@ def _stamp(m: re.Match[str]) -> Stamp | None:
 def parse_stamp(line: str) -> Stamp | None:
     """The timestamp near the start of a log line (the first `SEARCH_CHARS` characters), or None.
 
-    Slurm's "CANCELLED AT <ISO>" step line is read at its stamp. Kernel uptime stamps are no wall
+    Slurm's "CANCELLED AT <ISO>" step line and Megatron's "[label] datetime: <date time>" line are
+    read at their stamp. Kernel uptime stamps are no wall
     clock and not read here (`match_uptime`)."""
     head = line[:SEARCH_CHARS]
-    at = _SLURM_AT.search(line)
+    at = _SLURM_AT.search(line) or _MEGATRON_DATETIME.match(line)
     if at is not None:
         head = line[at.end() : at.end() + SEARCH_CHARS]
     m = _EPOCH.match(head)

@@ -26,6 +26,16 @@ job.progress, offline from a log's lines); no clock of its own. Per job:
   is `unknown` ("needs a person", no action), never healthy.
 - **Non-finite.** NaN/inf losses for `nonfinite_persist` reports in a row. One NaN or inf (an
   fp16 loss-scale overflow step, skipped by the scaler) is healthy.
+- **Gradient-norm blow-up.** The grad norm of a report at least `grad_rise` (10x, an order of
+  magnitude) above the median of the earlier ones (`min_baseline` of them at least) opens a blow-up;
+  it is over when the grad norm is back within `grad_recover` (2x) of that median. Magnitude alone
+  decides nothing: BLOOM's grad norm went from 0.24 to 960 and came back in ~30 iterations (a healthy
+  spike). A blow-up still open after `recover_within` reports is a divergence; one still open when
+  the log ends (`finish`), `settle_reports` reports or more after it began, is a divergence when the
+  loss also stands `min_rel_rise` above the lowest loss seen (crystal-text-llm issue 6: grad norm
+  0.27 -> 14-23 with the loss leaving its low of 0.48 for 0.8-1.0, on its way to ~6), else
+  `unknown` ("needs a person"): gradients far above their level with a loss that has not moved yet.
+  A loss spike still open at the end decides alone (its verdict knows whether the loss is coming back).
 - **Missing loss.** The loss was printed, then `missing_after` training reports of the same
   shape advance the step without it. Megatron leaves the loss out of the line when every
   iteration of the interval was skipped (non-finite gradients), so this is a numerical fault.
@@ -56,6 +66,16 @@ MEANING_UNRESOLVED = (
     "the training loss jumped far above its earlier level and had not come back when the log ended, "
     "with too few reports after the jump to tell a recovering spike from a divergence: needs a person"
 )
+MEANING_GRAD_BLOWUP = (
+    "the gradient norm rose an order of magnitude above its earlier level and had not come back when "
+    "the log ended, while the loss climbed off its best level: the run is diverging"
+)
+MEANING_GRAD_UNRESOLVED = (
+    "the gradient norm rose an order of magnitude above its earlier level and had not come back when "
+    "the log ended, the loss not (yet) higher: needs a person"
+)
+# Findings that say "the numbers look wrong" without a verdict: unknown, weaker than any error line.
+UNRESOLVED_KINDS = frozenset({"loss_spike_unresolved", "grad_norm_unresolved"})
 MEANING_MISSING = (
     "training steps go on but the loss is no longer printed: frameworks omit it when every step is "
     "skipped for non-finite gradients"
@@ -82,6 +102,11 @@ class DivergenceSettings:
     # Reports after the jump needed to judge a spike still open when the log ends as on its way down: as
     # many as the baseline needs (min_baseline), the fewest whose median tolerates one stray value.
     settle_reports: int = 3
+    # A grad norm this many times the median of the earlier ones opens a blow-up (an order of magnitude:
+    # healthy noise of a steady run is well inside it, e.g. 0.23-0.36 in epfLLM/Megatron-LLM issue 11);
+    # back within grad_recover times that median closes it (BLOOM's spike: 960 -> 0.27 against 0.24).
+    grad_rise: float = 10.0
+    grad_recover: float = 2.0
 
     def __post_init__(self) -> None:
         if self.window < 2 or self.min_baseline < 2 or self.min_baseline > self.window:
@@ -90,6 +115,8 @@ class DivergenceSettings:
             raise ValueError("DivergenceSettings: recover_within, nonfinite_persist, missing_after must be >= 1")
         if self.settle_reports < 1:
             raise ValueError("DivergenceSettings: settle_reports must be >= 1")
+        if not 1 < self.grad_recover < self.grad_rise:
+            raise ValueError("DivergenceSettings: need 1 < grad_recover < grad_rise")
         if min(self.spike_mads, self.min_rel_rise, self.recover_rel, self.drift_rel_rise, self.jump_rel) <= 0:
             raise ValueError("DivergenceSettings: spike_mads, min_rel_rise, recover_rel, drift_rel_rise must be > 0")
 
@@ -119,6 +146,10 @@ class _LossJob:
     loss_shapes: set[tuple[str, bool]] = field(default_factory=set)
     missing: int = 0
     missing_since: ProgressSample | None = None
+    best_loss: float | None = None  # the lowest finite loss seen
+    grad_base: deque[float] = field(default_factory=deque)  # grad norms outside any blow-up
+    grad_blowup: _Spike | None = None
+    last_grad: ProgressSample | None = None  # the last sample with a finite grad norm
     last_step: int | None = None
     last_loss: ProgressSample | None = None  # the last sample with a finite loss
     fired: set[str] = field(default_factory=set)
@@ -143,7 +174,9 @@ class DivergenceDetector:
         job = self._jobs.get(batch.job_id)
         if job is None:
             w = self.settings.window
-            job = self._jobs[batch.job_id] = _LossJob(batch.job_id, baseline=deque(maxlen=w), recent=deque(maxlen=w))
+            job = self._jobs[batch.job_id] = _LossJob(
+                batch.job_id, baseline=deque(maxlen=w), recent=deque(maxlen=w), grad_base=deque(maxlen=w)
+            )
         job.partition = batch.partition or job.partition
         job.nodes = tuple(batch.job_nodes) or job.nodes
         out: list[Anomaly] = []
@@ -161,7 +194,12 @@ class DivergenceDetector:
         `finish_min_reports` reports. One coming down after `settle_reports` reports stays healthy;
         one with fewer reports after the jump is unresolved (`unknown`)."""
         job = self._jobs.get(job_id)
-        if job is None or job.spike is None or job.last_loss is None or job.last_loss.loss is None:
+        if job is None:
+            return []
+        return self._finish_loss(job) + self._finish_grad(job)
+
+    def _finish_loss(self, job: _LossJob) -> list[Anomaly]:
+        if job.spike is None or job.last_loss is None or job.last_loss.loss is None:
             return []
         spike, cfg = job.spike, self.settings
         last = job.last_loss.loss
@@ -176,6 +214,66 @@ class DivergenceDetector:
         )
         found = self._fire(job, "loss_divergence", None, job.last_loss, line, MEANING_DIVERGED, spike)
         return [found] if found is not None else []
+
+    def _finish_grad(self, job: _LossJob) -> list[Anomaly]:
+        blowup, last, cfg = job.grad_blowup, job.last_grad, self.settings
+        # A loss spike still open has its own verdict (at its peak, coming down, unresolved), which knows
+        # whether the run is coming back; the grad norm rising with it adds nothing (BLOOM's spike cut at
+        # 31222: grad norm 650, loss 5.1 -> 2.8 and falling).
+        if (
+            job.spike is not None
+            or blowup is None
+            or last is None
+            or last.grad_norm is None
+            or blowup.reports < cfg.settle_reports
+        ):
+            return []
+        loss = job.last_loss.loss if job.last_loss is not None else None
+        climbing = (
+            loss is not None
+            and job.best_loss is not None
+            and loss >= job.best_loss + cfg.min_rel_rise * abs(job.best_loss)
+        )
+        line = (
+            f"grad norm {last.grad_norm:.4g} at {self._at(last)} when the log ends, "
+            f"{last.grad_norm / blowup.baseline:.0f}x its earlier median {blowup.baseline:.4g}, {blowup.reports} "
+            f"report(s) after it rose at {self._at_spike(blowup)} (peak {blowup.peak:.4g}; threshold {cfg.grad_rise:g}x)"
+        )
+        if climbing:
+            assert loss is not None and job.best_loss is not None
+            line += f"; loss {loss:.4g}, {(loss / job.best_loss - 1) * 100:.0f}% above its best {job.best_loss:.4g}"
+            found = self._fire(job, "grad_norm_blowup", None, last, line, MEANING_GRAD_BLOWUP, blowup)
+        else:
+            found = self._fire(job, "grad_norm_unresolved", None, last, line, MEANING_GRAD_UNRESOLVED, blowup)
+        return [found] if found is not None else []
+
+    def _grad(self, job: _LossJob, s: ProgressSample) -> Anomaly | None:
+        g, cfg = s.grad_norm, self.settings
+        if g is None or not math.isfinite(g) or g < 0:
+            return None  # a NaN grad norm of an fp16 overflow step is the loss scaler's business
+        job.last_grad = s
+        blowup = job.grad_blowup
+        if blowup is not None:
+            blowup.reports += 1
+            blowup.peak = max(blowup.peak, g)
+            if g <= cfg.grad_recover * blowup.baseline:
+                job.grad_blowup = None
+                job.grad_base.append(g)
+            elif blowup.reports >= cfg.recover_within and job.spike is None:  # an open loss spike decides alone
+                line = (
+                    f"grad norm {g:.4g} at {self._at(s)} still {g / blowup.baseline:.0f}x its earlier median "
+                    f"{blowup.baseline:.4g} {blowup.reports} reports after it rose at {self._at_spike(blowup)} "
+                    f"(recovery allowed within {cfg.recover_within} reports)"
+                )
+                return self._fire(job, "grad_norm_blowup", None, s, line, MEANING_GRAD_BLOWUP, blowup)
+            return None
+        if len(job.grad_base) >= cfg.min_baseline:
+            median = statistics.median(job.grad_base)
+            if median > 0 and g >= cfg.grad_rise * median:
+                job.grad_blowup = _Spike(s.step, s.ts, median, g)
+                return None
+        job.grad_base.append(g)
+        return None
 
     def _unresolved(self, job: _LossJob, spike: _Spike, last: float) -> list[Anomaly]:
         assert job.last_loss is not None
@@ -201,8 +299,9 @@ class DivergenceDetector:
             if job.last_step is not None and s.step <= job.last_step:
                 return None  # another rank's copy, or a replay after a restart
             job.last_step = s.step
+        grad = self._grad(job, s)
         if s.loss is None:
-            return self._no_loss(job, s)
+            return self._no_loss(job, s) or grad
         job.missing, job.missing_since = 0, None
         job.loss_shapes.add(_shape(s))
         if not math.isfinite(s.loss):
@@ -218,7 +317,8 @@ class DivergenceDetector:
                 return self._fire(job, "loss_nonfinite", first, s, line, MEANING_NONFINITE)
             return None
         job.nonfinite, job.nonfinite_since = 0, None
-        return self._finite(job, s, s.loss)
+        job.best_loss = s.loss if job.best_loss is None else min(job.best_loss, s.loss)
+        return self._finite(job, s, s.loss) or grad
 
     def _no_loss(self, job: _LossJob, s: ProgressSample) -> Anomaly | None:
         if _shape(s) not in job.loss_shapes or s.step is None:
@@ -337,8 +437,8 @@ class DivergenceDetector:
             detector=self.name,
             signature=kind,
             # An unresolved spike is no finding of a fault: unknown, and weaker than any error line beside it.
-            category="unknown" if kind == "loss_spike_unresolved" else "numerical",
-            severity="warning" if kind == "loss_spike_unresolved" else "error",
+            category="unknown" if kind in UNRESOLVED_KINDS else "numerical",
+            severity="warning" if kind in UNRESOLVED_KINDS else "error",
             role="root",
             isolate=False,
             source="job_log",

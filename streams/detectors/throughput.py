@@ -21,6 +21,13 @@ a level shift - the last `notice_min_reports` or more reports each slower than e
 them, by `notice_rel` at the median and by `drop_mads` robust sigmas of the earlier ones - is a
 finding of its own, `throughput_drop_small`: `unknown` unless the evidence beside it says why.
 
+**A decline step after step** (`finish` only, `throughput_decline`): the last `decline_min_reports`
+(3) or more reports, each at least `drop_rel` slower than the one before it (two such drops compound to
+36% or more), counting the warm-up reports too - warm-up is slower than what follows, so it can end such
+a chain but never make one. A checkpoint or evaluation dip is one slow report; a step time that keeps
+growing (epfLLM/Megatron-LLM issue 22: 84.6 s, 142.5 s, 202.4 s per iteration, a host memory leak) is
+a finding however short the excerpt: `unknown` unless the evidence beside it says why.
+
 What a slowdown means depends on the evidence beside it (`classify_slowdown`): a throttled or
 slow GPU or node named in the logs makes it gpu_hardware, data-loader or I/O waits make it
 storage, and with neither it is `unknown` - it needs a person; no action is taken on it. The
@@ -49,6 +56,11 @@ MEANING_SLOW = (
     "slowed the job; the evidence beside it says what"
 )
 
+MEANING_DECLINE = (
+    "training speed fell report after report to the end of the log, each report much slower than the one "
+    "before (a step time that keeps growing: a leak, a degrading node or file system); needs a person"
+)
+
 MEANING_SMALL = (
     "training speed dropped by a few percent and stayed down to the end of the log: too small to say which "
     "fault, too persistent to call healthy (a slow GPU or node costs this much); needs a person"
@@ -72,6 +84,9 @@ class ThroughputSettings:
     # person's look, not a verdict.
     notice_rel: float = 0.03
     notice_min_reports: int = 2
+    # A chain this long of reports each drop_rel slower than the one before (module docstring): three
+    # reports, two drops, the fewest that show a trend rather than one dip.
+    decline_min_reports: int = 3
 
     def __post_init__(self) -> None:
         if self.window < 2 or not 2 <= self.min_baseline <= self.window:
@@ -80,6 +95,8 @@ class ThroughputSettings:
             raise ValueError(
                 "ThroughputSettings: warmup must be >= 0, persist and finish_min_reports >= 2 (one slow report is a dip)"
             )
+        if self.decline_min_reports < 3:
+            raise ValueError("ThroughputSettings: decline_min_reports must be >= 3 (two drops in a row)")
         if not 0 < self.notice_rel <= self.drop_rel or self.notice_min_reports < 2:
             raise ValueError("ThroughputSettings: need 0 < notice_rel <= drop_rel and notice_min_reports >= 2")
         if not 0 < self.drop_rel < 1 or self.drop_mads < 0:
@@ -178,6 +195,7 @@ class _SpeedJob:
     slow: list[tuple[ProgressSample, float]] = field(default_factory=list)
     # Every report after warmup (the last `window`), for the level shift at the end of the log.
     series: deque[tuple[ProgressSample, float]] = field(default_factory=deque)
+    warm: list[tuple[ProgressSample, float]] = field(default_factory=list)  # the warm-up reports
     last_step: int | None = None
     fired: bool = False
 
@@ -225,12 +243,26 @@ class ThroughputDetector:
             job.fired = True
             return [self._anomaly(job, statistics.median(job.baseline))]
         shift = self._level_shift(job)
-        if shift is None:
+        if shift is not None:
+            job.fired = True
+            before, after = shift
+            job.slow = after
+            return [self._anomaly(job, before, small=True)]
+        chain = self._decline(job)
+        if chain is None:
             return []
         job.fired = True
-        before, after = shift
-        job.slow = after
-        return [self._anomaly(job, before, small=True)]
+        job.slow = chain[1:]
+        return [self._anomaly(job, chain[0][1], decline=True)]
+
+    def _decline(self, job: _SpeedJob) -> list[tuple[ProgressSample, float]] | None:
+        """The longest tail of the series (warm-up included) in which each report is `drop_rel` or more
+        slower than the one before, if it has `decline_min_reports` reports or more."""
+        series = job.warm + list(job.series)
+        n = 1
+        while n < len(series) and series[-n - 1][1] * (1 - self.settings.drop_rel) >= series[-n][1]:
+            n += 1
+        return series[-n:] if n >= self.settings.decline_min_reports else None
 
     def _level_shift(self, job: _SpeedJob) -> tuple[float, list[tuple[ProgressSample, float]]] | None:
         """(median speed before, the reports after) of the longest tail of the series that is a drop
@@ -267,6 +299,7 @@ class ThroughputDetector:
         job.unit, speed = got
         job.seen += 1
         if job.seen <= cfg.warmup:
+            job.warm.append((s, speed))
             return None
         job.series.append((s, speed))
         if len(job.baseline) < cfg.min_baseline:
@@ -285,27 +318,34 @@ class ThroughputDetector:
         job.baseline.append(speed)
         return None
 
-    def _anomaly(self, job: _SpeedJob, median: float, small: bool = False) -> Anomaly:
+    def _anomaly(self, job: _SpeedJob, median: float, small: bool = False, decline: bool = False) -> Anomaly:
         first, last = job.slow[0][0], job.slow[-1][0]
         now = statistics.median(v for _, v in job.slow)
         unit = "tokens/s" if job.unit == "tokens_per_s" else "steps/s"
         where = f"step {first.step}" if first.step is not None else f"t={first.ts:.3f}"
-        line = (
-            f"throughput {now:.4g} {unit} over {len(job.slow)} reports since {where}, "
-            f"{(1 - now / median) * 100:.0f}% below the baseline {median:.4g} {unit} "
-            + (
-                f"to the end of the log, each slower than every report before (noticed from "
-                f"{self.settings.notice_rel * 100:.0f}%; a slowdown needs {self.settings.drop_rel * 100:.0f}% for "
-                f"{self.settings.persist} reports)"
-                if small
-                else f"(threshold {self.settings.drop_rel * 100:.0f}% for {self.settings.persist} reports)"
+        if decline:
+            speeds = ", ".join(f"{v:.4g}" for _, v in job.slow)
+            line = (
+                f"throughput fell from {median:.4g} {unit} to {speeds} {unit} report after report since {where}, "
+                f"each {self.settings.drop_rel * 100:.0f}% or more below the one before, to the end of the log"
             )
-        )
+        else:
+            line = (
+                f"throughput {now:.4g} {unit} over {len(job.slow)} reports since {where}, "
+                f"{(1 - now / median) * 100:.0f}% below the baseline {median:.4g} {unit} "
+                + (
+                    f"to the end of the log, each slower than every report before (noticed from "
+                    f"{self.settings.notice_rel * 100:.0f}%; a slowdown needs {self.settings.drop_rel * 100:.0f}% for "
+                    f"{self.settings.persist} reports)"
+                    if small
+                    else f"(threshold {self.settings.drop_rel * 100:.0f}% for {self.settings.persist} reports)"
+                )
+            )
         return Anomaly(
             event_id=stable_id("anm", self.name, job.job_id, first.step if first.step is not None else first.ts),
             event_time=last.ts,
             detector=self.name,
-            signature="throughput_drop_small" if small else "throughput_drop",
+            signature="throughput_decline" if decline else ("throughput_drop_small" if small else "throughput_drop"),
             category="unknown",
             severity="warning",
             role="root",
@@ -318,7 +358,7 @@ class ThroughputDetector:
             partition=job.partition,
             job_nodes=list(job.nodes),
             line=line[:4096],
-            meaning=MEANING_SMALL if small else MEANING_SLOW,
+            meaning=MEANING_DECLINE if decline else (MEANING_SMALL if small else MEANING_SLOW),
         )
 
 

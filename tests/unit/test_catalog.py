@@ -272,6 +272,13 @@ REAL_LINES: dict[str, list[str]] = {
         # https://github.com/hiyouga/LlamaFactory/issues/315
         "Exception: Current loss scale already at minimum - cannot decrease scale anymore. Exiting run.",
     ],
+    "fp16_loss_scale_near_floor": [
+        # https://github.com/ymcui/Chinese-LLaMA-Alpaca/issues/534
+        "[2023-06-07 22:24:46,260] [INFO] [loss_scaler.py:181:update_scale] [deepspeed] OVERFLOW! Rank 0 Skipping "
+        "step. Attempted loss scale: 4, reducing to 2",
+        # https://github.com/deepspeedai/DeepSpeed/pull/1593
+        "[deepscale] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 1, reducing to 1",
+    ],
     "storage_no_space": [
         # https://github.com/databrickslabs/dolly/issues/139
         "2023-04-29 06:01:12.977 [177/train/578 (pid 28936)] [09c561ee-a44c-4795-967c-7183a83b3160] OSError: "
@@ -330,6 +337,12 @@ NOISE_LINES: list[str] = [
     # https://github.com/deepspeedai/DeepSpeed/issues/931
     "[2023-04-28 06:51:30,648] [INFO] [loss_scaler.py:181:update_scale] [deepspeed] OVERFLOW! Rank 0 Skipping step. "
     "Attempted loss scale: 65536, reducing to 32768",
+    # https://github.com/deepspeedai/DeepSpeed/issues/386 (start of training: halvings far above the floor;
+    # 16777216.0 and 2147483648.0 begin with a 1 and a 2, which must not read as a scale of 1 or 2)
+    "[2020-09-09 01:52:33,739] [INFO] [stage2.py:1132:step] [deepscale] OVERFLOW! Rank 0 Skipping step. Attempted "
+    "loss scale: 33554432.0, reducing to 16777216.0",
+    "[2020-09-09 01:52:29,086] [INFO] [stage2.py:1132:step] [deepscale] OVERFLOW! Rank 0 Skipping step. Attempted "
+    "loss scale: 4294967296, reducing to 2147483648.0",
     # https://github.com/ZettaAI/zetta_utils/issues/671 (a time limit, not a fault; "..." is the reporter's)
     "slurmstepd: error: *** JOB 494583 ON ... CANCELLED AT 2024-04-20T09:09:37 DUE TO TIME LIMIT ***",
     # https://github.com/hafs-community/HAFS/issues/101 (step teardown; the cause is a separate line)

@@ -259,3 +259,49 @@ def test_pips_resolver_notice_at_the_start_of_a_run_is_noise(tmp_path: Path) -> 
     report = diagnose(tmp_path, notice, *PROGRESS)
     assert (report["category"], report["action"]) == ("healthy", "none"), report["explanation"]
     assert "1 known noise" in str(report["explanation"])
+
+
+# --- a hang at exit: done, then silence until the time limit (Megatron-Bridge issue 1656) ---------
+
+EXIT_HANG = DEV / "hang_megatron_bridge_exit_hang_time_limit"
+DONE = "[after training is done] datetime: 2025-12-03 14:45:03"
+LIMIT = "slurmstepd: error: *** STEP 4226796.2 ON gpu01 CANCELLED AT {} DUE TO TIME LIMIT ***"
+
+
+def test_done_then_silence_until_the_time_limit_is_a_hang() -> None:
+    report = diagnose_paths([EXIT_HANG / "job.out"])
+    assert (report["category"], report["action"]) == ("hang", "requeue")
+    lines = [e["line"] for e in report["evidence"]]  # type: ignore[attr-defined]
+    assert any("then nothing for 479 s until the time limit" in line for line in lines), lines
+
+
+def test_done_then_the_time_limit_within_the_hang_floor_is_healthy(tmp_path: Path) -> None:
+    # The same lines with the cancel 20 s after the completion line: an exit the limit overtook.
+    report = diagnose(tmp_path, *PROGRESS, DONE, LIMIT.format("2025-12-03T14:45:23"))
+    assert (report["category"], report["action"]) == ("healthy", "none")
+
+
+def test_a_final_save_cut_by_the_time_limit_is_no_exit_hang(tmp_path: Path) -> None:
+    # Megatron saves after "after training is done": a save at work when the limit comes is no hang.
+    save = "saving checkpoint at iteration      50 to /ckpt"
+    report = diagnose(tmp_path, *PROGRESS, DONE, save, LIMIT.format("2025-12-03T14:53:02"))
+    assert (report["category"], report["action"]) == ("healthy", "none")
+
+
+def test_the_time_limit_with_no_completion_line_stays_healthy(tmp_path: Path) -> None:
+    report = diagnose(tmp_path, *PROGRESS, LIMIT.format("2025-12-03T14:53:02"))
+    assert (report["category"], report["action"]) == ("healthy", "none")
+
+
+# --- fp16 loss scale near its floor ----------------------------------------------------------------
+
+
+def test_loss_scale_halved_down_to_its_floor_mid_run_is_numerical() -> None:
+    report = diagnose_paths([DEV / "num_deepspeed_overflow_streak_scale_collapse" / "job.out"])
+    assert (report["category"], report["action"]) == ("numerical", "stop")
+
+
+def test_loss_scale_halvings_at_the_start_of_a_run_are_healthy() -> None:
+    for case in ("healthy_deepspeed_overflow_hysteresis_start", "healthy_deepspeed_stage2_overflow_from_2pow32"):
+        report = diagnose_paths([DEV / case / "job.out"])
+        assert (report["category"], report["action"]) == ("healthy", "none"), case

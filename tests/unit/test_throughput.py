@@ -189,8 +189,32 @@ def test_a_transient_dip_at_the_end_or_in_the_middle_is_no_finding() -> None:
         {"warmup": -1},
         {"notice_rel": 0.3},
         {"notice_min_reports": 1},
+        {"decline_min_reports": 2},
     ],
 )
 def test_bad_settings_are_refused(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError, match="ThroughputSettings"):
         ThroughputSettings(**kwargs)  # type: ignore[arg-type]
+
+
+# --- a decline report after report (epfLLM/Megatron-LLM issue 22) -------------------------------------
+
+
+def test_a_step_time_that_keeps_growing_is_unknown_not_healthy() -> None:
+    found = parsed(DEV / "unknown_megatron_llm_iteration_time_grows" / "job.out")
+    assert [s.step_time_s for s in found] == [84.6062, 142.4741, 202.4386]
+    (a,) = finished(found)
+    assert (a.signature, a.category, a.severity) == ("throughput_decline", "unknown", "warning")
+    assert "report after report since step 15" in a.line
+    # The chain needs its warm-up report: two reports are one drop, a dip.
+    assert finished(found[1:]) == []
+
+
+def test_a_slow_report_that_recovers_or_a_warmup_that_speeds_up_is_no_decline() -> None:
+    # The growing step times of issue 22 with a recovered fourth report: no longer a decline to the end.
+    found = parsed(DEV / "unknown_megatron_llm_iteration_time_grows" / "job.out")
+    recovered = [*found, found[0].model_copy(update={"step": 25, "ts": found[-1].ts + 1})]
+    assert finished(recovered) == []
+    # The same step times in reverse order: a run speeding up after its warm-up.
+    faster = [s.model_copy(update={"step": 10 + 5 * i, "ts": 1000.0 + i}) for i, s in enumerate(reversed(found))]
+    assert finished(faster) == []

@@ -144,6 +144,14 @@ def test_lines_without_a_wall_clock(line: str) -> None:
     assert parse_stamp(line) is None
 
 
+def test_megatron_print_datetime_is_read_past_its_label() -> None:
+    # tests/fixtures/corpus/dev/hang_megatron_bridge_exit_hang_time_limit: the stamp starts at character 35,
+    # after a label of any length; the same stamp further into an ordinary line is not read.
+    stamp = parse_stamp("[after training is done] datetime: 2025-12-03 14:45:03")
+    assert stamp == Stamp(month=12, day=3, hour=14, minute=45, second=3.0, year=2025)
+    assert parse_stamp("x " * 15 + "] datetime: 2025-12-03 14:45:03") is None
+
+
 def test_a_stamp_past_the_search_window_is_not_read() -> None:
     # SEARCH_CHARS (48): a stamp must end within the first 48 characters.
     assert parse_stamp("x " * 15 + "2023-03-06 03:17:51 INFO x") is None

@@ -72,7 +72,7 @@ from schemas.vocab import SEVERITY_RANK
 from streams.attribution import Attributor
 from streams.catalog import Signature
 from streams.causal import tier
-from streams.detectors.divergence import DivergenceDetector, DivergenceSettings
+from streams.detectors.divergence import UNRESOLVED_KINDS, DivergenceDetector, DivergenceSettings
 from streams.detectors.error_lines import ErrorLine, ErrorLineReader
 from streams.detectors.hang import MEANING_DUMP, HangDetector, parked_threads
 from streams.detectors.kernel_text import KernelTextDetector
@@ -115,6 +115,12 @@ class OfflineSettings:
         r"\[exiting program (?:after|at)\b|"
         r"Exited with exit code 0\b|\bexit(?:ed)? (?:code|status)[: ]+0\b"
     )
+    # A completion line, then silence until the scheduler's time limit ends the job: it finished its work
+    # and did not exit (Megatron-Bridge issue 1656: "[after training is done]", then 8 min of nothing,
+    # then "CANCELLED ... DUE TO TIME LIMIT"). The silence must exceed the hang detector's floor (30 s,
+    # HangDetector floor_s), and what lies between must be no save or evaluation still at work.
+    exit_hang_min_s: float = 30.0
+    exit_hang_busy: str = r"(?i)\b(?:sav(?:e|ed|ing)|checkpoint|eval(?:uat\w*)?|validat\w*|test(?:ing)?)\b"
     # Progress that stops well before the end of the log, with no completion line and no decision after it:
     # this many lines after the last progress report that nothing explains make the verdict unknown, not
     # healthy (a run does not stop reporting and go on printing something else for no reason).
@@ -473,6 +479,61 @@ def _dump_hang(progress: Sequence[_Progress], files: Sequence[list[_Line]], job:
     return []
 
 
+MEANING_EXIT_HANG = (
+    "the job printed that training was done, then nothing until the scheduler's time limit ended it: "
+    "it finished its work but did not exit (a hang at shutdown: a collective, a profiler or a writer "
+    "thread that never returns)"
+)
+_TIME_LIMIT = "slurm_cancelled_time_limit"
+
+
+def _exit_hang(
+    files: Sequence[list[_Line]], job: Sequence[bool], reading: _ErrorReading, settings: OfflineSettings
+) -> list[Anomaly]:
+    """A time-limit stop that follows a completion line of the same job log after a silence longer than
+    `exit_hang_min_s`, with no save or evaluation line between them: the job hung on its way out."""
+    if reading.decision is None or reading.decision[1].entry != _TIME_LIMIT:
+        return []
+    stop = reading.decision[0]
+    where = next((f for f, lines in enumerate(files) if job[f] and any(ln is stop for ln in lines)), None)
+    if where is None or not stop.stamped:
+        return []
+    completion, busy = re.compile(settings.completion), re.compile(settings.exit_hang_busy)
+    before = [ln for ln in files[where] if ln.lineno < stop.lineno]
+    done = next((ln for ln in reversed(before) if completion.search(ln.text)), None)
+    if done is None or not done.stamped:
+        return []
+    between = [ln for ln in before if ln.lineno > done.lineno]
+    if any(busy.search(ln.text) for ln in between):
+        return []
+    last_sign = max([done.ts] + [ln.ts for ln in between if ln.stamped])
+    silence = stop.ts - last_sign
+    if silence < settings.exit_hang_min_s:
+        return []
+    line = (
+        f"{done.text.strip()[:200]!r}, then nothing for {silence:.0f} s until the time limit: "
+        f"{stop.text.strip()[:200]!r}"
+    )
+    return [
+        Anomaly(
+            event_id=stable_id("anm", "hang_exit", OFFLINE_JOB, where, done.lineno),
+            event_time=done.ts,
+            detector="hang",
+            signature="hang_after_completion",
+            category="hang",
+            severity="error",
+            role="root",
+            isolate=False,
+            source="job_log",
+            job_id=OFFLINE_JOB,
+            node=done.node,
+            rank=done.rank,
+            line=line[:4096],
+            meaning=MEANING_EXIT_HANG,
+        )
+    ]
+
+
 def _progress_anomalies(
     files: Sequence[list[_Line]], job: Sequence[bool], settings: OfflineSettings
 ) -> tuple[list[Anomaly], list[_Progress]]:
@@ -665,7 +726,7 @@ def _healthy_explanation(
 
 
 # Findings of the progress detectors that need a person: the numbers are wrong, with no known cause.
-_NUMBERS_ONLY = frozenset({"throughput_drop", "throughput_drop_small", "loss_spike_unresolved"})
+_NUMBERS_ONLY = frozenset({"throughput_drop", "throughput_drop_small", "throughput_decline"}) | UNRESOLVED_KINDS
 
 
 def _unknown_crash(ln: _Line) -> Anomaly:
@@ -738,6 +799,7 @@ def diagnose_paths(
     n_progress = len(progress)
     anomalies += progress_found
     reading = _read_error_lines(files, anomalies)
+    anomalies += _exit_hang(files, job, reading, cfg)
     stop = reading.decision_ts
     if stop is not None:
         # What follows an operator's or scheduler's stop is its consequence: the ranks' timeouts, exit
