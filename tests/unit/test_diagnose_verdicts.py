@@ -302,6 +302,6 @@ def test_loss_scale_halved_down_to_its_floor_mid_run_is_numerical() -> None:
 
 
 def test_loss_scale_halvings_at_the_start_of_a_run_are_healthy() -> None:
-    for case in ("healthy_deepspeed_overflow_hysteresis_start", "healthy_deepspeed_stage2_overflow_from_2pow32"):
+    for case in ("healthy_t5_11b_deepspeed_overflow_start", "healthy_deepspeed_stage2_overflow_from_2pow32"):
         report = diagnose_paths([DEV / case / "job.out"])
         assert (report["category"], report["action"]) == ("healthy", "none"), case
