@@ -337,12 +337,6 @@ NOISE_LINES: list[str] = [
     # https://github.com/deepspeedai/DeepSpeed/issues/931
     "[2023-04-28 06:51:30,648] [INFO] [loss_scaler.py:181:update_scale] [deepspeed] OVERFLOW! Rank 0 Skipping step. "
     "Attempted loss scale: 65536, reducing to 32768",
-    # https://github.com/deepspeedai/DeepSpeed/issues/386 (start of training: halvings far above the floor;
-    # 16777216.0 and 2147483648.0 begin with a 1 and a 2, which must not read as a scale of 1 or 2)
-    "[2020-09-09 01:52:33,739] [INFO] [stage2.py:1132:step] [deepscale] OVERFLOW! Rank 0 Skipping step. Attempted "
-    "loss scale: 33554432.0, reducing to 16777216.0",
-    "[2020-09-09 01:52:29,086] [INFO] [stage2.py:1132:step] [deepscale] OVERFLOW! Rank 0 Skipping step. Attempted "
-    "loss scale: 4294967296, reducing to 2147483648.0",
     # https://github.com/ZettaAI/zetta_utils/issues/671 (a time limit, not a fault; "..." is the reporter's)
     "slurmstepd: error: *** JOB 494583 ON ... CANCELLED AT 2024-04-20T09:09:37 DUE TO TIME LIMIT ***",
     # https://github.com/hafs-community/HAFS/issues/101 (step teardown; the cause is a separate line)
@@ -364,6 +358,13 @@ NOISE_LINES: list[str] = [
     "(APIServer pid=1) Retrying in 8s [Retry 4/5].",
     # https://github.com/NVIDIA/nccl/issues/766
     "gpu01:1379562:1379562 [0] misc/ibvwrap.cc:63 NCCL WARN Failed to open libibverbs.so[.1]",
+    # At the end, so the ids of the lines above stay as tests/ids-before.txt has them.
+    # https://github.com/deepspeedai/DeepSpeed/issues/386 (start of training: halvings far above the floor;
+    # 16777216.0 and 2147483648.0 begin with a 1 and a 2, which must not read as a scale of 1 or 2)
+    "[2020-09-09 01:52:33,739] [INFO] [stage2.py:1132:step] [deepscale] OVERFLOW! Rank 0 Skipping step. Attempted "
+    "loss scale: 33554432.0, reducing to 16777216.0",
+    "[2020-09-09 01:52:29,086] [INFO] [stage2.py:1132:step] [deepscale] OVERFLOW! Rank 0 Skipping step. Attempted "
+    "loss scale: 4294967296, reducing to 2147483648.0",
 ]
 
 
